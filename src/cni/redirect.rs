@@ -1,0 +1,527 @@
+//! In-pod redirection rules (DESIGN §3.4): render them as `iptables-restore`
+//! text identical to Istio CNI's, apply them inside a pod netns atomically and
+//! idempotently, and remove them cleanly.
+//!
+//! Rendering is pure ([`RedirectRules::render`]); the shell around it runs
+//! `iptables-save`/`iptables-restore` and `ip` inside the netns. A first apply
+//! uses the exact Istio text; an apply over existing `ISTIO_*` chains uses one
+//! restore that flushes and refills them (and replaces the jumps), so the
+//! result is the same however often it runs and no packet sees a half state.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+use crate::constants::{
+    CONNMARK, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MARK_MASK, OUTBOUND_PORT,
+    PROBE_SNAT_V4, PROBE_SNAT_V6, PROXY_MARK, ROUTE_TABLE, RULE_PRIORITY,
+};
+use crate::netns::Netns;
+
+/// IP family of a rule set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn restore(self) -> &'static str {
+        match self {
+            Family::V4 => "iptables-restore",
+            Family::V6 => "ip6tables-restore",
+        }
+    }
+    fn save(self) -> &'static str {
+        match self {
+            Family::V4 => "iptables-save",
+            Family::V6 => "ip6tables-save",
+        }
+    }
+    fn localhost(self) -> &'static str {
+        match self {
+            Family::V4 => "127.0.0.1/32",
+            Family::V6 => "::1/128",
+        }
+    }
+    fn probe_src(self) -> &'static str {
+        match self {
+            Family::V4 => PROBE_SNAT_V4,
+            Family::V6 => PROBE_SNAT_V6,
+        }
+    }
+    fn any(self) -> &'static str {
+        match self {
+            Family::V4 => "0.0.0.0/0",
+            Family::V6 => "::/0",
+        }
+    }
+    fn ip_flag(self) -> &'static str {
+        match self {
+            Family::V4 => "-4",
+            Family::V6 => "-6",
+        }
+    }
+}
+
+/// Per-pod switches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedirectOptions {
+    /// Send the pod's DNS (UDP and TCP port 53) to the proxy's 15053.
+    pub dns_capture: bool,
+    /// Leave inbound traffic alone (no 15006 redirect, no probe accept).
+    pub bypass_inbound: bool,
+    /// Also program ip6tables and the IPv6 route.
+    pub ipv6: bool,
+}
+
+impl Default for RedirectOptions {
+    fn default() -> Self {
+        RedirectOptions {
+            dns_capture: true,
+            bypass_inbound: false,
+            ipv6: true,
+        }
+    }
+}
+
+/// One table's part of the rule set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Table {
+    name: &'static str,
+    /// User chains, in declaration order.
+    chains: Vec<&'static str>,
+    /// (built-in chain, our chain) jumps, in order.
+    jumps: Vec<(&'static str, &'static str)>,
+    rules: Vec<String>,
+}
+
+/// Errors applying or removing rules; each names the netns and the step.
+#[derive(Debug, thiserror::Error)]
+pub enum RedirectError {
+    #[error("netns {netns}: {step}: {reason}")]
+    Step {
+        netns: String,
+        step: String,
+        reason: String,
+    },
+}
+
+/// The rule set of one pod.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RedirectRules {
+    pub opts: RedirectOptions,
+}
+
+/// Our chains and jumps found in an `iptables-save` dump, per table.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Present {
+    tables: BTreeMap<String, PresentTable>,
+}
+
+#[derive(Debug, Default, PartialEq, Eq)]
+struct PresentTable {
+    chains: Vec<String>,
+    jumps: Vec<(String, String)>,
+}
+
+impl Present {
+    /// Parses `iptables-save` output, keeping only `ISTIO_*` chains and jumps to them.
+    pub fn parse(save: &str) -> Self {
+        let mut p = Present::default();
+        let mut table: Option<&mut PresentTable> = None;
+        for line in save.lines() {
+            if let Some(name) = line.strip_prefix('*') {
+                table = Some(p.tables.entry(name.trim().to_string()).or_default());
+                continue;
+            }
+            let Some(t) = table.as_deref_mut() else {
+                continue;
+            };
+            if let Some(decl) = line.strip_prefix(':') {
+                let chain = decl.split_whitespace().next().unwrap_or_default();
+                if chain.starts_with("ISTIO_") {
+                    t.chains.push(chain.to_string());
+                }
+            } else if let Some(rule) = line.strip_prefix("-A ") {
+                let words: Vec<&str> = rule.split_whitespace().collect();
+                if let [from, "-j", to] = words.as_slice() {
+                    if to.starts_with("ISTIO_") && !from.starts_with("ISTIO_") {
+                        t.jumps.push((from.to_string(), to.to_string()));
+                    }
+                }
+            }
+        }
+        p.tables
+            .retain(|_, t| !t.chains.is_empty() || !t.jumps.is_empty());
+        p
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tables.is_empty()
+    }
+}
+
+impl RedirectRules {
+    pub fn new(opts: RedirectOptions) -> Self {
+        RedirectRules { opts }
+    }
+
+    fn tables(&self, family: Family) -> Vec<Table> {
+        let mark = format!("0x{PROXY_MARK:x}/0x{MARK_MASK:x}");
+        let connmark = format!("0x{CONNMARK:x}/0x{MARK_MASK:x}");
+        let lo = family.localhost();
+        let probe = family.probe_src();
+        let mut out = vec![Table {
+            name: "mangle",
+            chains: vec!["ISTIO_PRERT", "ISTIO_OUTPUT"],
+            jumps: vec![("PREROUTING", "ISTIO_PRERT"), ("OUTPUT", "ISTIO_OUTPUT")],
+            rules: vec![
+                format!("-A ISTIO_PRERT -m mark --mark {mark} -j CONNMARK --set-xmark {connmark}"),
+                format!("-A ISTIO_OUTPUT -m connmark --mark {connmark} -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"),
+            ],
+        }];
+        let mut nat = Vec::new();
+        if !self.opts.bypass_inbound {
+            nat.push(format!("-A ISTIO_PRERT -s {probe} -p tcp -m tcp -j ACCEPT"));
+        }
+        nat.push(format!(
+            "-A ISTIO_OUTPUT -d {probe} -p tcp -m tcp -j ACCEPT"
+        ));
+        if !self.opts.bypass_inbound {
+            nat.push(format!(
+                "-A ISTIO_PRERT ! -d {lo} -p tcp ! --dport {HBONE_PORT} -m mark ! --mark {mark} -j REDIRECT --to-ports {INBOUND_PLAINTEXT_PORT}"
+            ));
+        }
+        if self.opts.dns_capture {
+            nat.push(format!("-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark {mark} -m udp --dport 53 -j REDIRECT --to-port {DNS_PORT}"));
+            nat.push(format!("-A ISTIO_OUTPUT ! -d {lo} -p tcp --dport 53 -m mark ! --mark {mark} -j REDIRECT --to-ports {DNS_PORT}"));
+        }
+        nat.push(format!(
+            "-A ISTIO_OUTPUT -p tcp -m mark --mark {connmark} -j ACCEPT"
+        ));
+        nat.push(format!("-A ISTIO_OUTPUT ! -d {lo} -o lo -j ACCEPT"));
+        nat.push(format!("-A ISTIO_OUTPUT ! -d {lo} -p tcp -m mark ! --mark {mark} -j REDIRECT --to-ports {OUTBOUND_PORT}"));
+        out.push(Table {
+            name: "nat",
+            chains: vec!["ISTIO_PRERT", "ISTIO_OUTPUT"],
+            jumps: vec![("OUTPUT", "ISTIO_OUTPUT"), ("PREROUTING", "ISTIO_PRERT")],
+            rules: nat,
+        });
+        if self.opts.dns_capture {
+            out.push(Table {
+                name: "raw",
+                chains: vec!["ISTIO_OUTPUT", "ISTIO_PRERT"],
+                jumps: vec![("PREROUTING", "ISTIO_PRERT"), ("OUTPUT", "ISTIO_OUTPUT")],
+                rules: vec![
+                    format!("-A ISTIO_OUTPUT -p udp -m mark --mark {mark} -m udp --dport 53 -j CT --zone 1"),
+                    format!("-A ISTIO_PRERT -p udp -m mark ! --mark {mark} -m udp --sport 53 -j CT --zone 1"),
+                ],
+            });
+        }
+        out
+    }
+
+    /// The rules as `iptables-restore --noflush` input for a clean netns (Istio's exact text).
+    pub fn render(&self, family: Family) -> String {
+        let mut s = String::new();
+        for t in self.tables(family) {
+            s.push_str(&format!("* {}\n", t.name));
+            for c in &t.chains {
+                s.push_str(&format!("-N {c}\n"));
+            }
+            for (from, to) in &t.jumps {
+                s.push_str(&format!("-A {from} -j {to}\n"));
+            }
+            for r in &t.rules {
+                s.push_str(r);
+                s.push('\n');
+            }
+            s.push_str("COMMIT\n");
+        }
+        s
+    }
+
+    /// One restore that turns whatever `present` holds into exactly our rules.
+    pub fn render_reconcile(&self, family: Family, present: &Present) -> String {
+        let wanted = self.tables(family);
+        let mut s = String::new();
+        let names: std::collections::BTreeSet<&str> = wanted
+            .iter()
+            .map(|t| t.name)
+            .chain(present.tables.keys().map(String::as_str))
+            .collect();
+        for name in names {
+            let want = wanted.iter().find(|t| t.name == name);
+            let have = present.tables.get(name);
+            s.push_str(&format!("* {name}\n"));
+            let mut chains: Vec<&str> = want.map(|t| t.chains.clone()).unwrap_or_default();
+            for c in have
+                .map(|h| h.chains.iter().map(String::as_str).collect::<Vec<_>>())
+                .unwrap_or_default()
+            {
+                if !chains.contains(&c) {
+                    chains.push(c);
+                }
+            }
+            // A chain line creates the chain, or flushes it when it exists.
+            for c in &chains {
+                s.push_str(&format!(":{c} - [0:0]\n"));
+            }
+            for (from, to) in have.map(|h| h.jumps.clone()).unwrap_or_default() {
+                s.push_str(&format!("-D {from} -j {to}\n"));
+            }
+            if let Some(t) = want {
+                for (from, to) in &t.jumps {
+                    s.push_str(&format!("-A {from} -j {to}\n"));
+                }
+                for r in &t.rules {
+                    s.push_str(r);
+                    s.push('\n');
+                }
+            }
+            for c in chains
+                .iter()
+                .filter(|c| !want.is_some_and(|t| t.chains.contains(c)))
+            {
+                s.push_str(&format!("-X {c}\n"));
+            }
+            s.push_str("COMMIT\n");
+        }
+        s
+    }
+
+    /// One restore that removes everything `present` holds.
+    pub fn render_remove(present: &Present) -> String {
+        let mut s = String::new();
+        for (name, t) in &present.tables {
+            s.push_str(&format!("* {name}\n"));
+            for (from, to) in &t.jumps {
+                s.push_str(&format!("-D {from} -j {to}\n"));
+            }
+            for c in &t.chains {
+                s.push_str(&format!("-F {c}\n"));
+            }
+            for c in &t.chains {
+                s.push_str(&format!("-X {c}\n"));
+            }
+            s.push_str("COMMIT\n");
+        }
+        s
+    }
+
+    fn families(&self) -> Vec<Family> {
+        if self.opts.ipv6 {
+            vec![Family::V4, Family::V6]
+        } else {
+            vec![Family::V4]
+        }
+    }
+
+    /// Applies the rules, the `ip rule` and the table-100 route inside `netns`.
+    /// On any failure, what this call applied is removed again.
+    pub fn apply(&self, netns: &Netns) -> Result<(), RedirectError> {
+        let result = self.families().into_iter().try_for_each(|family| {
+            let present = Present::parse(&run(netns, family.save(), &[], None)?);
+            let text = if present.is_empty() {
+                self.render(family)
+            } else {
+                self.render_reconcile(family, &present)
+            };
+            run(netns, family.restore(), &["--noflush"], Some(&text))?;
+            ensure_route(netns, family)
+        });
+        if result.is_err() {
+            let _ = self.remove(netns);
+        }
+        result
+    }
+
+    /// Removes our chains, jumps, rule and route from `netns`; absent pieces are fine.
+    pub fn remove(&self, netns: &Netns) -> Result<(), RedirectError> {
+        for family in [Family::V4, Family::V6] {
+            let Ok(save) = run(netns, family.save(), &[], None) else {
+                continue; // no ip6tables in this netns: nothing of ours there either
+            };
+            let present = Present::parse(&save);
+            if !present.is_empty() {
+                run(
+                    netns,
+                    family.restore(),
+                    &["--noflush"],
+                    Some(&Self::render_remove(&present)),
+                )?;
+            }
+            let pref = RULE_PRIORITY.to_string();
+            while run(
+                netns,
+                "ip",
+                &[family.ip_flag(), "rule", "del", "pref", &pref],
+                None,
+            )
+            .is_ok()
+            {}
+            let table = ROUTE_TABLE.to_string();
+            let _ = run(
+                netns,
+                "ip",
+                &[family.ip_flag(), "route", "flush", "table", &table],
+                None,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// `ip rule add fwmark 0x111/0xfff pref 32764 lookup 100` once, and the local route in table 100.
+fn ensure_route(netns: &Netns, family: Family) -> Result<(), RedirectError> {
+    let (pref, table) = (RULE_PRIORITY.to_string(), ROUTE_TABLE.to_string());
+    let fwmark = format!("0x{CONNMARK:x}/0x{MARK_MASK:x}");
+    let rules = run(
+        netns,
+        "ip",
+        &[family.ip_flag(), "rule", "show", "pref", &pref],
+        None,
+    )?;
+    if !rules.contains(&format!("fwmark {fwmark} lookup {table}")) {
+        run(
+            netns,
+            "ip",
+            &[
+                family.ip_flag(),
+                "rule",
+                "add",
+                "fwmark",
+                &fwmark,
+                "pref",
+                &pref,
+                "lookup",
+                &table,
+            ],
+            None,
+        )?;
+    }
+    run(
+        netns,
+        "ip",
+        &[
+            family.ip_flag(),
+            "route",
+            "replace",
+            "local",
+            family.any(),
+            "dev",
+            "lo",
+            "table",
+            &table,
+        ],
+        None,
+    )?;
+    Ok(())
+}
+
+/// Runs a tool inside `netns`, feeding `stdin`, returning stdout.
+fn run(
+    netns: &Netns,
+    prog: &str,
+    args: &[&str],
+    stdin: Option<&str>,
+) -> Result<String, RedirectError> {
+    let err = |reason: String| RedirectError::Step {
+        netns: netns.path().display().to_string(),
+        step: format!("{prog} {}", args.join(" ")),
+        reason,
+    };
+    let mut cmd: Command = netns.command(prog);
+    cmd.args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().map_err(|e| err(e.to_string()))?;
+    if let Some(mut pipe) = child.stdin.take() {
+        if let Some(text) = stdin {
+            pipe.write_all(text.as_bytes())
+                .map_err(|e| err(e.to_string()))?;
+        }
+    }
+    let out = child.wait_with_output().map_err(|e| err(e.to_string()))?;
+    if !out.status.success() {
+        return Err(err(format!(
+            "{}: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn golden(name: &str) -> &'static str {
+        match name {
+            "default" => include_str!("testdata/default.golden"),
+            "default_ipv6" => include_str!("testdata/default_ipv6.golden"),
+            "dns_off" => include_str!("testdata/dns_off.golden"),
+            "bypass_inbound" => include_str!("testdata/bypass_inbound.golden"),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn renders_istio_text_for_each_switch() {
+        let all = RedirectOptions::default();
+        assert_eq!(
+            RedirectRules::new(all).render(Family::V4),
+            golden("default")
+        );
+        assert_eq!(
+            RedirectRules::new(all).render(Family::V6),
+            golden("default_ipv6")
+        );
+        let dns_off = RedirectOptions {
+            dns_capture: false,
+            ..all
+        };
+        assert_eq!(
+            RedirectRules::new(dns_off).render(Family::V4),
+            golden("dns_off")
+        );
+        let bypass = RedirectOptions {
+            bypass_inbound: true,
+            ..all
+        };
+        assert_eq!(
+            RedirectRules::new(bypass).render(Family::V4),
+            golden("bypass_inbound")
+        );
+    }
+
+    const SAVE: &str = "# Generated\n*mangle\n:PREROUTING ACCEPT [0:0]\n:ISTIO_PRERT - [0:0]\n-A PREROUTING -j ISTIO_PRERT\n-A PREROUTING -j OTHER\nCOMMIT\n*raw\n:ISTIO_OUTPUT - [0:0]\n-A OUTPUT -j ISTIO_OUTPUT\n-A ISTIO_OUTPUT -p udp -j CT --zone 1\nCOMMIT\n*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n";
+
+    #[test]
+    fn finds_our_chains_and_jumps_only() {
+        let p = Present::parse(SAVE);
+        assert_eq!(p.tables.len(), 2);
+        assert_eq!(
+            p.tables["mangle"].jumps,
+            vec![("PREROUTING".to_string(), "ISTIO_PRERT".to_string())]
+        );
+        assert!(Present::parse("*filter\n:INPUT ACCEPT\nCOMMIT\n").is_empty());
+    }
+
+    #[test]
+    fn reconcile_flushes_replaces_jumps_and_drops_stale_chains() {
+        let dns_off = RedirectRules::new(RedirectOptions {
+            dns_capture: false,
+            ..Default::default()
+        });
+        let text = dns_off.render_reconcile(Family::V4, &Present::parse(SAVE));
+        assert!(text.contains("* mangle\n:ISTIO_PRERT - [0:0]\n:ISTIO_OUTPUT - [0:0]\n-D PREROUTING -j ISTIO_PRERT\n-A PREROUTING -j ISTIO_PRERT\n"), "{text}");
+        // raw is no longer wanted with DNS capture off: emptied and deleted.
+        assert!(text.contains("* raw\n:ISTIO_OUTPUT - [0:0]\n-D OUTPUT -j ISTIO_OUTPUT\n-X ISTIO_OUTPUT\nCOMMIT\n"), "{text}");
+        let rm = RedirectRules::render_remove(&Present::parse(SAVE));
+        assert_eq!(rm, "* mangle\n-D PREROUTING -j ISTIO_PRERT\n-F ISTIO_PRERT\n-X ISTIO_PRERT\nCOMMIT\n* raw\n-D OUTPUT -j ISTIO_OUTPUT\n-F ISTIO_OUTPUT\n-X ISTIO_OUTPUT\nCOMMIT\n");
+    }
+}

@@ -1,0 +1,426 @@
+//! The proxy role's configuration: its keys and the typed [`ProxyConfig`] built from them.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::{parse_bool, parse_duration, parse_u32, CommandLine, ConfigError, Key, Layers};
+
+/// How the proxy finds the pods it serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyMode {
+    /// One proxy inside one pod's network namespace, serving that pod only.
+    Dedicated,
+    /// One proxy per node, handed pod namespaces by the agent over ZDS.
+    Shared,
+}
+
+/// The pod a dedicated proxy serves (`PROXY_WORKLOAD_INFO` = `ns/name/sa`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkloadInfo {
+    pub namespace: String,
+    pub name: String,
+    pub service_account: String,
+}
+
+impl WorkloadInfo {
+    pub fn parse(s: &str) -> Option<Self> {
+        let mut parts = s.split('/');
+        let (ns, name, sa) = (parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() || [ns, name, sa].iter().any(|p| p.is_empty()) {
+            return None;
+        }
+        Some(WorkloadInfo {
+            namespace: ns.into(),
+            name: name.into(),
+            service_account: sa.into(),
+        })
+    }
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+pub static PROXY_KEYS: &[Key] = &[
+    Key {
+        name: "proxy_mode",
+        env: &["PROXY_MODE"],
+        default: "dedicated",
+        help: "dedicated (one pod, run inside its netns) or shared (ZDS; not implemented yet)",
+    },
+    Key {
+        name: "workload_info",
+        env: &["PROXY_WORKLOAD_INFO"],
+        default: "",
+        help: "the served pod as ns/name/serviceaccount (dedicated mode)",
+    },
+    Key {
+        name: "local_xds_path",
+        env: &["LOCAL_XDS_PATH"],
+        default: "",
+        help: "local config YAML (workloads, services, policies), watched for changes",
+    },
+    Key {
+        name: "trust_domain",
+        env: &["TRUST_DOMAIN"],
+        default: "cluster.local",
+        help: "SPIFFE trust domain of this mesh",
+    },
+    Key {
+        name: "cluster_id",
+        env: &["CLUSTER_ID", "ISTIO_META_CLUSTER_ID"],
+        default: "Kubernetes",
+        help: "cluster name sent in baggage",
+    },
+    Key {
+        name: "node_name",
+        env: &["NODE_NAME"],
+        default: "",
+        help: "node this proxy runs on",
+    },
+    Key {
+        name: "network",
+        env: &["NETWORK"],
+        default: "",
+        help: "network of the served pods",
+    },
+    Key {
+        name: "ca_cert",
+        env: &["AMBIT_CA_CERT"],
+        default: "",
+        help: "local CA root certificate PEM (with ca_key); unset: generated in state_dir",
+    },
+    Key {
+        name: "ca_key",
+        env: &["AMBIT_CA_KEY"],
+        default: "",
+        help: "local CA private key PEM (PKCS#8)",
+    },
+    Key {
+        name: "state_dir",
+        env: &["AMBIT_STATE_DIR"],
+        default: "/var/lib/ambit",
+        help: "where a generated CA root is kept (mode 0700)",
+    },
+    Key {
+        name: "cert_ttl",
+        env: &["SECRET_TTL"],
+        default: "24h",
+        help: "workload certificate lifetime; rotated at half-life",
+    },
+    Key {
+        name: "packet_mark",
+        env: &["PACKET_MARK"],
+        default: "1337",
+        help: "SO_MARK on every socket opened for a pod",
+    },
+    Key {
+        name: "admin_addr",
+        env: &["AMBIT_ADMIN_ADDR"],
+        default: "127.0.0.1:15000",
+        help: "admin server (/config_dump, /quitquitquit)",
+    },
+    Key {
+        name: "metrics_addr",
+        env: &["AMBIT_METRICS_ADDR"],
+        default: "0.0.0.0:15020",
+        help: "Prometheus metrics (/metrics, /stats/prometheus)",
+    },
+    Key {
+        name: "readiness_addr",
+        env: &["AMBIT_READINESS_ADDR"],
+        default: "0.0.0.0:15021",
+        help: "readiness (/healthz/ready)",
+    },
+    Key {
+        name: "pool_max_streams_per_connection",
+        env: &["POOL_MAX_STREAMS_PER_CONNECTION"],
+        default: "100",
+        help: "HBONE streams per pooled HTTP/2 connection",
+    },
+    Key {
+        name: "pool_unused_release_timeout",
+        env: &["POOL_UNUSED_RELEASE_TIMEOUT"],
+        default: "5m",
+        help: "idle pooled connections are closed after this",
+    },
+    Key {
+        name: "http2_stream_window_size",
+        env: &["HTTP2_STREAM_WINDOW_SIZE"],
+        default: "4194304",
+        help: "HTTP/2 stream flow-control window (bytes)",
+    },
+    Key {
+        name: "http2_connection_window_size",
+        env: &["HTTP2_CONNECTION_WINDOW_SIZE"],
+        default: "16777216",
+        help: "HTTP/2 connection flow-control window (bytes)",
+    },
+    Key {
+        name: "http2_frame_size",
+        env: &["HTTP2_FRAME_SIZE"],
+        default: "1048576",
+        help: "HTTP/2 max frame size (bytes)",
+    },
+    Key {
+        name: "worker_threads",
+        env: &["ZTUNNEL_WORKER_THREADS", "AMBIT_WORKER_THREADS"],
+        default: "2",
+        help: "data-plane worker threads",
+    },
+    Key {
+        name: "ipv6",
+        env: &["IPV6_ENABLED"],
+        default: "true",
+        help: "listen on [::] as well as 0.0.0.0",
+    },
+    Key {
+        name: "log_format",
+        env: &["LOG_FORMAT"],
+        default: "text",
+        help: "text or json",
+    },
+    Key {
+        name: "log_level",
+        env: &["RUST_LOG"],
+        default: "info",
+        help: "tracing filter, e.g. info,ambit=debug",
+    },
+];
+
+/// Everything the proxy role needs, validated.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    pub mode: ProxyMode,
+    pub workload_info: Option<WorkloadInfo>,
+    pub local_xds_path: PathBuf,
+    pub trust_domain: String,
+    pub cluster_id: String,
+    pub node_name: String,
+    pub network: String,
+    pub ca_cert: Option<PathBuf>,
+    pub ca_key: Option<PathBuf>,
+    pub state_dir: PathBuf,
+    pub cert_ttl: Duration,
+    pub packet_mark: u32,
+    pub admin_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
+    pub readiness_addr: SocketAddr,
+    pub pool_max_streams: usize,
+    pub pool_idle_timeout: Duration,
+    pub stream_window: u32,
+    pub connection_window: u32,
+    pub frame_size: u32,
+    pub worker_threads: usize,
+    pub ipv6: bool,
+    pub log_format: LogFormat,
+    pub log_level: String,
+}
+
+impl ProxyConfig {
+    /// Builds the configuration from the command line and the process environment.
+    pub fn load(cl: &CommandLine) -> Result<(Self, Layers), ConfigError> {
+        let layers = Layers::resolve(PROXY_KEYS, cl, |v| std::env::var(v).ok())?;
+        Ok((Self::from_layers(&layers)?, layers))
+    }
+
+    pub fn from_layers(l: &Layers) -> Result<Self, ConfigError> {
+        let path = |s: &str| Some(PathBuf::from(s));
+        let addr = |s: &str| s.parse::<SocketAddr>().ok();
+        let mode = l.require("proxy_mode", "dedicated or shared", |s| match s {
+            "dedicated" => Some(ProxyMode::Dedicated),
+            "shared" => Some(ProxyMode::Shared),
+            _ => None,
+        })?;
+        if mode == ProxyMode::Shared {
+            let (value, origin) = l.raw("proxy_mode").cloned().unwrap_or_default_origin();
+            return Err(ConfigError::Invalid {
+                key: "proxy_mode",
+                value,
+                origin,
+                expected:
+                    "dedicated (shared mode needs the node agent's ZDS, which is not built yet)"
+                        .into(),
+            });
+        }
+        let workload_info = l.get(
+            "workload_info",
+            "namespace/name/serviceaccount, e.g. default/web/web-sa",
+            WorkloadInfo::parse,
+        )?;
+        if mode == ProxyMode::Dedicated && workload_info.is_none() {
+            return Err(ConfigError::Missing {
+                key: "workload_info",
+                hint: "dedicated mode serves one pod: set PROXY_WORKLOAD_INFO=ns/name/sa",
+            });
+        }
+        let local_xds_path =
+            l.get("local_xds_path", "a file path", path)?
+                .ok_or(ConfigError::Missing {
+                    key: "local_xds_path",
+                    hint: "no control plane client yet: set LOCAL_XDS_PATH to a local config YAML",
+                })?;
+        let ca_cert = l.get("ca_cert", "a file path", path)?;
+        let ca_key = l.get("ca_key", "a file path", path)?;
+        if ca_cert.is_some() != ca_key.is_some() {
+            return Err(ConfigError::Missing {
+                key: if ca_cert.is_some() {
+                    "ca_key"
+                } else {
+                    "ca_cert"
+                },
+                hint: "ca_cert and ca_key go together",
+            });
+        }
+        let trust_domain = l.require("trust_domain", "a DNS-like name without '/'", |s| {
+            (!s.contains('/') && !s.contains(char::is_whitespace)).then(|| s.to_string())
+        })?;
+        let window = |name: &'static str, min: u32| {
+            l.require(
+                name,
+                &format!("a byte count between {min} and 2147483647"),
+                move |s| parse_u32(s).filter(|v| (min..=i32::MAX as u32).contains(v)),
+            )
+        };
+        Ok(ProxyConfig {
+            mode,
+            workload_info,
+            local_xds_path,
+            trust_domain,
+            cluster_id: l.require("cluster_id", "a name", |s| Some(s.to_string()))?,
+            node_name: l
+                .get("node_name", "a name", |s| Some(s.to_string()))?
+                .unwrap_or_default(),
+            network: l
+                .get("network", "a name", |s| Some(s.to_string()))?
+                .unwrap_or_default(),
+            ca_cert,
+            ca_key,
+            state_dir: l.require("state_dir", "a directory path", path)?,
+            cert_ttl: l.require(
+                "cert_ttl",
+                "a duration of at least 10s, like 90s, 30m or 24h",
+                |s| parse_duration(s).filter(|d| *d >= Duration::from_secs(10)),
+            )?,
+            packet_mark: l.require(
+                "packet_mark",
+                "a non-zero number (decimal or 0x hex)",
+                |s| parse_u32(s).filter(|m| *m != 0),
+            )?,
+            admin_addr: l.require("admin_addr", "an address like 127.0.0.1:15000", addr)?,
+            metrics_addr: l.require("metrics_addr", "an address like 0.0.0.0:15020", addr)?,
+            readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:15021", addr)?,
+            pool_max_streams: l.require(
+                "pool_max_streams_per_connection",
+                "a number from 1 to 10000",
+                |s| s.parse().ok().filter(|n| (1..=10_000).contains(n)),
+            )?,
+            pool_idle_timeout: l.require(
+                "pool_unused_release_timeout",
+                "a duration like 5m",
+                parse_duration,
+            )?,
+            stream_window: window("http2_stream_window_size", 65_535)?,
+            connection_window: window("http2_connection_window_size", 65_535)?,
+            frame_size: l.require(
+                "http2_frame_size",
+                "a byte count between 16384 and 16777215",
+                |s| parse_u32(s).filter(|v| (16_384..=16_777_215).contains(v)),
+            )?,
+            worker_threads: l.require("worker_threads", "a number from 1 to 256", |s| {
+                s.parse().ok().filter(|n| (1..=256).contains(n))
+            })?,
+            ipv6: l.require("ipv6", "true or false", parse_bool)?,
+            log_format: l.require("log_format", "text or json", |s| match s {
+                "text" => Some(LogFormat::Text),
+                "json" => Some(LogFormat::Json),
+                _ => None,
+            })?,
+            log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
+        })
+    }
+}
+
+trait DefaultOrigin {
+    fn unwrap_or_default_origin(self) -> (String, super::Origin);
+}
+
+impl DefaultOrigin for Option<(String, super::Origin)> {
+    fn unwrap_or_default_origin(self) -> (String, super::Origin) {
+        self.unwrap_or((String::new(), super::Origin::Default))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layers(env: &[(&str, &str)], flags: &[&str]) -> Result<ProxyConfig, ConfigError> {
+        let args: Vec<String> = flags.iter().map(|s| s.to_string()).collect();
+        let cl = CommandLine::parse(&args).unwrap();
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let l = Layers::resolve(PROXY_KEYS, &cl, |k| {
+            env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+        })?;
+        ProxyConfig::from_layers(&l)
+    }
+
+    const BASE: &[(&str, &str)] = &[
+        ("PROXY_WORKLOAD_INFO", "default/web/web-sa"),
+        ("LOCAL_XDS_PATH", "/etc/mesh.yaml"),
+    ];
+
+    #[test]
+    fn defaults_match_istio() {
+        let c = layers(BASE, &[]).unwrap();
+        assert_eq!(c.trust_domain, "cluster.local");
+        assert_eq!(c.packet_mark, 1337);
+        assert_eq!(c.stream_window, 4 << 20);
+        assert_eq!(c.connection_window, 16 << 20);
+        assert_eq!(c.frame_size, 1 << 20);
+        assert_eq!(c.pool_max_streams, 100);
+        assert_eq!(c.workload_info.unwrap().service_account, "web-sa");
+    }
+
+    #[test]
+    fn flags_beat_env() {
+        let mut env = BASE.to_vec();
+        env.push(("TRUST_DOMAIN", "env.example"));
+        let c = layers(&env, &["--trust-domain", "flag.example"]).unwrap();
+        assert_eq!(c.trust_domain, "flag.example");
+    }
+
+    #[test]
+    fn bad_values_fail_with_key_and_expectation() {
+        let mut env = BASE.to_vec();
+        env.push(("PACKET_MARK", "lots"));
+        let err = layers(&env, &[]).unwrap_err().to_string();
+        assert_eq!(err, "config key `packet_mark` = \"lots\" (from env PACKET_MARK): expected a non-zero number (decimal or 0x hex)");
+        let err = layers(
+            &[("LOCAL_XDS_PATH", "/x"), ("PROXY_WORKLOAD_INFO", "a/b")],
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("`workload_info` = \"a/b\""), "{err}");
+        let err = layers(&[("LOCAL_XDS_PATH", "/x")], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`workload_info` is required"), "{err}");
+        let err = layers(BASE, &["--proxy-mode", "shared"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not built yet"), "{err}");
+        let err = layers(BASE, &["--ca-cert", "/ca.pem"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`ca_key` is required"), "{err}");
+    }
+}

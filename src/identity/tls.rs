@@ -1,0 +1,348 @@
+//! rustls configurations for HBONE: TLS 1.3 only, AES-GCM suites, ALPN `h2`,
+//! client certificate required, no SNI, no session resumption; and the SPIFFE
+//! checks on both sides (DESIGN §3.5).
+//!
+//! The server accepts only client chains that lead to our roots *and* carry a
+//! SPIFFE id of our trust domain. The client verifies the server's chain in the
+//! handshake and checks the server's identity against the expected list right
+//! after it ([`verify_peer_identity`]), since that list is per connection.
+
+use std::sync::Arc;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::{CryptoProvider, WebPkiSupportedAlgorithms};
+use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
+use rustls::server::{ParsedCertificate, WebPkiClientVerifier};
+use rustls::{
+    ClientConfig, DigitallySignedStruct, DistinguishedName, RootCertStore, ServerConfig,
+    SignatureScheme,
+};
+
+use super::ca::{IdentityError, WorkloadCert};
+use super::spiffe::Identity;
+use crate::constants::HBONE_ALPN;
+
+/// ring with the TLS 1.3 AES-GCM suites only.
+pub fn provider() -> Arc<CryptoProvider> {
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites = vec![
+        rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256,
+        rustls::crypto::ring::cipher_suite::TLS13_AES_256_GCM_SHA384,
+    ];
+    Arc::new(p)
+}
+
+/// The SPIFFE id in a certificate's URI SAN, if any.
+pub fn identity_of(cert: &CertificateDer<'_>) -> Option<Identity> {
+    let (_, x509) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let san = x509.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|g| match g {
+        x509_parser::extensions::GeneralName::URI(u) => u.parse().ok(),
+        _ => None,
+    })
+}
+
+fn roots(cert: &WorkloadCert) -> Result<RootCertStore, IdentityError> {
+    let mut store = RootCertStore::empty();
+    for root in &cert.roots {
+        store.add(root.clone()).map_err(|e| tls_err(cert, e))?;
+    }
+    Ok(store)
+}
+
+fn tls_err(cert: &WorkloadCert, e: impl std::fmt::Display) -> IdentityError {
+    IdentityError::Tls {
+        identity: cert.identity.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// Server side of HBONE for the workload holding `cert`.
+pub fn server_config(cert: &WorkloadCert) -> Result<ServerConfig, IdentityError> {
+    let provider = provider();
+    let inner =
+        WebPkiClientVerifier::builder_with_provider(Arc::new(roots(cert)?), provider.clone())
+            .build()
+            .map_err(|e| tls_err(cert, e))?;
+    let verifier = Arc::new(TrustDomainVerifier {
+        inner,
+        trust_domain: cert.identity.trust_domain.clone(),
+    });
+    let mut cfg = ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| tls_err(cert, e))?
+        .with_client_cert_verifier(verifier)
+        .with_single_cert(cert.chain.clone(), cert.private_key())
+        .map_err(|e| tls_err(cert, e))?;
+    cfg.alpn_protocols = vec![HBONE_ALPN.to_vec()];
+    cfg.send_tls13_tickets = 0;
+    cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    Ok(cfg)
+}
+
+/// Client side of HBONE for the workload holding `cert`.
+pub fn client_config(cert: &WorkloadCert) -> Result<ClientConfig, IdentityError> {
+    let provider = provider();
+    let verifier = Arc::new(ChainVerifier {
+        roots: roots(cert)?,
+        algs: provider.signature_verification_algorithms,
+    });
+    let mut cfg = ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(|e| tls_err(cert, e))?
+        .dangerous()
+        .with_custom_certificate_verifier(verifier)
+        .with_client_auth_cert(cert.chain.clone(), cert.private_key())
+        .map_err(|e| tls_err(cert, e))?;
+    cfg.alpn_protocols = vec![HBONE_ALPN.to_vec()];
+    cfg.enable_sni = false;
+    cfg.resumption = rustls::client::Resumption::disabled();
+    Ok(cfg)
+}
+
+/// The name handed to rustls on connect; never sent (SNI is off) nor checked.
+pub fn hbone_server_name() -> ServerName<'static> {
+    ServerName::IpAddress(std::net::Ipv4Addr::UNSPECIFIED.into())
+}
+
+/// Why a peer's identity was refused.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PeerIdentityError {
+    #[error("peer presented no certificate with a SPIFFE identity")]
+    Missing,
+    #[error("peer identity {got} is not one of the expected {expected}")]
+    Unexpected { got: String, expected: String },
+}
+
+/// Checks the peer's leaf certificate names one of `expected`.
+pub fn verify_peer_identity(
+    peer: Option<&[CertificateDer<'_>]>,
+    expected: &[Identity],
+) -> Result<Identity, PeerIdentityError> {
+    let got = peer
+        .and_then(|c| c.first())
+        .and_then(identity_of)
+        .ok_or(PeerIdentityError::Missing)?;
+    if expected.contains(&got) {
+        Ok(got)
+    } else {
+        Err(PeerIdentityError::Unexpected {
+            got: got.to_string(),
+            expected: expected
+                .iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+    }
+}
+
+/// Client certificates must chain to our roots and carry our trust domain.
+#[derive(Debug)]
+struct TrustDomainVerifier {
+    inner: Arc<dyn ClientCertVerifier>,
+    trust_domain: String,
+}
+
+impl ClientCertVerifier for TrustDomainVerifier {
+    fn root_hint_subjects(&self) -> &[DistinguishedName] {
+        self.inner.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        self.inner
+            .verify_client_cert(end_entity, intermediates, now)?;
+        match identity_of(end_entity) {
+            Some(id) if id.trust_domain == self.trust_domain => Ok(ClientCertVerified::assertion()),
+            _ => Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::ApplicationVerificationFailure,
+            )),
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
+/// Server chains must lead to our roots; the name is checked after the handshake.
+#[derive(Debug)]
+struct ChainVerifier {
+    roots: RootCertStore,
+    algs: WebPkiSupportedAlgorithms,
+}
+
+impl ServerCertVerifier for ChainVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        let cert = ParsedCertificate::try_from(end_entity)?;
+        rustls::client::verify_server_cert_signed_by_trust_anchor(
+            &cert,
+            &self.roots,
+            intermediates,
+            now,
+            self.algs.all,
+        )?;
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(message, cert, dss, &self.algs)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(message, cert, dss, &self.algs)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.algs.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::identity::ca::LocalCa;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn handshake(
+        server: &WorkloadCert,
+        client: &WorkloadCert,
+    ) -> Result<Option<Identity>, String> {
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_config(server).unwrap()));
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client_config(client).unwrap()));
+        let srv = tokio::spawn(async move {
+            let mut s = acceptor.accept(a).await.map_err(|e| e.to_string())?;
+            let peer = s
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .and_then(identity_of);
+            let mut buf = [0u8; 1];
+            s.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+            Ok::<_, String>(peer)
+        });
+        match connector.connect(hbone_server_name(), b).await {
+            Ok(mut c) => {
+                let _ = c.write_all(b"x").await;
+                let _ = c.flush().await;
+                srv.await.unwrap()
+            }
+            Err(e) => {
+                srv.abort();
+                Err(e.to_string())
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn same_ca_same_trust_domain_is_accepted_with_peer_identity() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let s = ca
+            .issue(
+                &Identity::new("cluster.local", "ns", "server"),
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        let c = ca
+            .issue(
+                &Identity::new("cluster.local", "ns", "client"),
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        let peer = handshake(&s, &c).await.unwrap();
+        assert_eq!(
+            peer.unwrap().to_string(),
+            "spiffe://cluster.local/ns/ns/sa/client"
+        );
+    }
+
+    #[tokio::test]
+    async fn other_ca_or_other_trust_domain_is_refused() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let other = LocalCa::generate("cluster.local").unwrap();
+        let s = ca
+            .issue(
+                &Identity::new("cluster.local", "ns", "server"),
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        let foreign_ca = other
+            .issue(
+                &Identity::new("cluster.local", "ns", "client"),
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        assert!(handshake(&s, &foreign_ca).await.is_err());
+        let foreign_td = ca
+            .issue(
+                &Identity::new("evil.example", "ns", "client"),
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        assert!(handshake(&s, &foreign_td).await.is_err());
+    }
+
+    #[test]
+    fn peer_identity_must_be_expected() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let id = Identity::new("cluster.local", "ns", "server");
+        let s = ca.issue(&id, Duration::from_secs(600)).unwrap();
+        assert_eq!(
+            verify_peer_identity(Some(&s.chain), &[id.clone()]).unwrap(),
+            id
+        );
+        let other = Identity::new("cluster.local", "ns", "other");
+        assert!(matches!(
+            verify_peer_identity(Some(&s.chain), &[other]),
+            Err(PeerIdentityError::Unexpected { .. })
+        ));
+        assert_eq!(
+            verify_peer_identity(None, &[id]),
+            Err(PeerIdentityError::Missing)
+        );
+    }
+}

@@ -1,0 +1,52 @@
+//! The proxy's own HTTP endpoints: readiness (15021 `/healthz/ready`), metrics
+//! (15020 `/metrics`, `/stats/prometheus`) and admin (15000 `/config_dump`,
+//! `/quitquitquit`). Small HTTP/1.1 servers on hyper; never on the data path.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpListener;
+
+/// Answers one admin request.
+pub type Handler = Arc<dyn Fn(&Method, &str) -> (StatusCode, &'static str, String) + Send + Sync>;
+
+/// Binds `addr` and serves `handler` until the process ends.
+pub async fn serve(
+    addr: SocketAddr,
+    handler: Handler,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = TcpListener::bind(addr).await?;
+    Ok(tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let handler = handler.clone();
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let (status, content_type, body) = handler(req.method(), req.uri().path());
+                    let resp = Response::builder()
+                        .status(status)
+                        .header("content-type", content_type)
+                        .body(Full::new(Bytes::from(body)))
+                        .unwrap_or_default();
+                    async move { Ok::<_, Infallible>(resp) }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    }))
+}
+
+pub const TEXT: &str = "text/plain; charset=utf-8";
+pub const JSON: &str = "application/json";
+pub const PROMETHEUS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

@@ -1,0 +1,267 @@
+//! Moving bytes: TCP↔TCP with `splice(2)` through a pipe (no user-space copy),
+//! and TCP↔HBONE stream with buffers that grow with the flow. Both copy the
+//! two directions independently and carry half-close across.
+
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+
+use bytes::{Bytes, BytesMut};
+use h2::{RecvStream, SendStream};
+use socket2::SockRef;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
+use tokio::net::TcpStream;
+
+/// Bytes moved in each direction of one connection.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Transferred {
+    /// From the connection's originator towards its destination.
+    pub sent: u64,
+    /// Back towards the originator.
+    pub received: u64,
+}
+
+/// Pipe size asked of the kernel for splice (capped by fs.pipe-max-size).
+const PIPE_SIZE: libc::c_int = 1 << 20;
+
+struct Pipe {
+    read: OwnedFd,
+    write: OwnedFd,
+    size: usize,
+}
+
+impl Pipe {
+    fn new() -> io::Result<Self> {
+        let (read, write) =
+            nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)?;
+        // SAFETY: F_SETPIPE_SZ/F_GETPIPE_SZ on a pipe fd we own; failure leaves the default size.
+        let size = unsafe {
+            libc::fcntl(write.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE);
+            libc::fcntl(write.as_raw_fd(), libc::F_GETPIPE_SZ)
+        };
+        Ok(Pipe {
+            read,
+            write,
+            size: size.max(4096) as usize,
+        })
+    }
+}
+
+fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
+    // SAFETY: both fds are open for the duration of the call; null offsets mean
+    // "current position", which is what sockets and pipes require.
+    let n = unsafe {
+        libc::splice(
+            from,
+            std::ptr::null_mut(),
+            to,
+            std::ptr::null_mut(),
+            len,
+            libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
+        )
+    };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// One direction: `src` → pipe → `dst`, then half-close `dst`.
+async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
+    let pipe = Pipe::new()?;
+    let mut total = 0u64;
+    loop {
+        let n = loop {
+            src.readable().await?;
+            match src.try_io(Interest::READABLE, || {
+                splice(src.as_raw_fd(), pipe.write.as_raw_fd(), pipe.size)
+            }) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        };
+        if n == 0 {
+            let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+            return Ok(total);
+        }
+        let mut left = n;
+        while left > 0 {
+            dst.writable().await?;
+            match dst.try_io(Interest::WRITABLE, || {
+                splice(pipe.read.as_raw_fd(), dst.as_raw_fd(), left)
+            }) {
+                Ok(m) => left -= m,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        total += n as u64;
+    }
+}
+
+/// Copies between two TCP connections in the kernel until both directions end.
+pub async fn splice_bidirectional(
+    client: &TcpStream,
+    upstream: &TcpStream,
+) -> (Transferred, io::Result<()>) {
+    let (up, down) = tokio::join!(
+        splice_one_way(client, upstream),
+        splice_one_way(upstream, client)
+    );
+    let t = Transferred {
+        sent: *up.as_ref().unwrap_or(&0),
+        received: *down.as_ref().unwrap_or(&0),
+    };
+    (t, up.and(down).map(|_| ()))
+}
+
+/// Read buffers start small (idle connections cost little) and grow to this for bulk flows.
+const MIN_BUF: usize = 16 * 1024;
+const MAX_BUF: usize = 256 * 1024;
+
+/// Reads from a TCP half into an HBONE stream, honouring HTTP/2 flow control.
+async fn tcp_to_h2<R: AsyncRead + Unpin>(
+    mut src: R,
+    mut dst: SendStream<Bytes>,
+) -> io::Result<u64> {
+    let mut buf_size = MIN_BUF;
+    let mut buf = BytesMut::with_capacity(buf_size);
+    let mut total = 0u64;
+    loop {
+        buf.reserve(buf_size);
+        let n = src
+            .read_buf(&mut buf)
+            .await
+            .inspect_err(|_| dst.send_reset(h2::Reason::CANCEL))?;
+        if n == 0 {
+            return dst
+                .send_data(Bytes::new(), true)
+                .map(|_| total)
+                .map_err(h2_io);
+        }
+        if n >= buf_size && buf_size < MAX_BUF {
+            buf_size *= 2;
+        }
+        total += n as u64;
+        let mut chunk = buf.split().freeze();
+        while !chunk.is_empty() {
+            dst.reserve_capacity(chunk.len());
+            let cap = loop {
+                match std::future::poll_fn(|cx| dst.poll_capacity(cx)).await {
+                    None => {
+                        return Err(io::Error::new(
+                            io::ErrorKind::BrokenPipe,
+                            "HBONE stream closed",
+                        ))
+                    }
+                    Some(Err(e)) => return Err(h2_io(e)),
+                    Some(Ok(0)) => {
+                        tokio::task::yield_now().await;
+                        dst.reserve_capacity(chunk.len());
+                    }
+                    Some(Ok(n)) => break n,
+                }
+            };
+            let part = chunk.split_to(cap.min(chunk.len()));
+            dst.send_data(part, false).map_err(h2_io)?;
+        }
+    }
+}
+
+/// Writes an HBONE stream's data to a TCP half; END_STREAM (or RST NO_ERROR/CANCEL) half-closes it.
+async fn h2_to_tcp<W: AsyncWrite + Unpin>(mut src: RecvStream, mut dst: W) -> io::Result<u64> {
+    let mut total = 0u64;
+    while let Some(chunk) = src.data().await {
+        let chunk = match chunk {
+            Ok(c) => c,
+            Err(e)
+                if matches!(
+                    e.reason(),
+                    Some(h2::Reason::NO_ERROR) | Some(h2::Reason::CANCEL)
+                ) =>
+            {
+                break
+            }
+            Err(e) => return Err(h2_io(e)),
+        };
+        dst.write_all(&chunk).await?;
+        total += chunk.len() as u64;
+        let _ = src.flow_control().release_capacity(chunk.len());
+    }
+    dst.shutdown().await?;
+    Ok(total)
+}
+
+fn h2_io(e: h2::Error) -> io::Error {
+    if e.is_io() {
+        e.into_io()
+            .unwrap_or_else(|| io::Error::other("h2 I/O error"))
+    } else {
+        io::Error::other(e)
+    }
+}
+
+/// Copies between a TCP connection and an HBONE stream until both directions end.
+/// `sent` counts TCP → stream.
+pub async fn tcp_h2_bidirectional(
+    tcp: &mut TcpStream,
+    send: SendStream<Bytes>,
+    recv: RecvStream,
+) -> (Transferred, io::Result<()>) {
+    let (r, w) = tcp.split();
+    let (up, down) = tokio::join!(tcp_to_h2(r, send), h2_to_tcp(recv, w));
+    let t = Transferred {
+        sent: *up.as_ref().unwrap_or(&0),
+        received: *down.as_ref().unwrap_or(&0),
+    };
+    (t, up.and(down).map(|_| ()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::net::TcpListener;
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (b, _) = l.accept().await.unwrap();
+        (a, b)
+    }
+
+    #[tokio::test]
+    async fn splice_moves_bytes_both_ways_with_half_close() {
+        let (mut app_client, proxy_in) = pair().await;
+        let (proxy_out, mut app_server) = pair().await;
+        let relay = tokio::spawn(async move { splice_bidirectional(&proxy_in, &proxy_out).await });
+        let payload = vec![7u8; 3 << 20];
+        let p2 = payload.clone();
+        let writer = tokio::spawn(async move {
+            app_client.write_all(&p2).await.unwrap();
+            app_client.shutdown().await.unwrap();
+            let mut back = Vec::new();
+            app_client.read_to_end(&mut back).await.unwrap();
+            back
+        });
+        let mut got = Vec::new();
+        app_server.read_to_end(&mut got).await.unwrap();
+        assert_eq!(
+            got.len(),
+            payload.len(),
+            "server must see EOF after all bytes"
+        );
+        app_server.write_all(b"reply").await.unwrap();
+        app_server.shutdown().await.unwrap();
+        assert_eq!(writer.await.unwrap(), b"reply");
+        let (t, res) = relay.await.unwrap();
+        res.unwrap();
+        assert_eq!(
+            t,
+            Transferred {
+                sent: 3 << 20,
+                received: 5
+            }
+        );
+    }
+}

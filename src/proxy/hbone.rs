@@ -1,0 +1,226 @@
+//! HBONE on the wire (DESIGN §3.5): building the CONNECT request a client
+//! sends, validating the one a server receives, and the HTTP/2 settings both
+//! sides use. Pure code over `http` values; the sockets live elsewhere.
+
+use std::net::{IpAddr, SocketAddr};
+
+use http::{Method, Request, StatusCode};
+
+use crate::constants::PROXY_OWN_PORTS;
+
+/// HTTP/2 window and frame sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct H2Settings {
+    pub stream_window: u32,
+    pub connection_window: u32,
+    pub frame_size: u32,
+}
+
+impl H2Settings {
+    pub fn client(&self) -> h2::client::Builder {
+        let mut b = h2::client::Builder::new();
+        b.initial_window_size(self.stream_window)
+            .initial_connection_window_size(self.connection_window)
+            .max_frame_size(self.frame_size)
+            .max_header_list_size(16 * 1024)
+            .max_send_buffer_size(4 << 20)
+            .enable_push(false);
+        b
+    }
+
+    pub fn server(&self) -> h2::server::Builder {
+        let mut b = h2::server::Builder::new();
+        b.initial_window_size(self.stream_window)
+            .initial_connection_window_size(self.connection_window)
+            .max_frame_size(self.frame_size)
+            .max_header_list_size(64 * 1024)
+            .max_send_buffer_size(4 << 20)
+            .max_concurrent_streams(200);
+        b
+    }
+}
+
+/// What the source proxy says about the connection it tunnels.
+#[derive(Debug, Clone)]
+pub struct ConnectRequest {
+    /// The destination pod address and port (`:authority`).
+    pub target: SocketAddr,
+    /// The original client address (`forwarded: for=`).
+    pub source: SocketAddr,
+    /// `baggage` values of the source workload.
+    pub cluster: String,
+    pub namespace: String,
+    pub workload: String,
+    pub service: String,
+    pub revision: String,
+}
+
+impl ConnectRequest {
+    pub fn to_http(&self) -> Result<Request<()>, http::Error> {
+        let baggage = format!(
+            "k8s.cluster.name={},k8s.namespace.name={},k8s.pod.name={},service.name={},service.version={}",
+            self.cluster, self.namespace, self.workload, self.service, self.revision
+        );
+        let traceparent = format!(
+            "00-{:032x}-{:016x}-00",
+            fastrand::u128(1..),
+            fastrand::u64(1..)
+        );
+        Request::builder()
+            .method(Method::CONNECT)
+            .uri(self.target.to_string())
+            .header("forwarded", format!("for=\"{}\"", self.source))
+            .header("baggage", baggage)
+            .header("traceparent", traceparent)
+            .body(())
+    }
+}
+
+/// Why a CONNECT was refused, with the status it earns.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectRejection {
+    #[error("method {0} is not CONNECT")]
+    NotConnect(String),
+    #[error("authority {0:?} is not ip:port")]
+    BadAuthority(String),
+    #[error("destination {0} is not this pod's address")]
+    NotThisPod(IpAddr),
+    #[error("destination port {0} belongs to the proxy")]
+    ProxyPort(u16),
+}
+
+impl ConnectRejection {
+    pub fn status(&self) -> StatusCode {
+        StatusCode::BAD_REQUEST
+    }
+}
+
+/// Checks a received CONNECT: method, `ip:port` authority, the IP is the one
+/// the connection arrived on (the pod's own), and the port is not the proxy's.
+pub fn validate_connect<B>(
+    req: &Request<B>,
+    local_ip: IpAddr,
+) -> Result<SocketAddr, ConnectRejection> {
+    if req.method() != Method::CONNECT {
+        return Err(ConnectRejection::NotConnect(req.method().to_string()));
+    }
+    let authority = req
+        .uri()
+        .authority()
+        .map(|a| a.as_str())
+        .unwrap_or_default();
+    let target: SocketAddr = authority
+        .parse()
+        .map_err(|_| ConnectRejection::BadAuthority(authority.to_string()))?;
+    if canonical(target.ip()) != canonical(local_ip) {
+        return Err(ConnectRejection::NotThisPod(target.ip()));
+    }
+    if PROXY_OWN_PORTS.contains(&target.port()) {
+        return Err(ConnectRejection::ProxyPort(target.port()));
+    }
+    Ok(target)
+}
+
+/// `::ffff:a.b.c.d` → `a.b.c.d`, so dual-stack listeners compare equal.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+        v4 => v4,
+    }
+}
+
+/// The source address a peer reported in `forwarded: for="ip:port"`.
+pub fn forwarded_for<B>(req: &Request<B>) -> Option<SocketAddr> {
+    let v = req.headers().get("forwarded")?.to_str().ok()?;
+    v.split(';')
+        .find_map(|part| part.trim().strip_prefix("for="))
+        .and_then(|s| s.trim_matches('"').parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> ConnectRequest {
+        ConnectRequest {
+            target: "10.0.0.3:8080".parse().unwrap(),
+            source: "10.0.0.2:40000".parse().unwrap(),
+            cluster: "Kubernetes".into(),
+            namespace: "default".into(),
+            workload: "client".into(),
+            service: "client".into(),
+            revision: "latest".into(),
+        }
+    }
+
+    #[test]
+    fn connect_request_carries_authority_and_headers() {
+        let r = req().to_http().unwrap();
+        assert_eq!(r.method(), Method::CONNECT);
+        assert_eq!(r.uri().authority().unwrap().as_str(), "10.0.0.3:8080");
+        assert_eq!(forwarded_for(&r), Some("10.0.0.2:40000".parse().unwrap()));
+        assert!(r.headers()["baggage"]
+            .to_str()
+            .unwrap()
+            .contains("k8s.namespace.name=default"));
+        let tp = r.headers()["traceparent"].to_str().unwrap();
+        assert_eq!(tp.len(), 55, "{tp}");
+        let v6 = ConnectRequest {
+            target: "[fd00::3]:80".parse().unwrap(),
+            ..req()
+        }
+        .to_http()
+        .unwrap();
+        assert_eq!(v6.uri().authority().unwrap().as_str(), "[fd00::3]:80");
+    }
+
+    #[test]
+    fn validation_statuses() {
+        let local: IpAddr = "10.0.0.3".parse().unwrap();
+        let ok = req().to_http().unwrap();
+        assert_eq!(
+            validate_connect(&ok, local),
+            Ok("10.0.0.3:8080".parse().unwrap())
+        );
+        let mapped: IpAddr = "::ffff:10.0.0.3".parse().unwrap();
+        assert!(validate_connect(&ok, mapped).is_ok());
+        let other = ConnectRequest {
+            target: "10.0.0.9:8080".parse().unwrap(),
+            ..req()
+        }
+        .to_http()
+        .unwrap();
+        assert_eq!(
+            validate_connect(&other, local),
+            Err(ConnectRejection::NotThisPod("10.0.0.9".parse().unwrap()))
+        );
+        let own = ConnectRequest {
+            target: "10.0.0.3:15008".parse().unwrap(),
+            ..req()
+        }
+        .to_http()
+        .unwrap();
+        assert_eq!(
+            validate_connect(&own, local),
+            Err(ConnectRejection::ProxyPort(15008))
+        );
+        let get = Request::get("http://10.0.0.3:80/").body(()).unwrap();
+        assert!(matches!(
+            validate_connect(&get, local),
+            Err(ConnectRejection::NotConnect(_))
+        ));
+        let host = Request::builder()
+            .method(Method::CONNECT)
+            .uri("example.com:80")
+            .body(())
+            .unwrap();
+        assert!(matches!(
+            validate_connect(&host, local),
+            Err(ConnectRejection::BadAuthority(_))
+        ));
+        assert_eq!(
+            ConnectRejection::ProxyPort(1).status(),
+            StatusCode::BAD_REQUEST
+        );
+    }
+}

@@ -1,0 +1,226 @@
+//! Inbound: HBONE on port 15008 (mutual TLS, HTTP/2 CONNECT, peer checked
+//! against our trust domain) and plaintext on port 15006 (senders outside
+//! the mesh). Both deliver to the application on the pod's own address.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use h2::server::SendResponse;
+use http::{Request, Response, StatusCode};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
+use super::hbone::{forwarded_for, validate_connect, H2Settings};
+use super::metrics::{ConnectionLabels, Metrics};
+use super::outbound::original_dst;
+use super::pod::{tune, PodRef};
+use crate::constants::PROXY_OWN_PORTS;
+use crate::identity::{tls, Identity};
+use crate::xds::StateHandle;
+
+/// How long a peer has to finish the TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The inbound side of one pod.
+pub struct Inbound {
+    pub pod: PodRef,
+    pub state: StateHandle,
+    pub metrics: Arc<Metrics>,
+    pub h2: H2Settings,
+    pub trust_domain: String,
+}
+
+async fn accept_loop<F, Fut>(listener: TcpListener, what: &'static str, handle: F)
+where
+    F: Fn(TcpStream, SocketAddr) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    loop {
+        match listener.accept().await {
+            Ok((stream, peer)) => {
+                let _ = tune(&stream);
+                tokio::spawn(handle(stream, peer));
+            }
+            Err(e) => {
+                tracing::warn!(listener = what, error = %e, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+impl Inbound {
+    /// Serves HBONE on `listener` (15008).
+    pub async fn serve_hbone(self: Arc<Self>, listener: TcpListener) {
+        accept_loop(listener, "hbone", |s, p| self.clone().hbone_conn(s, p)).await
+    }
+
+    /// Serves plaintext on `listener` (15006).
+    pub async fn serve_plaintext(self: Arc<Self>, listener: TcpListener) {
+        accept_loop(listener, "plaintext", |s, p| {
+            self.clone().plaintext_conn(s, p)
+        })
+        .await
+    }
+
+    async fn hbone_conn(self: Arc<Self>, tcp: TcpStream, peer: SocketAddr) {
+        let local_ip = match tcp.local_addr() {
+            Ok(a) => a.ip(),
+            Err(_) => return,
+        };
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.pod.tls.load().server.clone());
+        let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+            Ok(Ok(tls)) => tls,
+            Ok(Err(e)) => {
+                tracing::warn!(src.addr = %peer, error = %e, "HBONE TLS handshake refused");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(src.addr = %peer, "HBONE TLS handshake timed out");
+                return;
+            }
+        };
+        let Some(peer_id) = tls
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(tls::identity_of)
+        else {
+            return; // unreachable: the verifier requires a SPIFFE identity
+        };
+        let mut conn = match self.h2.server().handshake::<_, Bytes>(tls).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(src.addr = %peer, error = %e, "HBONE HTTP/2 handshake failed");
+                return;
+            }
+        };
+        while let Some(next) = conn.accept().await {
+            match next {
+                Ok((req, respond)) => {
+                    let this = self.clone();
+                    let peer_id = peer_id.clone();
+                    tokio::spawn(async move {
+                        this.hbone_stream(req, respond, peer_id, local_ip).await
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(src.addr = %peer, error = %e, "HBONE connection ended");
+                    break;
+                }
+            }
+        }
+    }
+
+    async fn hbone_stream(
+        &self,
+        req: Request<h2::RecvStream>,
+        mut respond: SendResponse<Bytes>,
+        peer_id: Identity,
+        local_ip: IpAddr,
+    ) {
+        let src = forwarded_for(&req);
+        let mut labels = self.labels(src.map(|s| s.ip()), Some(&peer_id));
+        labels.connection_security_policy = "mutual_tls";
+        let target = match validate_connect(&req, local_ip) {
+            Ok(t) => t,
+            Err(rej) => {
+                tracing::warn!(src.principal = %peer_id, error = %rej, "HBONE CONNECT rejected");
+                reply(&mut respond, rej.status());
+                return;
+            }
+        };
+        let start = Instant::now();
+        self.metrics.opened(&labels);
+        let mut upstream = match self.pod.sockets.connect(target).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(src.principal = %peer_id, dst.addr = %target, error = %e, "application not reachable");
+                reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
+                labels.response_flags = "CONNECT";
+                self.metrics.closed(&labels, Transferred::default());
+                return;
+            }
+        };
+        let send = match respond.send_response(Response::new(()), false) {
+            Ok(s) => s,
+            Err(_) => return,
+        };
+        let (t, res) = tcp_h2_bidirectional(&mut upstream, send, req.into_body()).await;
+        // Towards the application is "sent" from the source's point of view.
+        let t = Transferred {
+            sent: t.received,
+            received: t.sent,
+        };
+        self.metrics.closed(&labels, t);
+        tracing::info!(
+            src.addr = ?src, src.principal = %peer_id, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
+            duration_ms = start.elapsed().as_millis() as u64, error = res.err().map(|e| e.to_string()), "inbound HBONE connection closed"
+        );
+    }
+
+    async fn plaintext_conn(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
+        let target = match original_dst(&stream) {
+            Ok(t) if !PROXY_OWN_PORTS.contains(&t.port()) => t,
+            Ok(t) => {
+                tracing::warn!(src.addr = %peer, dst.addr = %t, "plaintext connection to a proxy port refused");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(src.addr = %peer, error = %e, "no original destination; closing");
+                return;
+            }
+        };
+        let mut labels = self.labels(Some(peer.ip()), None);
+        labels.connection_security_policy = "unknown";
+        let start = Instant::now();
+        self.metrics.opened(&labels);
+        let upstream = match self.pod.sockets.connect(target).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(src.addr = %peer, dst.addr = %target, error = %e, "application not reachable");
+                labels.response_flags = "CONNECT";
+                self.metrics.closed(&labels, Transferred::default());
+                return;
+            }
+        };
+        let (t, res) = splice_bidirectional(&stream, &upstream).await;
+        self.metrics.closed(&labels, t);
+        tracing::info!(
+            src.addr = %peer, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
+            duration_ms = start.elapsed().as_millis() as u64, error = res.err().map(|e| e.to_string()), "inbound plaintext connection closed"
+        );
+    }
+
+    fn labels(&self, src_ip: Option<IpAddr>, peer: Option<&Identity>) -> ConnectionLabels {
+        let pod = &self.pod;
+        let mut l = ConnectionLabels {
+            reporter: "destination",
+            destination_workload: pod.name.clone(),
+            destination_workload_namespace: pod.namespace.clone(),
+            destination_canonical_service: pod.canonical_service.clone(),
+            destination_canonical_revision: pod.canonical_revision.clone(),
+            destination_principal: pod.identity.to_string(),
+            ..Default::default()
+        };
+        if let Some(id) = peer {
+            l.source_principal = id.to_string();
+        }
+        let state = self.state.load();
+        if let Some(w) = src_ip.and_then(|ip| state.workload_by_addr(&pod.network, ip)) {
+            l.source_workload = w.name.clone();
+            l.source_workload_namespace = w.namespace.clone();
+            l.source_canonical_service = w.canonical_service().to_string();
+        }
+        l
+    }
+}
+
+fn reply(respond: &mut SendResponse<Bytes>, status: StatusCode) {
+    let mut resp = Response::new(());
+    *resp.status_mut() = status;
+    let _ = respond.send_response(resp, true);
+}

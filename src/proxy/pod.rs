@@ -1,0 +1,111 @@
+//! A served pod: its identity and addresses, and the socket factory every one
+//! of its listeners and outbound connections comes from.
+//!
+//! Nothing about a pod is process-wide: a proxy serving many pods holds one
+//! [`Pod`] each, and every socket it opens for a pod carries that pod's mark
+//! (and, in shared mode, is created inside that pod's netns).
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use socket2::{Domain, Protocol, SockRef, Socket, TcpKeepalive, Type};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+
+use crate::identity::{Identity, TlsHandle};
+use crate::netns::Netns;
+
+/// How long an outbound connect may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Creates a pod's sockets: marked, keepalive, no Nagle, in the pod's netns.
+#[derive(Debug, Clone)]
+pub struct SocketFactory {
+    mark: u32,
+    /// `None`: the proxy already runs inside the pod's netns (dedicated mode).
+    netns: Option<Netns>,
+}
+
+impl SocketFactory {
+    pub fn new(mark: u32, netns: Option<Netns>) -> Self {
+        SocketFactory { mark, netns }
+    }
+
+    fn in_netns<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> io::Result<T> + Send + 'static,
+    ) -> io::Result<T> {
+        match &self.netns {
+            None => f(),
+            Some(ns) => ns.run(f)?,
+        }
+    }
+
+    fn socket(&self, addr: &SocketAddr) -> io::Result<Socket> {
+        let mark = self.mark;
+        let domain = Domain::for_address(*addr);
+        self.in_netns(move || {
+            let s = Socket::new(domain, Type::STREAM.nonblocking(), Some(Protocol::TCP))?;
+            s.set_mark(mark)?;
+            Ok(s)
+        })
+    }
+
+    /// A listener with `SO_REUSEPORT`, so a new proxy can bind beside a draining one.
+    pub fn listen(&self, addr: SocketAddr) -> io::Result<TcpListener> {
+        let s = self.socket(&addr)?;
+        s.set_reuse_address(true)?;
+        s.set_reuse_port(true)?;
+        if addr.is_ipv6() {
+            s.set_only_v6(false)?;
+        }
+        s.bind(&addr.into())?;
+        s.listen(1024)?;
+        TcpListener::from_std(s.into())
+    }
+
+    /// Connects to `addr` from the pod, within [`CONNECT_TIMEOUT`].
+    pub async fn connect(&self, addr: SocketAddr) -> io::Result<TcpStream> {
+        let s = self.socket(&addr)?;
+        let sock = TcpSocket::from_std_stream(s.into());
+        let stream = tokio::time::timeout(CONNECT_TIMEOUT, sock.connect(addr))
+            .await
+            .map_err(|_| {
+                io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("connect to {addr} timed out"),
+                )
+            })??;
+        tune(&stream)?;
+        Ok(stream)
+    }
+}
+
+/// NODELAY and keepalive, for every connection the proxy holds.
+pub fn tune(stream: &TcpStream) -> io::Result<()> {
+    stream.set_nodelay(true)?;
+    let ka = TcpKeepalive::new()
+        .with_time(Duration::from_secs(180))
+        .with_interval(Duration::from_secs(180));
+    SockRef::from(stream).set_tcp_keepalive(&ka)
+}
+
+/// One pod the proxy serves.
+#[derive(Debug)]
+pub struct Pod {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub identity: Identity,
+    pub network: String,
+    pub ips: Vec<IpAddr>,
+    pub sockets: SocketFactory,
+    pub tls: TlsHandle,
+    /// Labels for metrics: the pod's canonical service and revision.
+    pub canonical_service: String,
+    pub canonical_revision: String,
+}
+
+pub type PodRef = Arc<Pod>;

@@ -1,0 +1,216 @@
+//! The mesh state the data path reads: an immutable, indexed snapshot swapped
+//! in whole by whichever source owns the state (local file now, xDS later).
+//!
+//! Readers call [`StateHandle::load`] once per connection and never lock;
+//! writers build a complete new [`State`] and swap it in one step, so a reader
+//! sees either the old state or the new one, never a mix.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use super::types::{Authorization, HealthStatus, NetworkAddress, Service, Workload};
+
+/// A workload backing a service, with its own port overrides.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    pub workload: Arc<Workload>,
+    /// Service port → target port for this workload (may override the service's).
+    pub ports: std::collections::BTreeMap<u16, u16>,
+}
+
+/// One consistent view of workloads, services and policies.
+#[derive(Debug, Default)]
+pub struct State {
+    workloads: HashMap<String, Arc<Workload>>,
+    by_addr: HashMap<NetworkAddress, Arc<Workload>>,
+    services_by_vip: HashMap<NetworkAddress, Arc<Service>>,
+    services_by_host: HashMap<String, Arc<Service>>,
+    endpoints: HashMap<String, Vec<Endpoint>>,
+    policies: HashMap<String, Arc<Authorization>>,
+}
+
+/// Why a resource could not join the state; names the resource.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+#[error("{resource}: {reason}")]
+pub struct ResourceError {
+    pub resource: String,
+    pub reason: String,
+}
+
+impl State {
+    /// Builds a state from complete lists, rejecting conflicting resources.
+    pub fn build(
+        workloads: Vec<Workload>,
+        services: Vec<Service>,
+        policies: Vec<Authorization>,
+    ) -> Result<State, Vec<ResourceError>> {
+        let mut st = State::default();
+        let mut errors = Vec::new();
+        for (i, mut w) in workloads.into_iter().enumerate() {
+            let name = format!("workloads[{i}] ({}/{})", w.namespace, w.name);
+            if w.uid.is_empty() {
+                w.uid = format!("{}/{}", w.namespace, w.name);
+            }
+            if w.name.is_empty() || w.namespace.is_empty() {
+                errors.push(ResourceError {
+                    resource: name,
+                    reason: "name and namespace are required".into(),
+                });
+                continue;
+            }
+            if st.workloads.contains_key(&w.uid) {
+                errors.push(ResourceError {
+                    resource: name,
+                    reason: format!("uid {:?} is used twice", w.uid),
+                });
+                continue;
+            }
+            let w = Arc::new(w);
+            let mut clash = None;
+            for ip in &w.workload_ips {
+                let key = NetworkAddress {
+                    network: w.network.clone(),
+                    address: *ip,
+                };
+                if let Some(other) = st.by_addr.get(&key) {
+                    clash = Some(format!(
+                        "IP {ip} already belongs to {}/{}",
+                        other.namespace, other.name
+                    ));
+                }
+            }
+            if let Some(reason) = clash {
+                errors.push(ResourceError {
+                    resource: name,
+                    reason,
+                });
+                continue;
+            }
+            for ip in &w.workload_ips {
+                st.by_addr.insert(
+                    NetworkAddress {
+                        network: w.network.clone(),
+                        address: *ip,
+                    },
+                    w.clone(),
+                );
+            }
+            for (svc, ports) in &w.services {
+                st.endpoints.entry(svc.clone()).or_default().push(Endpoint {
+                    workload: w.clone(),
+                    ports: ports.clone(),
+                });
+            }
+            st.workloads.insert(w.uid.clone(), w);
+        }
+        for (i, s) in services.into_iter().enumerate() {
+            let name = format!("services[{i}] ({}/{})", s.namespace, s.hostname);
+            if s.hostname.is_empty() || s.namespace.is_empty() {
+                errors.push(ResourceError {
+                    resource: name,
+                    reason: "hostname and namespace are required".into(),
+                });
+                continue;
+            }
+            if let Some(vip) = s.vips.iter().find(|v| st.services_by_vip.contains_key(v)) {
+                errors.push(ResourceError {
+                    resource: name,
+                    reason: format!("VIP {vip} already belongs to another service"),
+                });
+                continue;
+            }
+            let s = Arc::new(s);
+            for vip in &s.vips {
+                st.services_by_vip.insert(vip.clone(), s.clone());
+            }
+            st.services_by_host.insert(s.key(), s);
+        }
+        for (i, p) in policies.into_iter().enumerate() {
+            let key = p.key();
+            if st.policies.contains_key(&key) {
+                errors.push(ResourceError {
+                    resource: format!("policies[{i}] ({key})"),
+                    reason: "defined twice".into(),
+                });
+                continue;
+            }
+            st.policies.insert(key, Arc::new(p));
+        }
+        if errors.is_empty() {
+            Ok(st)
+        } else {
+            Err(errors)
+        }
+    }
+
+    pub fn workload_by_addr(&self, network: &str, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.by_addr.get(&NetworkAddress {
+            network: network.to_string(),
+            address: ip,
+        })
+    }
+
+    pub fn workload_by_name(&self, namespace: &str, name: &str) -> Option<&Arc<Workload>> {
+        self.workloads
+            .values()
+            .find(|w| w.namespace == namespace && w.name == name)
+    }
+
+    pub fn service_by_vip(&self, network: &str, ip: IpAddr) -> Option<&Arc<Service>> {
+        self.services_by_vip.get(&NetworkAddress {
+            network: network.to_string(),
+            address: ip,
+        })
+    }
+
+    pub fn service_by_host(&self, key: &str) -> Option<&Arc<Service>> {
+        self.services_by_host.get(key)
+    }
+
+    /// Healthy endpoints of a service.
+    pub fn healthy_endpoints<'a>(
+        &'a self,
+        service: &Service,
+    ) -> impl Iterator<Item = &'a Endpoint> + 'a {
+        self.endpoints
+            .get(&service.key())
+            .into_iter()
+            .flatten()
+            .filter(|e| e.workload.status == HealthStatus::Healthy)
+    }
+
+    pub fn workloads(&self) -> impl Iterator<Item = &Arc<Workload>> {
+        self.workloads.values()
+    }
+
+    pub fn services(&self) -> impl Iterator<Item = &Arc<Service>> {
+        self.services_by_host.values()
+    }
+
+    pub fn policies(&self) -> impl Iterator<Item = &Arc<Authorization>> {
+        self.policies.values()
+    }
+}
+
+/// Shared handle to the current state; cheap to clone.
+#[derive(Debug, Clone, Default)]
+pub struct StateHandle(Arc<ArcSwap<State>>);
+
+impl StateHandle {
+    pub fn new(state: State) -> Self {
+        StateHandle(Arc::new(ArcSwap::from_pointee(state)))
+    }
+
+    /// The current snapshot; hold it for the duration of one decision.
+    pub fn load(&self) -> Arc<State> {
+        self.0.load_full()
+    }
+
+    /// Replaces the state in one atomic step.
+    pub fn store(&self, state: State) {
+        self.0.store(Arc::new(state));
+    }
+}
