@@ -12,7 +12,7 @@ use http::{Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
-use super::hbone::{forwarded_for, validate_connect, H2Settings};
+use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{tune, PodRef};
@@ -41,6 +41,7 @@ where
         match listener.accept().await {
             Ok((stream, peer)) => {
                 let _ = tune(&stream);
+                let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
                 tokio::spawn(handle(stream, peer));
             }
             Err(e) => {

@@ -171,6 +171,7 @@ impl Outbound {
 
     async fn handle(&self, mut stream: TcpStream, peer: SocketAddr) {
         let _ = tune(&stream);
+        let peer = SocketAddr::new(super::hbone::canonical(peer.ip()), peer.port());
         let dst = match original_dst(&stream) {
             Ok(d) => d,
             Err(e) => {

@@ -1,0 +1,332 @@
+//! End-to-end: the secure L4 data path through the real binary, pods in
+//! network namespaces, traffic redirected by the in-pod rules.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ambit::lab::{connect_from, echo_roundtrip, EchoServer};
+use common::{counter, workload, Mesh};
+
+#[test]
+fn meshed_pods_talk_over_hbone_by_pod_ip() {
+    let mut m = Mesh::new("hbone");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+
+    let payload: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+    let mut conn = connect_from(&client, echo.addr).unwrap();
+    let back = echo_roundtrip(&mut conn, &payload).unwrap();
+    assert_eq!(
+        back, payload,
+        "every byte must come back through both proxies"
+    );
+    assert_eq!(
+        echo.peers().len(),
+        1,
+        "the server app sees exactly one connection"
+    );
+
+    std::thread::sleep(Duration::from_millis(200));
+    let cm = m.metrics(&client);
+    let src = [
+        ("reporter", "source"),
+        ("destination_workload", "server"),
+        ("connection_security_policy", "mutual_tls"),
+        (
+            "destination_principal",
+            "spiffe://cluster.local/ns/default/sa/server-sa",
+        ),
+    ];
+    assert_eq!(
+        counter(&cm, "istio_tcp_connections_opened_total", &src),
+        1,
+        "{cm}"
+    );
+    assert_eq!(
+        counter(&cm, "istio_tcp_sent_bytes_total", &src),
+        payload.len() as u64,
+        "{cm}"
+    );
+    assert_eq!(
+        counter(&cm, "istio_tcp_received_bytes_total", &src),
+        payload.len() as u64,
+        "{cm}"
+    );
+    let sm = m.metrics(&server);
+    let dst = [
+        ("reporter", "destination"),
+        (
+            "source_principal",
+            "spiffe://cluster.local/ns/default/sa/client-sa",
+        ),
+        ("source_workload", "client"),
+    ];
+    assert_eq!(
+        counter(&sm, "istio_tcp_connections_closed_total", &dst),
+        1,
+        "{sm}"
+    );
+    assert_eq!(
+        counter(&sm, "istio_tcp_sent_bytes_total", &dst),
+        payload.len() as u64,
+        "{sm}"
+    );
+}
+
+const MARKER: &[u8] = b"AMBIT-PLAINTEXT-MARKER-7f3a9c";
+
+#[test]
+fn bytes_on_the_wire_are_tls_to_15008_never_cleartext() {
+    let mut m = Mesh::new("wire");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let pcap = m.lab.dir.join("wire.pcap");
+    let mut cmd = m.lab.node.command("tcpdump");
+    cmd.args(["-i", "br0", "-U", "-s", "0", "-w"]).arg(&pcap);
+    m.lab.spawn("tcpdump", cmd).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+
+    let payload = MARKER.repeat(2000);
+    let mut conn = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(echo_roundtrip(&mut conn, &payload).unwrap(), payload);
+    std::thread::sleep(Duration::from_millis(500));
+    m.lab.stop("tcpdump");
+
+    let raw = std::fs::read(&pcap).unwrap();
+    assert!(
+        raw.len() > payload.len(),
+        "capture holds the transfer ({} bytes)",
+        raw.len()
+    );
+    assert!(
+        !raw.windows(MARKER.len()).any(|w| w == MARKER),
+        "payload seen in clear on the bridge"
+    );
+    let count = |filter: &str| {
+        let out = std::process::Command::new("tcpdump")
+            .args(["-nn", "-r"])
+            .arg(&pcap)
+            .arg(filter)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).lines().count()
+    };
+    assert!(
+        count("tcp dst port 15008 and tcp[((tcp[12:1] & 0xf0) >> 2):1] = 0x16") >= 1,
+        "TLS handshake to 15008"
+    );
+    assert!(
+        count("tcp dst port 15008 and tcp[((tcp[12:1] & 0xf0) >> 2):1] = 0x17") >= 2,
+        "TLS application data to 15008"
+    );
+    assert_eq!(
+        count("tcp port 8080"),
+        0,
+        "nothing reaches the app port on the wire"
+    );
+}
+
+#[test]
+fn service_vip_reaches_an_endpoint_on_its_target_port() {
+    let mut m = Mesh::new("vip");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    m.write_config(&format!(
+        "workloads:\n{}- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{}\"], protocol: HBONE,\n   services: {{\"default/echo.default.svc.cluster.local\": {{80: 8080}}}}}}\nservices:\n- {{name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {{80: 8080}}}}\n",
+        workload(&client, "client-sa", "HBONE"),
+        server.ip
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let mut conn = connect_from(&client, "10.96.0.10:80".parse().unwrap()).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut conn, b"via the service").unwrap(),
+        b"via the service"
+    );
+    assert_eq!(echo.peers().len(), 1);
+    std::thread::sleep(Duration::from_millis(200));
+    let cm = m.metrics(&client);
+    assert_eq!(
+        counter(
+            &cm,
+            "istio_tcp_connections_closed_total",
+            &[
+                ("destination_service", "echo.default.svc.cluster.local"),
+                ("destination_workload", "server")
+            ]
+        ),
+        1,
+        "{cm}"
+    );
+}
+
+#[test]
+fn destination_outside_the_mesh_passes_through_untouched() {
+    let mut m = Mesh::new("pass");
+    let (client, outsider) = (m.pod("client"), m.pod("outsider"));
+    m.write_config(&format!(
+        "workloads:\n{}",
+        workload(&client, "client-sa", "HBONE")
+    ));
+    m.mesh(&client, "client-sa");
+    let echo = EchoServer::start(&outsider, 9000).unwrap();
+    let mut conn = connect_from(&client, echo.addr).unwrap();
+    let payload = vec![42u8; 300_000];
+    assert_eq!(echo_roundtrip(&mut conn, &payload).unwrap(), payload);
+    let peers = echo.peers();
+    assert_eq!(peers.len(), 1);
+    assert_eq!(
+        peers[0].ip(),
+        std::net::IpAddr::from(client.ip),
+        "outsider sees the client pod's own address"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let cm = m.metrics(&client);
+    assert_eq!(
+        counter(
+            &cm,
+            "istio_tcp_sent_bytes_total",
+            &[
+                ("destination_workload", "unknown"),
+                ("connection_security_policy", "unknown")
+            ]
+        ),
+        payload.len() as u64,
+        "{cm}"
+    );
+    assert!(
+        m.proxy_log(&client).contains("route=\"passthrough\""),
+        "{}",
+        m.proxy_log(&client)
+    );
+}
+
+fn openssl_client(
+    m: &Mesh,
+    target: SocketAddr,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> String {
+    let script = format!(
+        "sleep 1 | openssl s_client -connect {target} -tls1_3 -alpn h2 -cert {} -key {} -CAfile {} 2>&1",
+        cert.display(),
+        key.display(),
+        m.ca.0.display()
+    );
+    let out = m
+        .lab
+        .node
+        .command("sh")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Writes a workload certificate for `id` signed by the CA in `ca` as PEM files.
+fn issue_pem(
+    m: &Mesh,
+    ca: &(std::path::PathBuf, std::path::PathBuf),
+    id: ambit::identity::Identity,
+    name: &str,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let ca = ambit::identity::LocalCa::from_files(&ca.0, &ca.1).unwrap();
+    let cert = ca.issue(&id, Duration::from_secs(600)).unwrap();
+    let (der_c, der_k) = (
+        m.lab.dir.join(format!("{name}.crt.der")),
+        m.lab.dir.join(format!("{name}.key.der")),
+    );
+    std::fs::write(&der_c, &cert.chain[0]).unwrap();
+    std::fs::write(&der_k, cert.key.secret_pkcs8_der()).unwrap();
+    let (pem_c, pem_k) = (
+        m.lab.dir.join(format!("{name}.crt")),
+        m.lab.dir.join(format!("{name}.key")),
+    );
+    assert!(std::process::Command::new("openssl")
+        .args(["x509", "-inform", "der", "-in"])
+        .arg(&der_c)
+        .arg("-out")
+        .arg(&pem_c)
+        .status()
+        .unwrap()
+        .success());
+    assert!(std::process::Command::new("openssl")
+        .args(["pkey", "-inform", "der", "-in"])
+        .arg(&der_k)
+        .arg("-out")
+        .arg(&pem_k)
+        .status()
+        .unwrap()
+        .success());
+    (pem_c, pem_k)
+}
+
+#[test]
+fn peers_from_another_ca_or_trust_domain_are_refused() {
+    let mut m = Mesh::new("peer");
+    let (server, intruder) = (m.pod("server"), m.pod("intruder"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&server, "server-sa", "HBONE"),
+        workload(&intruder, "intruder-sa", "HBONE")
+    ));
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let hbone: SocketAddr = SocketAddr::new(server.ip.into(), 15008);
+    let id = |td: &str| ambit::identity::Identity::new(td, "default", "intruder-sa");
+
+    // openssl as the peer: the right CA and trust domain gets h2; anything else an alert.
+    let (c, k) = issue_pem(&m, &m.ca, id(common::TD), "good");
+    let good = openssl_client(&m, hbone, &c, &k);
+    assert!(
+        good.contains("ALPN protocol: h2") && !good.contains("alert"),
+        "{good}"
+    );
+    let other_ca = ambit::lab::write_ca(&m.lab.dir, "other", common::TD).unwrap();
+    let (c, k) = issue_pem(&m, &other_ca, id(common::TD), "foreign-ca");
+    let out = openssl_client(&m, hbone, &c, &k);
+    assert!(
+        out.contains("alert"),
+        "certificate from another CA must be refused: {out}"
+    );
+    let (c, k) = issue_pem(&m, &m.ca, id("evil.example"), "foreign-td");
+    let out = openssl_client(&m, hbone, &c, &k);
+    assert!(
+        out.contains("alert"),
+        "certificate of another trust domain must be refused: {out}"
+    );
+    assert!(
+        m.proxy_log(&server)
+            .matches("HBONE TLS handshake refused")
+            .count()
+            >= 2,
+        "{}",
+        m.proxy_log(&server)
+    );
+
+    // A whole ambit proxy under another CA cannot reach the server's application.
+    m.mesh_with(&intruder, "intruder-sa", other_ca, common::TD);
+    let mut conn = connect_from(&intruder, echo.addr).unwrap();
+    let back = echo_roundtrip(&mut conn, b"let me in").unwrap_or_default();
+    assert!(back.is_empty(), "intruder got bytes back: {back:?}");
+    assert!(
+        echo.peers().is_empty(),
+        "server app must never see the intruder"
+    );
+}
