@@ -1,0 +1,221 @@
+//! End-to-end: configuration — live edits of the local config, rejected
+//! edits, and start-up errors that name the key and the value.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use ambit::lab::{connect_from, echo_roundtrip, EchoServer};
+use common::{workload, Mesh};
+
+fn server_entry(ip: std::net::Ipv4Addr) -> String {
+    format!("- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{ip}\"], protocol: HBONE,\n   services: {{\"default/echo.default.svc.cluster.local\": {{80: 8080}}}}}}\n")
+}
+
+const SERVICE: &str = "services:\n- {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n";
+
+#[test]
+fn local_config_edit_applies_live_and_a_bad_edit_keeps_the_last_good_state() {
+    let mut m = Mesh::new("edit");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    let workloads = format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        server_entry(server.ip)
+    );
+    m.write_config(&workloads);
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+
+    // A connection opened before the edits must survive them.
+    let mut long_lived = connect_from(&client, echo.addr).unwrap();
+    long_lived
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut ping = |s: &mut std::net::TcpStream, msg: &[u8]| {
+        s.write_all(msg).unwrap();
+        let mut buf = vec![0u8; msg.len()];
+        s.read_exact(&mut buf).unwrap();
+        assert_eq!(buf, msg);
+    };
+    ping(&mut long_lived, b"before");
+
+    let dump = || {
+        ambit::lab::http_get(&client, "127.0.0.1:15000", "/config_dump")
+            .unwrap()
+            .1
+    };
+    assert!(
+        !dump().contains("echo.default.svc.cluster.local\",\"name\""),
+        "no service before the edit"
+    );
+
+    m.write_config(&format!("{workloads}{SERVICE}"));
+    let written = Instant::now();
+    while !dump().contains("\"hostname\":\"echo.default.svc.cluster.local\"") {
+        assert!(
+            written.elapsed() < Duration::from_secs(1),
+            "edit not applied within a second: {}",
+            dump()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eprintln!("edit applied after {:?}", written.elapsed());
+    let vip = "10.96.0.10:80".parse().unwrap();
+    let mut c = connect_from(&client, vip).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"svc").unwrap(),
+        b"svc",
+        "new service reachable"
+    );
+    ping(&mut long_lived, b"after-edit");
+
+    // A broken edit is rejected with file and line, and the service keeps working.
+    std::fs::write(
+        &m.config,
+        format!("{workloads}{SERVICE}policies:\n- name: x\n  action: Sometimes\n"),
+    )
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    let log = m.proxy_log(&client);
+    let rejected = log
+        .lines()
+        .find(|l| l.contains("local config rejected"))
+        .unwrap_or_else(|| panic!("no rejection logged:\n{log}"));
+    assert!(
+        rejected.contains(&m.config.display().to_string())
+            && rejected.contains("line=9")
+            && rejected.contains("unknown variant `Sometimes`"),
+        "{rejected}"
+    );
+    let mut c = connect_from(&client, vip).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"still").unwrap(),
+        b"still",
+        "previous state must stay in force"
+    );
+    ping(&mut long_lived, b"after-bad-edit");
+    assert_eq!(
+        ambit::lab::http_get(&client, "127.0.0.1:15021", "/healthz/ready")
+            .unwrap()
+            .0,
+        200
+    );
+}
+
+fn ambit(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_ambit"));
+    cmd.args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn startup_errors_name_the_key_the_value_and_the_expectation() {
+    let (ok, _, err) = ambit(
+        &["proxy"],
+        &[
+            ("PROXY_WORKLOAD_INFO", "default/web/web"),
+            ("LOCAL_XDS_PATH", "/x"),
+            ("PACKET_MARK", "0"),
+        ],
+    );
+    assert!(!ok);
+    assert!(
+        err.contains(
+            "config key `packet_mark` = \"0\" (from env PACKET_MARK): expected a non-zero number"
+        ),
+        "{err}"
+    );
+    let (ok, _, err) = ambit(
+        &["proxy", "--trust-domain", "a/b"],
+        &[
+            ("PROXY_WORKLOAD_INFO", "default/web/web"),
+            ("LOCAL_XDS_PATH", "/x"),
+        ],
+    );
+    assert!(
+        !ok && err.contains("`trust_domain` = \"a/b\" (from flag)"),
+        "{err}"
+    );
+    let (ok, _, err) = ambit(&["proxy", "--colour", "red"], &[]);
+    assert!(!ok && err.contains("unknown config key `colour`"), "{err}");
+    let dir = std::env::temp_dir().join(format!("ambit-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = dir.join("absent.yaml");
+    let (ok, _, err) = ambit(
+        &["proxy"],
+        &[
+            ("PROXY_WORKLOAD_INFO", "default/web/web"),
+            ("LOCAL_XDS_PATH", missing.to_str().unwrap()),
+            ("AMBIT_STATE_DIR", dir.to_str().unwrap()),
+        ],
+    );
+    assert!(
+        !ok && err.contains("absent.yaml") && err.contains("cannot read"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn print_config_shows_each_value_and_where_it_came_from() {
+    let dir = std::env::temp_dir().join(format!("ambit-pc-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("proxy.yaml");
+    std::fs::write(&file, "trust_domain: file.example\ncluster_id: from-file\n").unwrap();
+    let (ok, out, err) = ambit(
+        &[
+            "proxy",
+            "--config",
+            file.to_str().unwrap(),
+            "--cluster-id",
+            "from-flag",
+            "--print-config",
+        ],
+        &[
+            ("PROXY_WORKLOAD_INFO", "default/web/web"),
+            ("LOCAL_XDS_PATH", "/etc/mesh.yaml"),
+            ("TRUST_DOMAIN", "env.example"),
+        ],
+    );
+    assert!(ok, "{err}");
+    assert!(
+        out.contains("trust_domain: \"env.example\"  # env TRUST_DOMAIN"),
+        "{out}"
+    );
+    assert!(out.contains("cluster_id: \"from-flag\"  # flag"), "{out}");
+    assert!(out.contains("packet_mark: \"1337\"  # default"), "{out}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn binary_lists_roles_and_answers_to_its_argv0_names() {
+    let (ok, out, _) = ambit(&["--help"], &[]);
+    assert!(
+        ok && out.contains("proxy") && out.contains("demo") && out.contains("version"),
+        "{out}"
+    );
+    let (ok, out, _) = ambit(&["version"], &[]);
+    assert!(ok && out.starts_with("ambit "), "{out}");
+    let dir = std::env::temp_dir().join(format!("ambit-argv0-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let link = dir.join("ambit-proxy");
+    let _ = std::fs::remove_file(&link);
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_ambit"), &link).unwrap();
+    let out = Command::new(&link).arg("--help").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ambit proxy: configuration keys"));
+    std::fs::remove_dir_all(&dir).ok();
+}
