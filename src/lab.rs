@@ -185,6 +185,15 @@ impl Lab {
         });
     }
 
+    /// The pid of a spawned process.
+    pub fn pid(&self, label: &str) -> Option<u32> {
+        let children = self.children.lock().unwrap_or_else(|e| e.into_inner());
+        children
+            .iter()
+            .find(|(l, _)| l == label)
+            .map(|(_, c)| c.id())
+    }
+
     /// Runs a dedicated `ambit proxy` inside `pod` and waits until it is ready.
     pub fn start_proxy(&self, pod: &LabPod, spec: &ProxySpec) -> io::Result<()> {
         let mut cmd = pod.ns.command(&self.binary);
