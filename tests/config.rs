@@ -35,7 +35,7 @@ fn local_config_edit_applies_live_and_a_bad_edit_keeps_the_last_good_state() {
     long_lived
         .set_read_timeout(Some(Duration::from_secs(5)))
         .unwrap();
-    let mut ping = |s: &mut std::net::TcpStream, msg: &[u8]| {
+    let ping = |s: &mut std::net::TcpStream, msg: &[u8]| {
         s.write_all(msg).unwrap();
         let mut buf = vec![0u8; msg.len()];
         s.read_exact(&mut buf).unwrap();

@@ -332,7 +332,7 @@ mod tests {
         let id = Identity::new("cluster.local", "ns", "server");
         let s = ca.issue(&id, Duration::from_secs(600)).unwrap();
         assert_eq!(
-            verify_peer_identity(Some(&s.chain), &[id.clone()]).unwrap(),
+            verify_peer_identity(Some(&s.chain), std::slice::from_ref(&id)).unwrap(),
             id
         );
         let other = Identity::new("cluster.local", "ns", "other");
