@@ -11,16 +11,7 @@ use common::{counter, workload, Mesh};
 
 #[test]
 fn meshed_pods_talk_over_hbone_by_pod_ip() {
-    let mut m = Mesh::new("hbone");
-    let (client, server) = (m.pod("client"), m.pod("server"));
-    m.write_config(&format!(
-        "workloads:\n{}{}",
-        workload(&client, "client-sa", "HBONE"),
-        workload(&server, "server-sa", "HBONE")
-    ));
-    m.mesh(&client, "client-sa");
-    m.mesh(&server, "server-sa");
-    let echo = EchoServer::start(&server, 8080).unwrap();
+    let (m, client, server, echo) = common::meshed_pair("hbone");
 
     let payload: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
     let mut conn = connect_from(&client, echo.addr).unwrap();
@@ -86,16 +77,7 @@ const MARKER: &[u8] = b"AMBIT-PLAINTEXT-MARKER-7f3a9c";
 
 #[test]
 fn bytes_on_the_wire_are_tls_to_15008_never_cleartext() {
-    let mut m = Mesh::new("wire");
-    let (client, server) = (m.pod("client"), m.pod("server"));
-    m.write_config(&format!(
-        "workloads:\n{}{}",
-        workload(&client, "client-sa", "HBONE"),
-        workload(&server, "server-sa", "HBONE")
-    ));
-    m.mesh(&client, "client-sa");
-    m.mesh(&server, "server-sa");
-    let echo = EchoServer::start(&server, 8080).unwrap();
+    let (m, client, _server, echo) = common::meshed_pair("wire");
     let pcap = m.lab.dir.join("wire.pcap");
     let mut cmd = m.lab.node.command("tcpdump");
     cmd.args(["-i", "br0", "-U", "-s", "0", "-w"]).arg(&pcap);

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use ambit::lab::{write_ca, Lab, LabPod, ProxySpec};
+use ambit::lab::{write_ca, EchoServer, Lab, LabPod, ProxySpec};
 
 pub const TD: &str = "cluster.local";
 
@@ -85,4 +85,19 @@ pub fn counter(metrics: &str, name: &str, filter: &[(&str, &str)]) -> u64 {
         })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
         .sum()
+}
+
+/// The common scenario: meshed `client` and `server` pods, an echo app on server:8080.
+pub fn meshed_pair(tag: &str) -> (Mesh, LabPod, LabPod, EchoServer) {
+    let mut m = Mesh::new(tag);
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    (m, client, server, echo)
 }
