@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use ambit::lab::{connect_from, write_ca, EchoServer, Lab, LabPod, ProxySpec};
 
-fn iperf(lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> f64 {
+fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> f64 {
     let out = client
         .ns
         .command("iperf3")
@@ -25,7 +25,7 @@ fn iperf(lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> f64 {
     let bps = v["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .unwrap_or(0.0);
-    let _ = lab;
+
     bps / 1e9
 }
 
@@ -105,10 +105,34 @@ fn main() {
     }
     std::thread::sleep(Duration::from_millis(500));
 
-    println!("ambit data-path benchmark: {secs}s iperf3 single stream per path, 20000 1-byte round trips\n");
-    let direct = iperf(&lab, &plain_client, &outsider, secs);
-    let hbone = iperf(&lab, &client, &server, secs);
-    let pass = iperf(&lab, &client, &outsider, secs);
+    let rounds_n: usize = std::env::var("AMBIT_BENCH_ROUNDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(3);
+    println!("ambit data-path benchmark: iperf3 single stream, {secs}s per path, {rounds_n} interleaved rounds (median); 20000 1-byte round trips\n");
+    let (mut ds, mut hs, mut ps) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds_n {
+        ds.push(iperf(&lab, &plain_client, &outsider, secs));
+        hs.push(iperf(&lab, &client, &server, secs));
+        ps.push(iperf(&lab, &client, &outsider, secs));
+    }
+    let ratios = |v: &[f64], d: &[f64]| {
+        v.iter()
+            .zip(d)
+            .map(|(x, y)| format!("{:.2}", x / y))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    println!(
+        "per-round ratios to direct: HBONE {} | passthrough {}\n",
+        ratios(&hs, &ds),
+        ratios(&ps, &ds)
+    );
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[v.len() / 2]
+    };
+    let (direct, hbone, pass) = (median(ds), median(hs), median(ps));
     println!(
         "{:<34} {:>10} {:>10}",
         "throughput (iperf3, 1 stream)", "Gbit/s", "vs direct"

@@ -29,12 +29,25 @@ use pod::{Pod, PodRef, SocketFactory};
 
 /// Runs the proxy role until SIGTERM, SIGINT or `/quitquitquit`.
 pub fn run(cfg: ProxyConfig) -> anyhow::Result<()> {
+    tune_allocator();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.worker_threads)
         .thread_name("ambit-proxy")
         .enable_all()
         .build()?;
     rt.block_on(serve(cfg))
+}
+
+/// Keeps glibc malloc from mapping and unmapping (and page-faulting in) the
+/// 16–256 KiB buffers the copy loops cycle through: without this, a bulk
+/// HBONE flow spends a tenth of its CPU in page faults (perf, measured).
+fn tune_allocator() {
+    // SAFETY: mallopt only changes allocator parameters; called before any
+    // other thread exists.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 4 << 20);
+    }
 }
 
 async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
