@@ -198,6 +198,7 @@ impl Lab {
     pub fn start_proxy(&self, pod: &LabPod, spec: &ProxySpec) -> io::Result<()> {
         let mut cmd = pod.ns.command(&self.binary);
         cmd.arg("proxy")
+            .env("PROXY_MODE", "dedicated")
             .env("LOCAL_XDS_PATH", &spec.config)
             .env("PROXY_WORKLOAD_INFO", &spec.workload_info)
             .env("TRUST_DOMAIN", &spec.trust_domain)

@@ -16,6 +16,7 @@ pub mod netns;
 pub mod proto;
 pub mod proxy;
 pub mod xds;
+pub mod zds;
 
 /// The version printed by `ambit version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -31,6 +31,22 @@ impl Netns {
         })
     }
 
+    /// Takes ownership of an already open namespace fd (e.g. one received over ZDS).
+    pub fn from_fd(fd: std::os::fd::OwnedFd, label: &str) -> Self {
+        Netns {
+            path: PathBuf::from(label),
+            file: Arc::new(File::from(fd)),
+        }
+    }
+
+    /// Whether the fd really is a network namespace.
+    pub fn is_netns(&self) -> bool {
+        // SAFETY: NS_GET_NSTYPE is a read-only ioctl on an fd we own.
+        const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+        let t = unsafe { libc::ioctl(self.file.as_raw_fd(), NS_GET_NSTYPE as _) };
+        t == libc::CLONE_NEWNET
+    }
+
     /// The namespace of a named netns (`ip netns add NAME`).
     pub fn named(name: &str) -> io::Result<Self> {
         Self::open(Path::new("/var/run/netns").join(name))
@@ -61,6 +77,34 @@ impl Netns {
     pub fn enter(&self) -> io::Result<()> {
         nix::sched::setns(&*self.file, nix::sched::CloneFlags::CLONE_NEWNET)
             .map_err(io::Error::from)
+    }
+
+    /// The calling thread's current namespace.
+    pub fn current() -> io::Result<Self> {
+        let tid = nix::unistd::gettid();
+        Self::open(format!("/proc/self/task/{tid}/ns/net"))
+    }
+
+    /// Device and inode of the namespace: equal for two handles to the same netns.
+    pub fn id(&self) -> io::Result<(u64, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let m = self.file.metadata()?;
+        Ok((m.dev(), m.ino()))
+    }
+
+    /// Runs the synchronous `f` on the calling thread inside this namespace,
+    /// then returns the thread to `home`. Sockets made by `f` stay in this
+    /// namespace. No thread is created, so this is cheap enough per connection.
+    pub fn with<T>(&self, home: &Netns, f: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
+        self.enter()?;
+        let result = f();
+        if let Err(e) = home.enter() {
+            // A worker thread left inside a pod's netns would carry other pods'
+            // traffic there: that must never continue.
+            eprintln!("fatal: cannot return thread to its network namespace: {e}");
+            std::process::abort();
+        }
+        result
     }
 
     /// Runs `f` on a fresh thread inside this namespace and returns its result.

@@ -49,8 +49,14 @@ pub static PROXY_KEYS: &[Key] = &[
     Key {
         name: "proxy_mode",
         env: &["PROXY_MODE"],
-        default: "dedicated",
-        help: "dedicated (one pod, run inside its netns) or shared (ZDS; not implemented yet)",
+        default: "shared",
+        help: "shared (pods from the node agent over ZDS) or dedicated (one pod, run inside its netns)",
+    },
+    Key {
+        name: "zds_path",
+        env: &["INPOD_UDS"],
+        default: "/var/run/ztunnel/ztunnel.sock",
+        help: "the node agent's ZDS socket (shared mode)",
     },
     Key {
         name: "workload_info",
@@ -196,6 +202,7 @@ pub static PROXY_KEYS: &[Key] = &[
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
     pub mode: ProxyMode,
+    pub zds_path: PathBuf,
     pub workload_info: Option<WorkloadInfo>,
     pub local_xds_path: PathBuf,
     pub trust_domain: String,
@@ -231,22 +238,11 @@ impl ProxyConfig {
     pub fn from_layers(l: &Layers) -> Result<Self, ConfigError> {
         let path = |s: &str| Some(PathBuf::from(s));
         let addr = |s: &str| s.parse::<SocketAddr>().ok();
-        let mode = l.require("proxy_mode", "dedicated or shared", |s| match s {
+        let mode = l.require("proxy_mode", "shared or dedicated", |s| match s {
             "dedicated" => Some(ProxyMode::Dedicated),
             "shared" => Some(ProxyMode::Shared),
             _ => None,
         })?;
-        if mode == ProxyMode::Shared {
-            let (value, origin) = l.raw("proxy_mode").cloned().unwrap_or_default_origin();
-            return Err(ConfigError::Invalid {
-                key: "proxy_mode",
-                value,
-                origin,
-                expected:
-                    "dedicated (shared mode needs the node agent's ZDS, which is not built yet)"
-                        .into(),
-            });
-        }
         let workload_info = l.get(
             "workload_info",
             "namespace/name/serviceaccount, e.g. default/web/web-sa",
@@ -288,6 +284,7 @@ impl ProxyConfig {
         };
         Ok(ProxyConfig {
             mode,
+            zds_path: l.require("zds_path", "a socket path", path)?,
             workload_info,
             local_xds_path,
             trust_domain,
@@ -342,16 +339,6 @@ impl ProxyConfig {
             })?,
             log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
         })
-    }
-}
-
-trait DefaultOrigin {
-    fn unwrap_or_default_origin(self) -> (String, super::Origin);
-}
-
-impl DefaultOrigin for Option<(String, super::Origin)> {
-    fn unwrap_or_default_origin(self) -> (String, super::Origin) {
-        self.unwrap_or((String::new(), super::Origin::Default))
     }
 }
 
@@ -410,14 +397,21 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("`workload_info` = \"a/b\""), "{err}");
-        let err = layers(&[("LOCAL_XDS_PATH", "/x")], &[])
-            .unwrap_err()
-            .to_string();
+        let err = layers(
+            &[("LOCAL_XDS_PATH", "/x"), ("PROXY_MODE", "dedicated")],
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("`workload_info` is required"), "{err}");
-        let err = layers(BASE, &["--proxy-mode", "shared"])
+        let err = layers(BASE, &["--proxy-mode", "sideways"])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("not built yet"), "{err}");
+        assert!(err.contains("expected shared or dedicated"), "{err}");
+        assert!(
+            layers(&[("LOCAL_XDS_PATH", "/x")], &[]).is_ok(),
+            "shared mode needs no workload_info"
+        );
         let err = layers(BASE, &["--ca-cert", "/ca.pem"])
             .unwrap_err()
             .to_string();

@@ -15,7 +15,7 @@ use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
-use super::pod::{tune, PodRef};
+use super::pod::{tune, Drain, PodRef};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
 use crate::xds::StateHandle;
@@ -32,17 +32,23 @@ pub struct Inbound {
     pub trust_domain: String,
 }
 
-async fn accept_loop<F, Fut>(listener: TcpListener, what: &'static str, handle: F)
+async fn accept_loop<F, Fut>(listener: TcpListener, what: &'static str, drain: Drain, handle: F)
 where
     F: Fn(TcpStream, SocketAddr) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
     loop {
-        match listener.accept().await {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = drain.signalled() => return,
+        };
+        match accepted {
             Ok((stream, peer)) => {
                 let _ = tune(&stream);
                 let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
-                tokio::spawn(handle(stream, peer));
+                let drain = drain.clone();
+                let conn = handle(stream, peer);
+                tokio::spawn(async move { drain.run(conn).await });
             }
             Err(e) => {
                 tracing::warn!(listener = what, error = %e, "accept failed");
@@ -55,12 +61,15 @@ where
 impl Inbound {
     /// Serves HBONE on `listener` (15008).
     pub async fn serve_hbone(self: Arc<Self>, listener: TcpListener) {
-        accept_loop(listener, "hbone", |s, p| self.clone().hbone_conn(s, p)).await
+        accept_loop(listener, "hbone", self.pod.drain.clone(), |s, p| {
+            self.clone().hbone_conn(s, p)
+        })
+        .await
     }
 
     /// Serves plaintext on `listener` (15006).
     pub async fn serve_plaintext(self: Arc<Self>, listener: TcpListener) {
-        accept_loop(listener, "plaintext", |s, p| {
+        accept_loop(listener, "plaintext", self.pod.drain.clone(), |s, p| {
             self.clone().plaintext_conn(s, p)
         })
         .await

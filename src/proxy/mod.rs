@@ -7,6 +7,7 @@ pub mod admin;
 pub mod copy;
 pub mod hbone;
 pub mod inbound;
+pub mod inpod;
 pub mod metrics;
 pub mod outbound;
 pub mod pod;
@@ -20,12 +21,13 @@ use anyhow::Context;
 use http::{Method, StatusCode};
 use prometheus_client::registry::Registry;
 
-use crate::config::{ProxyConfig, WorkloadInfo};
+use crate::config::{ProxyConfig, ProxyMode};
 use crate::constants::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::identity::{CertManager, Identity, LocalCa};
+use crate::netns::Netns;
 use crate::xds::{self, StateHandle};
 use hbone::H2Settings;
-use pod::{Pod, PodRef, SocketFactory};
+use pod::{Drain, Pod, PodRef, SocketFactory};
 
 /// Runs the proxy role until SIGTERM, SIGINT or `/quitquitquit`.
 pub fn run(cfg: ProxyConfig) -> anyhow::Result<()> {
@@ -50,6 +52,116 @@ fn tune_allocator() {
     }
 }
 
+/// What every served pod shares: state, certificates, pool, metrics, settings.
+pub struct ProxyShared {
+    pub state: StateHandle,
+    pub certs: Arc<CertManager>,
+    pub pool: Arc<pool::Pool>,
+    pub metrics: Arc<metrics::Metrics>,
+    pub h2: H2Settings,
+    pub cluster: String,
+    pub trust_domain: String,
+    pub network: String,
+    pub mark: u32,
+    pub ipv6: bool,
+}
+
+/// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
+#[derive(Debug, Clone)]
+pub struct PodInfo {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub service_account: String,
+}
+
+impl ProxyShared {
+    /// Builds a pod: identity and certificate, addresses from the state (or
+    /// from the pod's interfaces when the state does not list it).
+    pub fn pod(
+        &self,
+        info: &PodInfo,
+        sockets: SocketFactory,
+        drain: Drain,
+        netns: Option<&Netns>,
+    ) -> anyhow::Result<PodRef> {
+        let identity = Identity::new(&self.trust_domain, &info.namespace, &info.service_account);
+        let snapshot = self.state.load();
+        let workload = snapshot.workload_by_name(&info.namespace, &info.name);
+        let ips = match (workload, netns) {
+            (Some(w), _) => w.workload_ips.clone(),
+            (None, None) => interface_ips(),
+            (None, Some(ns)) => {
+                let home = Netns::current()?;
+                ns.with(&home, || Ok(interface_ips()))?
+            }
+        };
+        Ok(Arc::new(Pod {
+            uid: info.uid.clone(),
+            name: info.name.clone(),
+            namespace: info.namespace.clone(),
+            service_account: info.service_account.clone(),
+            network: workload
+                .map(|w| w.network.clone())
+                .unwrap_or_else(|| self.network.clone()),
+            canonical_service: workload
+                .map(|w| w.canonical_service().to_string())
+                .unwrap_or_else(|| info.name.clone()),
+            canonical_revision: workload
+                .map(|w| w.canonical_revision.clone())
+                .filter(|r| !r.is_empty())
+                .unwrap_or_else(|| "latest".into()),
+            tls: self.certs.get(&identity)?,
+            identity,
+            ips,
+            sockets,
+            drain,
+        }))
+    }
+
+    /// Binds the pod's three listeners (inside its netns) and serves them
+    /// until its drain fires. Tasks only: no thread per pod.
+    pub fn start(self: &Arc<Self>, pod: PodRef) -> anyhow::Result<()> {
+        let any = |port| -> SocketAddr {
+            if self.ipv6 {
+                (Ipv6Addr::UNSPECIFIED, port).into()
+            } else {
+                (Ipv4Addr::UNSPECIFIED, port).into()
+            }
+        };
+        let listen = |port| {
+            pod.sockets
+                .listen(any(port))
+                .with_context(|| format!("pod {}: listening on port {port}", pod.uid))
+        };
+        let (out_l, plain_l, hbone_l) = (
+            listen(OUTBOUND_PORT)?,
+            listen(INBOUND_PLAINTEXT_PORT)?,
+            listen(HBONE_PORT)?,
+        );
+        let outbound = Arc::new(outbound::Outbound {
+            pod: pod.clone(),
+            state: self.state.clone(),
+            pool: self.pool.clone(),
+            metrics: self.metrics.clone(),
+            h2: self.h2,
+            cluster: self.cluster.clone(),
+            trust_domain: self.trust_domain.clone(),
+        });
+        let inbound = Arc::new(inbound::Inbound {
+            pod: pod.clone(),
+            state: self.state.clone(),
+            metrics: self.metrics.clone(),
+            h2: self.h2,
+            trust_domain: self.trust_domain.clone(),
+        });
+        tokio::spawn(outbound.serve(out_l));
+        tokio::spawn(inbound.clone().serve_hbone(hbone_l));
+        tokio::spawn(inbound.serve_plaintext(plain_l));
+        Ok(())
+    }
+}
+
 async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     let state = StateHandle::new(xds::local::load(&cfg.local_xds_path)?);
     tokio::spawn(xds::local::watch(cfg.local_xds_path.clone(), state.clone()));
@@ -59,63 +171,62 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         _ => LocalCa::load_or_generate(&cfg.state_dir, &cfg.trust_domain)?,
     };
     let certs = CertManager::new(ca, cfg.cert_ttl);
-    let wi = cfg
-        .workload_info
-        .clone()
-        .context("dedicated mode needs workload_info")?;
-    let pod = dedicated_pod(&cfg, &wi, &state, &certs)?;
-    tracing::info!(pod = %format!("{}/{}", pod.namespace, pod.name), identity = %pod.identity, ips = ?pod.ips, "serving pod");
-
     let metrics = Arc::new(metrics::Metrics::default());
     let mut registry = Registry::default();
     metrics.register(&mut registry);
-    let h2 = H2Settings {
-        stream_window: cfg.stream_window,
-        connection_window: cfg.connection_window,
-        frame_size: cfg.frame_size,
-    };
     let pool = pool::Pool::new(cfg.pool_max_streams, cfg.pool_idle_timeout);
     pool.spawn_evictor();
-
-    let any = |port| -> SocketAddr {
-        if cfg.ipv6 {
-            (Ipv6Addr::UNSPECIFIED, port).into()
-        } else {
-            (Ipv4Addr::UNSPECIFIED, port).into()
-        }
-    };
-    let listen = |port| {
-        pod.sockets
-            .listen(any(port))
-            .with_context(|| format!("listening on port {port}"))
-    };
-    let (out_l, plain_l, hbone_l) = (
-        listen(OUTBOUND_PORT)?,
-        listen(INBOUND_PLAINTEXT_PORT)?,
-        listen(HBONE_PORT)?,
-    );
-
-    let outbound = Arc::new(outbound::Outbound {
-        pod: pod.clone(),
+    let shared = Arc::new(ProxyShared {
         state: state.clone(),
+        certs: certs.clone(),
         pool: pool.clone(),
         metrics: metrics.clone(),
-        h2,
+        h2: H2Settings {
+            stream_window: cfg.stream_window,
+            connection_window: cfg.connection_window,
+            frame_size: cfg.frame_size,
+        },
         cluster: cfg.cluster_id.clone(),
         trust_domain: cfg.trust_domain.clone(),
+        network: cfg.network.clone(),
+        mark: cfg.packet_mark,
+        ipv6: cfg.ipv6,
     });
-    let inbound = Arc::new(inbound::Inbound {
-        pod: pod.clone(),
-        state: state.clone(),
-        metrics: metrics.clone(),
-        h2,
-        trust_domain: cfg.trust_domain.clone(),
-    });
-    tokio::spawn(outbound.serve(out_l));
-    tokio::spawn(inbound.clone().serve_hbone(hbone_l));
-    tokio::spawn(inbound.serve_plaintext(plain_l));
 
     let ready = Arc::new(AtomicBool::new(false));
+    // Held for the life of the process: dropping it would drain the dedicated pod.
+    let mut _dedicated_drain = None;
+    let pods: Arc<inpod::PodTable> = Arc::default();
+    match cfg.mode {
+        ProxyMode::Dedicated => {
+            let wi = cfg
+                .workload_info
+                .clone()
+                .context("dedicated mode needs workload_info")?;
+            let info = PodInfo {
+                uid: format!("{}/{}", wi.namespace, wi.name),
+                namespace: wi.namespace,
+                name: wi.name,
+                service_account: wi.service_account,
+            };
+            let (trigger, drain) = Drain::new();
+            let pod = shared.pod(&info, SocketFactory::local(cfg.packet_mark), drain, None)?;
+            tracing::info!(pod = %pod.uid, identity = %pod.identity, ips = ?pod.ips, "serving pod (dedicated mode)");
+            shared.start(pod)?;
+            _dedicated_drain = Some(trigger);
+            ready.store(true, Ordering::Release);
+        }
+        ProxyMode::Shared => {
+            let client = inpod::ZdsClient::new(
+                cfg.zds_path.clone(),
+                shared.clone(),
+                pods.clone(),
+                ready.clone(),
+            )?;
+            tokio::spawn(client.run());
+        }
+    }
+
     let quit = Arc::new(tokio::sync::Notify::new());
     let r = ready.clone();
     admin::serve(
@@ -152,7 +263,13 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     )
     .await
     .with_context(|| format!("metrics server on {}", cfg.metrics_addr))?;
-    let (q, st, c, p) = (quit.clone(), state.clone(), certs.clone(), pool.clone());
+    let (q, st, c, p, t) = (
+        quit.clone(),
+        state.clone(),
+        certs.clone(),
+        pool.clone(),
+        pods.clone(),
+    );
     admin::serve(
         cfg.admin_addr,
         Arc::new(move |method, path| match (method, path) {
@@ -160,7 +277,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                 q.notify_one();
                 (StatusCode::OK, admin::TEXT, "shutting down\n".into())
             }
-            (_, "/config_dump") => (StatusCode::OK, admin::JSON, config_dump(&st, &c, &p)),
+            (_, "/config_dump") => (StatusCode::OK, admin::JSON, config_dump(&st, &c, &p, &t)),
             (_, "/") => (
                 StatusCode::OK,
                 admin::TEXT,
@@ -172,8 +289,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     .await
     .with_context(|| format!("admin server on {}", cfg.admin_addr))?;
 
-    ready.store(true, Ordering::Release);
-    tracing::info!("proxy ready");
+    tracing::info!(mode = ?cfg.mode, "proxy started");
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => tracing::info!("SIGTERM: exiting"),
@@ -181,48 +297,6 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         _ = quit.notified() => tracing::info!("/quitquitquit: exiting"),
     }
     Ok(())
-}
-
-/// The pod a dedicated proxy serves: identity from `workload_info`, addresses
-/// from the state (or, if the state does not list it, from the interfaces).
-fn dedicated_pod(
-    cfg: &ProxyConfig,
-    wi: &WorkloadInfo,
-    state: &StateHandle,
-    certs: &Arc<CertManager>,
-) -> anyhow::Result<PodRef> {
-    let identity = Identity::new(&cfg.trust_domain, &wi.namespace, &wi.service_account);
-    let snapshot = state.load();
-    let workload = snapshot.workload_by_name(&wi.namespace, &wi.name);
-    let ips = match workload {
-        Some(w) => w.workload_ips.clone(),
-        None => {
-            tracing::warn!(pod = %format!("{}/{}", wi.namespace, wi.name), "served pod is not in the local config; using interface addresses");
-            interface_ips()
-        }
-    };
-    Ok(Arc::new(Pod {
-        uid: workload
-            .map(|w| w.uid.clone())
-            .unwrap_or_else(|| format!("{}/{}", wi.namespace, wi.name)),
-        name: wi.name.clone(),
-        namespace: wi.namespace.clone(),
-        service_account: wi.service_account.clone(),
-        network: workload
-            .map(|w| w.network.clone())
-            .unwrap_or_else(|| cfg.network.clone()),
-        canonical_service: workload
-            .map(|w| w.canonical_service().to_string())
-            .unwrap_or_else(|| wi.name.clone()),
-        canonical_revision: workload
-            .map(|w| w.canonical_revision.clone())
-            .filter(|r| !r.is_empty())
-            .unwrap_or_else(|| "latest".into()),
-        tls: certs.get(&identity)?,
-        identity,
-        ips,
-        sockets: SocketFactory::new(cfg.packet_mark, None),
-    }))
 }
 
 fn interface_ips() -> Vec<IpAddr> {
@@ -241,7 +315,12 @@ fn interface_ips() -> Vec<IpAddr> {
         .unwrap_or_default()
 }
 
-fn config_dump(state: &StateHandle, certs: &CertManager, pool: &pool::Pool) -> String {
+fn config_dump(
+    state: &StateHandle,
+    certs: &CertManager,
+    pool: &pool::Pool,
+    pods: &inpod::PodTable,
+) -> String {
     let st = state.load();
     let workloads: Vec<_> = st
         .workloads()
@@ -270,6 +349,7 @@ fn config_dump(state: &StateHandle, certs: &CertManager, pool: &pool::Pool) -> S
     serde_json::json!({
         "workloads": workloads, "services": services, "policies": policies, "certificates": certificates,
         "pool": {"open": pool.open(), "dials": pool.dials()},
+        "pods": pods.uids(),
     })
     .to_string()
 }

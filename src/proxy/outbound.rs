@@ -155,11 +155,17 @@ pub struct Outbound {
 
 impl Outbound {
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
+        let drain = self.pod.drain.clone();
         loop {
-            match listener.accept().await {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = drain.signalled() => return,
+            };
+            match accepted {
                 Ok((stream, peer)) => {
                     let this = self.clone();
-                    tokio::spawn(async move { this.handle(stream, peer).await });
+                    let drain = drain.clone();
+                    tokio::spawn(async move { drain.run(this.handle(stream, peer)).await });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "outbound accept failed");
@@ -257,6 +263,7 @@ impl Outbound {
         identities: Vec<Identity>,
     ) -> Result<Transferred, OutboundError> {
         let key = PoolKey {
+            pod: self.pod.uid.clone(),
             src: self.pod.identity.clone(),
             dst: identities.clone(),
             addr: proxy,

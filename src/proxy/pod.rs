@@ -24,32 +24,35 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct SocketFactory {
     mark: u32,
     /// `None`: the proxy already runs inside the pod's netns (dedicated mode).
-    netns: Option<Netns>,
+    /// `Some((pod, home))`: sockets are made inside `pod`, then the thread returns to `home`.
+    netns: Option<(Netns, Netns)>,
 }
 
 impl SocketFactory {
-    pub fn new(mark: u32, netns: Option<Netns>) -> Self {
-        SocketFactory { mark, netns }
+    /// Sockets in the caller's own netns (dedicated mode).
+    pub fn local(mark: u32) -> Self {
+        SocketFactory { mark, netns: None }
     }
 
-    fn in_netns<T: Send + 'static>(
-        &self,
-        f: impl FnOnce() -> io::Result<T> + Send + 'static,
-    ) -> io::Result<T> {
-        match &self.netns {
-            None => f(),
-            Some(ns) => ns.run(f)?,
+    /// Sockets inside `pod`'s netns; the creating thread goes back to `home`.
+    pub fn in_pod(mark: u32, pod: Netns, home: Netns) -> Self {
+        SocketFactory {
+            mark,
+            netns: Some((pod, home)),
         }
     }
 
     fn socket(&self, addr: &SocketAddr) -> io::Result<Socket> {
-        let mark = self.mark;
         let domain = Domain::for_address(*addr);
-        self.in_netns(move || {
+        let make = || {
             let s = Socket::new(domain, Type::STREAM.nonblocking(), Some(Protocol::TCP))?;
-            s.set_mark(mark)?;
+            s.set_mark(self.mark)?;
             Ok(s)
-        })
+        };
+        match &self.netns {
+            None => make(),
+            Some((pod, home)) => pod.with(home, make),
+        }
     }
 
     /// A listener with `SO_REUSEPORT`, so a new proxy can bind beside a draining one.
@@ -91,6 +94,42 @@ pub fn tune(stream: &TcpStream) -> io::Result<()> {
     SockRef::from(stream).set_tcp_keepalive(&ka)
 }
 
+/// Tells a pod's listeners and connections to stop; cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Drain(tokio::sync::watch::Receiver<bool>);
+
+/// The sending side of a [`Drain`].
+#[derive(Debug)]
+pub struct DrainTrigger(tokio::sync::watch::Sender<bool>);
+
+impl Drain {
+    pub fn new() -> (DrainTrigger, Drain) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (DrainTrigger(tx), Drain(rx))
+    }
+
+    /// Resolves once the pod is drained (never, if the trigger is kept and not fired).
+    pub async fn signalled(&self) {
+        let mut rx = self.0.clone();
+        let _ = rx.wait_for(|d| *d).await;
+    }
+
+    /// Runs `fut` unless the pod is drained first.
+    pub async fn run<F: std::future::Future<Output = ()>>(&self, fut: F) {
+        tokio::select! {
+            _ = fut => {}
+            _ = self.signalled() => {}
+        }
+    }
+}
+
+impl DrainTrigger {
+    /// Closes the pod's listeners and every connection it carries, now.
+    pub fn fire(&self) {
+        let _ = self.0.send(true);
+    }
+}
+
 /// One pod the proxy serves.
 #[derive(Debug)]
 pub struct Pod {
@@ -103,6 +142,7 @@ pub struct Pod {
     pub ips: Vec<IpAddr>,
     pub sockets: SocketFactory,
     pub tls: TlsHandle,
+    pub drain: Drain,
     /// Labels for metrics: the pod's canonical service and revision.
     pub canonical_service: String,
     pub canonical_revision: String,

@@ -18,9 +18,11 @@ use h2::client::SendRequest;
 
 use crate::identity::Identity;
 
-/// What a pooled connection is for.
+/// What a pooled connection is for. Connections never cross pods: each was
+/// dialed from its pod's own netns and address.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct PoolKey {
+    pub pod: String,
     pub src: Identity,
     pub dst: Vec<Identity>,
     pub addr: SocketAddr,
@@ -218,6 +220,7 @@ mod tests {
 
     fn key() -> PoolKey {
         PoolKey {
+            pod: "default/a".into(),
             src: Identity::new("td", "a", "a"),
             dst: vec![Identity::new("td", "b", "b")],
             addr: "10.0.0.3:15008".parse().unwrap(),

@@ -1,0 +1,304 @@
+//! Shared (in-pod) mode: the ZDS client that takes pod network namespaces
+//! from the node agent (DESIGN §3.2) and the table of pods it serves.
+//!
+//! Each Add opens the pod's listeners inside its netns (a socket factory bound
+//! to that netns, no thread per pod); Del drains that pod now; the snapshot
+//! (Adds/Keeps then SnapshotSent) reconciles: pods not named are drained.
+//! Every request gets exactly one Ack, in order. Protocol violations (an fd on
+//! anything but Add, Add without workload info, a second SnapshotSent) are
+//! answered with an error Ack and the connection is dropped.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prost::Message;
+
+use super::pod::{Drain, DrainTrigger, SocketFactory};
+use super::{PodInfo, ProxyShared};
+use crate::netns::Netns;
+use crate::proto::zds::{
+    workload_request::Payload, workload_response, Ack, Version, WorkloadRequest, WorkloadResponse,
+    ZdsHello,
+};
+use crate::zds::SeqPacket;
+
+struct RunningPod {
+    netns_id: (u64, u64),
+    _drain: DrainTrigger,
+}
+
+/// The pods this proxy serves, by uid. Dropping an entry drains the pod.
+#[derive(Default)]
+pub struct PodTable {
+    pods: Mutex<HashMap<String, RunningPod>>,
+}
+
+impl PodTable {
+    pub fn uids(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn netns_of(&self, uid: &str) -> Option<(u64, u64)> {
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(uid)
+            .map(|p| p.netns_id)
+    }
+
+    fn insert(&self, uid: String, pod: RunningPod) {
+        // Replacing an entry drops (and so drains) the previous pod with that uid.
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(uid, pod);
+    }
+
+    fn remove(&self, uid: &str) -> bool {
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(uid)
+            .is_some()
+    }
+
+    fn retain(&self, keep: &HashSet<String>) -> Vec<String> {
+        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        let gone: Vec<String> = pods
+            .keys()
+            .filter(|k| !keep.contains(*k))
+            .cloned()
+            .collect();
+        for uid in &gone {
+            pods.remove(uid);
+        }
+        gone
+    }
+}
+
+/// What an Add asks for, given what runs under that uid.
+#[derive(Debug, PartialEq, Eq)]
+pub enum AddAction {
+    /// Same uid, same netns: already served.
+    Keep,
+    /// New uid, or the same uid in a new netns (the old listeners are drained).
+    Start,
+}
+
+pub fn add_action(running: Option<(u64, u64)>, new: (u64, u64)) -> AddAction {
+    match running {
+        Some(id) if id == new => AddAction::Keep,
+        _ => AddAction::Start,
+    }
+}
+
+/// Per-connection ZDS session state.
+#[derive(Debug, Default)]
+struct Session {
+    /// Uids named by Add/Keep before SnapshotSent; `None` once the snapshot is in.
+    snapshot: Option<HashSet<String>>,
+}
+
+/// Errors that end a ZDS connection after the error Ack.
+#[derive(Debug, thiserror::Error)]
+#[error("ZDS protocol error: {0}")]
+struct ProtocolError(String);
+
+/// The ZDS client of a shared-mode proxy.
+pub struct ZdsClient {
+    path: PathBuf,
+    shared: Arc<ProxyShared>,
+    pods: Arc<PodTable>,
+    ready: Arc<AtomicBool>,
+    home: Netns,
+}
+
+impl ZdsClient {
+    pub fn new(
+        path: PathBuf,
+        shared: Arc<ProxyShared>,
+        pods: Arc<PodTable>,
+        ready: Arc<AtomicBool>,
+    ) -> std::io::Result<Self> {
+        Ok(ZdsClient {
+            path,
+            shared,
+            pods,
+            ready,
+            home: Netns::current()?,
+        })
+    }
+
+    /// Connects (and reconnects, backing off 10 ms → 15 s) forever.
+    pub async fn run(self) {
+        let mut backoff = Duration::from_millis(10);
+        loop {
+            match SeqPacket::connect(&self.path) {
+                Ok(conn) => {
+                    backoff = Duration::from_millis(10);
+                    tracing::info!(path = %self.path.display(), "connected to the node agent (ZDS)");
+                    if let Err(e) = self.session(conn).await {
+                        tracing::warn!(error = %e, "ZDS connection ended");
+                    }
+                    self.ready.store(false, Ordering::Release);
+                }
+                Err(e) => tracing::debug!(error = %e, "ZDS connect failed; retrying"),
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(15));
+        }
+    }
+
+    async fn session(&self, conn: SeqPacket) -> anyhow::Result<()> {
+        let hello = ZdsHello {
+            version: Version::V1 as i32,
+        };
+        conn.send(&hello.encode_to_vec(), None).await?;
+        let mut session = Session {
+            snapshot: Some(HashSet::new()),
+        };
+        loop {
+            let (bytes, fd) = conn.recv().await?;
+            let outcome = match WorkloadRequest::decode(bytes.as_slice()) {
+                Ok(req) => self.handle(&mut session, req, fd),
+                Err(e) => Err(ProtocolError(format!("undecodable request: {e}")).into()),
+            };
+            let error = match &outcome {
+                Ok(()) => String::new(),
+                Err(e) => e.to_string(),
+            };
+            let ack = WorkloadResponse {
+                payload: Some(workload_response::Payload::Ack(Ack {
+                    error: error.clone(),
+                })),
+            };
+            conn.send(&ack.encode_to_vec(), None).await?;
+            if let Err(e) = outcome {
+                if e.is::<ProtocolError>() {
+                    return Err(e);
+                }
+                tracing::warn!(error = %error, "ZDS request failed");
+            }
+        }
+    }
+
+    fn handle(
+        &self,
+        session: &mut Session,
+        req: WorkloadRequest,
+        fd: Option<OwnedFd>,
+    ) -> anyhow::Result<()> {
+        let payload = req
+            .payload
+            .ok_or_else(|| ProtocolError("empty request".into()))?;
+        if fd.is_some() && !matches!(payload, Payload::Add(_)) {
+            return Err(ProtocolError("fd attached to a message other than Add".into()).into());
+        }
+        match payload {
+            Payload::Add(add) => {
+                let info = add.workload_info.ok_or_else(|| {
+                    ProtocolError(format!("Add {} without workload_info", add.uid))
+                })?;
+                let fd =
+                    fd.ok_or_else(|| ProtocolError(format!("Add {} without a netns fd", add.uid)))?;
+                let netns = Netns::from_fd(fd, &format!("pod {}", add.uid));
+                if !netns.is_netns() {
+                    return Err(ProtocolError(format!(
+                        "Add {}: fd is not a network namespace",
+                        add.uid
+                    ))
+                    .into());
+                }
+                if let Some(snap) = session.snapshot.as_mut() {
+                    snap.insert(add.uid.clone());
+                }
+                let id = netns.id()?;
+                if add_action(self.pods.netns_of(&add.uid), id) == AddAction::Keep {
+                    return Ok(());
+                }
+                let pod_info = PodInfo {
+                    uid: add.uid.clone(),
+                    namespace: info.namespace,
+                    name: info.name,
+                    service_account: if info.service_account.is_empty() {
+                        "default".into()
+                    } else {
+                        info.service_account
+                    },
+                };
+                // Drain an older netns under this uid first, so its listeners close.
+                self.pods.remove(&add.uid);
+                let (trigger, drain) = Drain::new();
+                let sockets =
+                    SocketFactory::in_pod(self.shared.mark, netns.clone(), self.home.clone());
+                let pod = self.shared.pod(&pod_info, sockets, drain, Some(&netns))?;
+                tracing::info!(pod = %pod.uid, identity = %pod.identity, ips = ?pod.ips, "pod added");
+                self.shared.start(pod)?;
+                self.pods.insert(
+                    add.uid,
+                    RunningPod {
+                        netns_id: id,
+                        _drain: trigger,
+                    },
+                );
+                Ok(())
+            }
+            Payload::Keep(keep) => match session.snapshot.as_mut() {
+                Some(snap) => {
+                    snap.insert(keep.uid);
+                    Ok(())
+                }
+                None => Err(ProtocolError(format!("Keep {} after the snapshot", keep.uid)).into()),
+            },
+            Payload::Del(del) => {
+                if let Some(snap) = session.snapshot.as_mut() {
+                    snap.remove(&del.uid);
+                }
+                if self.pods.remove(&del.uid) {
+                    tracing::info!(pod = %del.uid, "pod removed; its connections are closed");
+                }
+                Ok(())
+            }
+            Payload::SnapshotSent(_) => {
+                let keep = session
+                    .snapshot
+                    .take()
+                    .ok_or_else(|| ProtocolError("second SnapshotSent".into()))?;
+                for uid in self.pods.retain(&keep) {
+                    tracing::info!(pod = %uid, "pod not in the agent's snapshot; removed");
+                }
+                self.ready.store(true, Ordering::Release);
+                tracing::info!(pods = keep.len(), "ZDS snapshot applied; ready");
+                Ok(())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn add_is_idempotent_on_uid_and_netns() {
+        assert_eq!(add_action(None, (1, 2)), AddAction::Start);
+        assert_eq!(add_action(Some((1, 2)), (1, 2)), AddAction::Keep);
+        assert_eq!(
+            add_action(Some((1, 2)), (1, 3)),
+            AddAction::Start,
+            "new netns replaces the pod"
+        );
+    }
+}
