@@ -13,6 +13,7 @@ pub mod identity;
 pub mod lab;
 pub mod logging;
 pub mod netns;
+pub mod node;
 pub mod proto;
 pub mod proxy;
 pub mod xds;

@@ -11,7 +11,11 @@ ambit — node dataplane for ambient service meshes
 Usage: ambit <role> [--config FILE] [--key value ...] [--print-config]
 
 Roles:
-  proxy     the L4 HBONE proxy (dedicated mode: run inside the pod's netns)
+  proxy     the L4 HBONE proxy (shared mode: pods from the agent over ZDS;
+            dedicated mode: one pod, run inside its netns)
+  agent     the node agent: CNI events, in-pod rules, ZDS server, plugin install
+  node      agent and proxy together, for one host
+  cni       the CNI plugin (normally run by the container runtime as ambit-cni)
   demo      builds a two-pod node in network namespaces on this host and shows traffic
   version   prints the version
 
@@ -24,6 +28,10 @@ fn main() -> ExitCode {
         .first()
         .map(|a| a.rsplit('/').next().unwrap_or(a).to_string())
         .unwrap_or_default();
+    // The container runtime calls the plugin by its file name with CNI_COMMAND set.
+    if argv0 == "ambit-cni" || (std::env::var_os("CNI_COMMAND").is_some() && args.len() == 1) {
+        return ExitCode::from(ambit::cni::plugin_main::main() as u8);
+    }
     let role = match argv0.strip_prefix("ambit-") {
         Some(r) => r.to_string(),
         None if args.len() > 1 => args.remove(1),
@@ -58,6 +66,25 @@ fn run(role: &str, args: &[String]) -> anyhow::Result<()> {
             ambit::logging::init(cfg.log_format, &cfg.log_level);
             ambit::proxy::run(cfg)
         }
+        "agent" => {
+            let cl = CommandLine::parse(args)?;
+            if cl.help {
+                print!(
+                    "ambit agent: configuration keys (file < env < flag)\n\n{}",
+                    Layers::help(ambit::config::agent::AGENT_KEYS)
+                );
+                return Ok(());
+            }
+            let (cfg, layers) = ambit::config::agent::AgentConfig::load(&cl)?;
+            if cl.print_config {
+                print!("{}", layers.render());
+                return Ok(());
+            }
+            ambit::logging::init(cfg.log_format, &cfg.log_level);
+            ambit::cni::agent::run(cfg)
+        }
+        "node" => ambit::node::run(args),
+        "cni" => std::process::exit(ambit::cni::plugin_main::main()),
         "demo" => ambit::demo::run(args),
         "version" | "--version" => {
             println!("ambit {}", ambit::VERSION);

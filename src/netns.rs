@@ -52,6 +52,12 @@ impl Netns {
         Self::open(Path::new("/var/run/netns").join(name))
     }
 
+    /// The open namespace fd (e.g. to pass over ZDS).
+    pub fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.file.as_fd()
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

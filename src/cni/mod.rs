@@ -1,4 +1,9 @@
-//! Node plumbing: the in-pod redirection rules (and, later, the CNI plugin,
-//! the agent, the conflist installer and the ZDS server).
+//! Node plumbing: the CNI plugin, the node agent, the conflist installer, the
+//! in-pod redirection rules and the agent's side of ZDS.
 
+pub mod agent;
+pub mod install;
+pub mod plugin;
+pub mod plugin_main;
 pub mod redirect;
+pub mod zds_server;

@@ -46,7 +46,11 @@ impl CniError {
     pub const AGENT_UNREACHABLE: u32 = 999;
 
     pub fn new(code: u32, msg: impl Into<String>, details: impl Into<String>) -> Self {
-        CniError { code, msg: msg.into(), details: details.into() }
+        CniError {
+            code,
+            msg: msg.into(),
+            details: details.into(),
+        }
     }
 
     pub fn incompatible_version(requested: &str) -> Self {
@@ -58,7 +62,11 @@ impl CniError {
     }
 
     pub fn unsupported_field(field: &str, details: impl Into<String>) -> Self {
-        Self::new(Self::UNSUPPORTED_FIELD, format!("unsupported field {field:?}"), details)
+        Self::new(
+            Self::UNSUPPORTED_FIELD,
+            format!("unsupported field {field:?}"),
+            details,
+        )
     }
 
     pub fn invalid_env(msg: impl Into<String>) -> Self {
@@ -66,7 +74,11 @@ impl CniError {
     }
 
     pub fn decoding_failure(details: impl Into<String>) -> Self {
-        Self::new(Self::DECODING_FAILURE, "cannot decode the network config on stdin", details)
+        Self::new(
+            Self::DECODING_FAILURE,
+            "cannot decode the network config on stdin",
+            details,
+        )
     }
 
     pub fn invalid_config(msg: impl Into<String>) -> Self {
@@ -142,7 +154,9 @@ impl Enrollment {
             "namespaces" => Ok(Enrollment::Namespaces(raw.namespaces)),
             "pod_pattern" => match raw.pod_pattern {
                 Some(p) if !p.is_empty() => Ok(Enrollment::PodPattern(p)),
-                _ => Err(CniError::invalid_config("enroll.mode is \"pod_pattern\" but enroll.pod_pattern is empty")),
+                _ => Err(CniError::invalid_config(
+                    "enroll.mode is \"pod_pattern\" but enroll.pod_pattern is empty",
+                )),
             },
             other => Err(CniError::invalid_config(format!(
                 "unknown enroll.mode {other:?} (expected all, none, namespaces or pod_pattern)"
@@ -177,8 +191,6 @@ struct RawConfig {
     cni_event_address: Option<String>,
     enroll: Option<RawEnroll>,
     exclude_namespaces: Option<Vec<String>>,
-    /// Istio before 1.24 nested `exclude_namespaces` here; read leniently.
-    kubernetes: Option<Value>,
     #[serde(rename = "prevResult")]
     prev_result: Option<Value>,
 }
@@ -199,14 +211,22 @@ fn default_enroll_mode() -> String {
 /// Parses the network config: bytes that are not a JSON object → code 6, no `cniVersion` → 7,
 /// an unsupported `cniVersion` → 1.
 pub fn parse_config(stdin: &[u8]) -> Result<PluginConfig, CniError> {
-    let value: Value = serde_json::from_slice(stdin).map_err(|e| CniError::decoding_failure(e.to_string()))?;
+    let value: Value =
+        serde_json::from_slice(stdin).map_err(|e| CniError::decoding_failure(e.to_string()))?;
     if !value.is_object() {
-        return Err(CniError::decoding_failure("the network config is not a JSON object"));
+        return Err(CniError::decoding_failure(
+            "the network config is not a JSON object",
+        ));
     }
-    let raw: RawConfig = serde_json::from_value(value).map_err(|e| CniError::decoding_failure(e.to_string()))?;
+    let raw: RawConfig =
+        serde_json::from_value(value).map_err(|e| CniError::decoding_failure(e.to_string()))?;
     let cni_version = match raw.cni_version {
         Some(v) if !v.is_empty() => v,
-        _ => return Err(CniError::invalid_config("the network config has no cniVersion")),
+        _ => {
+            return Err(CniError::invalid_config(
+                "the network config has no cniVersion",
+            ))
+        }
     };
     if !SUPPORTED_VERSIONS.contains(&cni_version.as_str()) {
         return Err(CniError::incompatible_version(&cni_version));
@@ -217,11 +237,6 @@ pub fn parse_config(stdin: &[u8]) -> Result<PluginConfig, CniError> {
         .and_then(|addr| addr.rsplit_once('/'))
         .map(|(dir, _socket)| dir.to_string())
         .filter(|dir| !dir.is_empty());
-    let legacy_excludes = raw
-        .kubernetes
-        .as_ref()
-        .and_then(|k| k.get("exclude_namespaces"))
-        .and_then(|v| serde_json::from_value::<Vec<String>>(v.clone()).ok());
     let enroll = match raw.enroll {
         Some(e) => Enrollment::from_raw(e)?,
         None => Enrollment::All,
@@ -235,10 +250,12 @@ pub fn parse_config(stdin: &[u8]) -> Result<PluginConfig, CniError> {
             .or(legacy_run_dir)
             .unwrap_or_else(|| DEFAULT_AGENT_RUN_DIR.to_string()),
         enroll,
-        exclude_namespaces: raw
-            .exclude_namespaces
-            .or(legacy_excludes)
-            .unwrap_or_else(|| DEFAULT_EXCLUDED_NAMESPACES.iter().map(|s| s.to_string()).collect()),
+        exclude_namespaces: raw.exclude_namespaces.unwrap_or_else(|| {
+            DEFAULT_EXCLUDED_NAMESPACES
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        }),
         prev_result: raw.prev_result,
     })
 }
@@ -248,7 +265,11 @@ pub fn parse_config(stdin: &[u8]) -> Result<PluginConfig, CniError> {
 pub fn reply_version(stdin: &[u8]) -> String {
     serde_json::from_slice::<Value>(stdin)
         .ok()
-        .and_then(|v| v.get("cniVersion").and_then(Value::as_str).map(str::to_string))
+        .and_then(|v| {
+            v.get("cniVersion")
+                .and_then(Value::as_str)
+                .map(str::to_string)
+        })
         .filter(|v| SUPPORTED_VERSIONS.contains(&v.as_str()))
         .unwrap_or_else(|| LATEST_VERSION.to_string())
 }
@@ -268,7 +289,9 @@ pub struct PodArgs {
 pub fn parse_cni_args(s: &str) -> PodArgs {
     let mut pod = PodArgs::default();
     for pair in s.split(';') {
-        let Some((key, value)) = pair.split_once('=') else { continue };
+        let Some((key, value)) = pair.split_once('=') else {
+            continue;
+        };
         let value = value.trim();
         if value.is_empty() {
             continue;
@@ -303,11 +326,14 @@ pub struct CniEnv {
 /// ADD, DEL and CHECK also need `CNI_CONTAINERID` and `CNI_IFNAME`; ADD needs `CNI_NETNS`.
 pub fn env_from(get: impl Fn(&str) -> Option<String>) -> Result<CniEnv, CniError> {
     let read = |key: &str| get(key).filter(|v| !v.is_empty());
-    let command = read("CNI_COMMAND").ok_or_else(|| CniError::invalid_env("CNI_COMMAND is not set"))?;
+    let command =
+        read("CNI_COMMAND").ok_or_else(|| CniError::invalid_env("CNI_COMMAND is not set"))?;
     let per_container = matches!(command.as_str(), "ADD" | "DEL" | "CHECK");
     let require = |key: &str, needed: bool| match read(key) {
         Some(v) => Ok(v),
-        None if needed => Err(CniError::invalid_env(format!("{key} is not set (required for {command})"))),
+        None if needed => Err(CniError::invalid_env(format!(
+            "{key} is not set (required for {command})"
+        ))),
         None => Ok(String::new()),
     };
     Ok(CniEnv {
@@ -393,9 +419,15 @@ fn prev_result_ips(prev: Option<&Value>) -> Vec<PodIp> {
     ips.iter()
         .filter_map(|ip| {
             Some(PodIp {
-                interface: ip.get("interface").and_then(Value::as_u64).and_then(|i| u32::try_from(i).ok()),
+                interface: ip
+                    .get("interface")
+                    .and_then(Value::as_u64)
+                    .and_then(|i| u32::try_from(i).ok()),
                 address: ip.get("address")?.as_str()?.to_string(),
-                gateway: ip.get("gateway").and_then(Value::as_str).map(str::to_string),
+                gateway: ip
+                    .get("gateway")
+                    .and_then(Value::as_str)
+                    .map(str::to_string),
             })
         })
         .collect()
@@ -451,7 +483,7 @@ pub fn result_for(cfg: &PluginConfig) -> Result<String, CniError> {
                 CniError::INCOMPATIBLE_VERSION,
                 format!("cannot convert prevResult from version {other} to {target}"),
                 format!("supported versions: {}", SUPPORTED_VERSIONS.join(", ")),
-            ))
+            ));
         }
     }
     let mut out = prev.clone();
@@ -462,7 +494,9 @@ pub fn result_for(cfg: &PluginConfig) -> Result<String, CniError> {
         };
         for ip in ips {
             let Value::Object(ip) = ip else {
-                return Err(CniError::invalid_config("prevResult.ips has an entry that is not an object"));
+                return Err(CniError::invalid_config(
+                    "prevResult.ips has an entry that is not an object",
+                ));
             };
             if !result_has_ip_version(target) {
                 ip.remove("version");
@@ -482,7 +516,9 @@ fn ip_family(address: Option<&Value>) -> Result<&'static str, CniError> {
     match ip.parse::<IpAddr>() {
         Ok(IpAddr::V4(_)) => Ok("4"),
         Ok(IpAddr::V6(_)) => Ok("6"),
-        Err(_) => Err(CniError::invalid_config(format!("prevResult.ips has an invalid address {text:?}"))),
+        Err(_) => Err(CniError::invalid_config(format!(
+            "prevResult.ips has an invalid address {text:?}"
+        ))),
     }
 }
 
@@ -507,7 +543,8 @@ pub fn handle(
                 post(&event, &cfg.cni_agent_run_dir).map_err(|details| {
                     CniError::enrollment_failed(
                         format!(
-                            "pod {}/{} must be enrolled in the mesh but the Ambit agent refused or is unreachable",
+                            "pod {}/{} must be enrolled in the mesh but the Ambit agent refused \
+                             or is unreachable",
                             event.pod_namespace, event.pod_name
                         ),
                         details,
@@ -518,7 +555,9 @@ pub fn handle(
         }
         "DEL" | "CHECK" => parse_config(stdin).map(|_| String::new()),
         "GC" | "STATUS" => Ok(String::new()),
-        other => Err(CniError::invalid_env(format!("unknown CNI_COMMAND {other:?}"))),
+        other => Err(CniError::invalid_env(format!(
+            "unknown CNI_COMMAND {other:?}"
+        ))),
     }
 }
 
@@ -532,25 +571,48 @@ mod tests {
                {"interface":0,"address":"fd00::5/64"}],
         "routes":[{"dst":"0.0.0.0/0"}],"dns":{"nameservers":["10.96.0.10"]}}"#;
 
+    const POD: &str = concat!(
+        "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-1;",
+        "K8S_POD_UID=u-1;K8S_POD_INFRA_CONTAINER_ID=c0ffee"
+    );
+
     fn config(version: &str, extra: &str) -> Vec<u8> {
-        format!(r#"{{"cniVersion":"{version}","name":"k8s-pod-network","type":"ambit-cni"{extra}}}"#).into_bytes()
+        let head = format!(r#"{{"cniVersion":"{version}","name":"k8s","type":"ambit-cni""#);
+        format!("{head}{extra}}}").into_bytes()
+    }
+
+    fn with_prev(version: &str, prev: &str) -> Vec<u8> {
+        config(version, &format!(r#","prevResult":{prev}"#))
     }
 
     fn env(command: &str, args: &str) -> CniEnv {
+        let netns = "/var/run/netns/cni-1".to_string();
+        let (container_id, ifname) = ("c0ffee".to_string(), "eth0".to_string());
         CniEnv {
-            command: command.to_string(),
-            container_id: "c0ffee".to_string(),
-            netns: "/var/run/netns/cni-1".to_string(),
-            ifname: "eth0".to_string(),
-            args: args.to_string(),
-            path: "/opt/cni/bin".to_string(),
+            command: command.into(),
+            container_id,
+            netns,
+            ifname,
+            args: args.into(),
+            path: String::new(),
         }
     }
 
-    const POD: &str = "IgnoreUnknown=1;K8S_POD_NAMESPACE=shop;K8S_POD_NAME=web-1;K8S_POD_UID=u-1;K8S_POD_INFRA_CONTAINER_ID=c0ffee";
+    /// An environment lookup over fixed pairs.
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let pairs: Vec<(String, String)> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        move |key| pairs.iter().find(|(k, _)| k == key).map(|(_, v)| v.clone())
+    }
 
-    /// Runs `handle`, recording every event posted.
-    fn run(env: &CniEnv, stdin: &[u8], answer: Result<(), String>) -> (Result<String, CniError>, Vec<(AddEvent, String)>) {
+    /// Runs `handle`, recording every event posted and answering each with `answer`.
+    fn run(
+        env: &CniEnv,
+        stdin: &[u8],
+        answer: Result<(), String>,
+    ) -> (Result<String, CniError>, Vec<(AddEvent, String)>) {
         let mut posted = Vec::new();
         let mut post = |ev: &AddEvent, dir: &str| {
             posted.push((ev.clone(), dir.to_string()));
@@ -582,7 +644,10 @@ mod tests {
 
     #[test]
     fn missing_or_unsupported_version_is_rejected() {
-        assert_eq!(code_of(parse_config(br#"{"name":"n","type":"ambit-cni"}"#)), 7);
+        assert_eq!(
+            code_of(parse_config(br#"{"name":"n","type":"ambit-cni"}"#)),
+            7
+        );
         let err = parse_config(&config("0.2.0", "")).expect_err("0.2.0 is not supported");
         assert_eq!(err.code, 1);
         for v in SUPPORTED_VERSIONS {
@@ -592,105 +657,155 @@ mod tests {
     }
 
     #[test]
-    fn config_defaults_and_unknown_keys() {
-        let cfg = parse_config(&config("1.0.0", r#","ipam":{"type":"host-local"},"plugin_log_level":"debug""#))
-            .expect("valid config");
-        assert_eq!((cfg.name.as_str(), cfg.plugin_type.as_str()), ("k8s-pod-network", "ambit-cni"));
+    fn config_defaults_legacy_and_unknown_keys() {
+        let cfg = parse_config(&config(
+            "1.0.0",
+            r#","ipam":{"type":"host-local"},"mtu":1450"#,
+        ))
+        .expect("valid");
+        assert_eq!(
+            (cfg.name.as_str(), cfg.plugin_type.as_str()),
+            ("k8s", "ambit-cni")
+        );
         assert_eq!(cfg.cni_agent_run_dir, "/var/run/ambit");
         assert_eq!(cfg.exclude_namespaces, vec!["kube-system".to_string()]);
         assert_eq!(cfg.enroll, Enrollment::All);
         assert!(cfg.prev_result.is_none());
-    }
-
-    #[test]
-    fn istio_pre_1_24_keys_are_accepted() {
-        let extra = r#","cni_event_address":"/var/run/istio-cni/pluginevent.sock",
-            "kubernetes":{"kubeconfig":"/etc/cni/net.d/k","exclude_namespaces":["istio-system"]}"#;
-        let cfg = parse_config(&config("0.3.1", extra)).expect("valid config");
+        let legacy =
+            r#","cni_event_address":"/var/run/istio-cni/pluginevent.sock","exclude_namespaces":[]"#;
+        let cfg = parse_config(&config("0.3.1", legacy)).expect("valid");
         assert_eq!(cfg.cni_agent_run_dir, "/var/run/istio-cni");
-        assert_eq!(cfg.exclude_namespaces, vec!["istio-system".to_string()]);
-        let cfg = parse_config(&config("1.0.0", r#","cni_agent_run_dir":"/run/a","exclude_namespaces":[]"#))
-            .expect("valid config");
-        assert_eq!(cfg.cni_agent_run_dir, "/run/a");
         assert!(cfg.exclude_namespaces.is_empty());
     }
 
     #[test]
     fn enrollment_config_is_validated() {
-        let parse = |e: &str| parse_config(&config("1.0.0", &format!(r#","enroll":{e}"#)));
-        assert_eq!(parse(r#"{"mode":"none"}"#).map(|c| c.enroll), Ok(Enrollment::None));
-        assert_eq!(parse("{}").map(|c| c.enroll), Ok(Enrollment::All));
+        let parse = |e: &str| {
+            parse_config(&config("1.0.0", &format!(r#","enroll":{e}"#))).map(|c| c.enroll)
+        };
+        assert_eq!(parse(r#"{"mode":"none"}"#), Ok(Enrollment::None));
+        assert_eq!(parse("{}"), Ok(Enrollment::All));
+        let namespaces = Enrollment::Namespaces(vec!["a".into(), "b".into()]);
         assert_eq!(
-            parse(r#"{"mode":"namespaces","namespaces":["a","b"]}"#).map(|c| c.enroll),
-            Ok(Enrollment::Namespaces(vec!["a".into(), "b".into()]))
+            parse(r#"{"mode":"namespaces","namespaces":["a","b"]}"#),
+            Ok(namespaces)
         );
-        assert_eq!(parse(r#"{"mode":"pod_pattern","pod_pattern":"web-*"}"#).map(|c| c.enroll), Ok(Enrollment::PodPattern("web-*".into())));
+        assert_eq!(
+            parse(r#"{"mode":"pod_pattern","pod_pattern":"w*"}"#),
+            Ok(Enrollment::PodPattern("w*".into()))
+        );
         assert_eq!(code_of(parse(r#"{"mode":"pod_pattern"}"#)), 7);
         assert_eq!(code_of(parse(r#"{"mode":"some"}"#)), 7);
     }
 
     #[test]
     fn env_requirements_per_command() {
-        let vars = |pairs: &'static [(&'static str, &'static str)]| {
-            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
-        };
         assert_eq!(code_of(env_from(vars(&[]))), 4);
         assert_eq!(code_of(env_from(vars(&[("CNI_COMMAND", "")]))), 4);
-        let version = env_from(vars(&[("CNI_COMMAND", "VERSION")])).expect("VERSION needs nothing else");
-        assert_eq!((version.command.as_str(), version.netns.as_str()), ("VERSION", ""));
-        let base = [("CNI_COMMAND", "ADD"), ("CNI_CONTAINERID", "c"), ("CNI_IFNAME", "eth0"), ("CNI_NETNS", "/n")];
-        let full = env_from(vars(&[
+        let version =
+            env_from(vars(&[("CNI_COMMAND", "VERSION")])).expect("VERSION needs nothing else");
+        assert_eq!(
+            version,
+            CniEnv {
+                command: "VERSION".into(),
+                ..CniEnv::default()
+            }
+        );
+        let full = [
             ("CNI_COMMAND", "ADD"),
             ("CNI_CONTAINERID", "c"),
             ("CNI_IFNAME", "eth0"),
             ("CNI_NETNS", "/n"),
             ("CNI_ARGS", "K8S_POD_NAME=p"),
             ("CNI_PATH", "/opt/cni/bin"),
-        ]))
-        .expect("complete ADD env");
-        assert_eq!((full.netns.as_str(), full.args.as_str(), full.path.as_str()), ("/n", "K8S_POD_NAME=p", "/opt/cni/bin"));
+        ];
+        let add = env_from(vars(&full)).expect("complete ADD env");
+        assert_eq!(
+            (add.netns.as_str(), add.args.as_str(), add.path.as_str()),
+            ("/n", "K8S_POD_NAME=p", "/opt/cni/bin")
+        );
         for missing in ["CNI_CONTAINERID", "CNI_IFNAME", "CNI_NETNS"] {
-            let get = |k: &str| base.iter().find(|(n, _)| *n == k && *n != missing).map(|(_, v)| v.to_string());
-            let err = env_from(get).expect_err("a required variable is missing");
+            let pairs: Vec<_> = full
+                .iter()
+                .copied()
+                .filter(|(k, _)| *k != missing)
+                .collect();
+            let err = env_from(vars(&pairs)).expect_err("a required variable is missing");
             assert_eq!(err.code, 4);
             assert!(err.msg.contains(missing), "{}", err.msg);
         }
-        let del = |k: &str| base.iter().find(|(n, _)| *n == k && *n != "CNI_NETNS").map(|(_, v)| v.to_string());
-        let del_env = env_from(|k: &str| if k == "CNI_COMMAND" { Some("DEL".into()) } else { del(k) });
-        assert_eq!(del_env.map(|e| e.netns), Ok(String::new()), "DEL works without a netns");
+        let del = [
+            ("CNI_COMMAND", "DEL"),
+            ("CNI_CONTAINERID", "c"),
+            ("CNI_IFNAME", "eth0"),
+        ];
+        assert_eq!(
+            env_from(vars(&del)).map(|e| e.netns),
+            Ok(String::new()),
+            "DEL works without a netns"
+        );
     }
 
     #[test]
     fn cni_args_parsing() {
         let pod = parse_cni_args(POD);
-        assert_eq!(pod.name.as_deref(), Some("web-1"));
-        assert_eq!(pod.namespace.as_deref(), Some("shop"));
-        assert_eq!(pod.uid.as_deref(), Some("u-1"));
-        assert_eq!(pod.infra_container_id.as_deref(), Some("c0ffee"));
+        let some = |s: &str| Some(s.to_string());
+        let expected = PodArgs {
+            name: some("web-1"),
+            namespace: some("shop"),
+            uid: some("u-1"),
+            infra_container_id: some("c0ffee"),
+        };
+        assert_eq!(pod, expected);
         let podman = parse_cni_args("IgnoreUnknown=1;K8S_POD_NAME=foo");
         assert_eq!(
             podman,
-            PodArgs { name: Some("foo".into()), namespace: Some("default".into()), uid: None, infra_container_id: None }
+            PodArgs {
+                name: some("foo"),
+                namespace: some("default"),
+                ..PodArgs::default()
+            }
         );
         assert_eq!(parse_cni_args(""), PodArgs::default());
-        assert_eq!(parse_cni_args("IgnoreUnknown=1;junk;K8S_POD_NAME=;=x;;"), PodArgs::default());
+        assert_eq!(
+            parse_cni_args("IgnoreUnknown=1;junk;K8S_POD_NAME=;=x;;"),
+            PodArgs::default()
+        );
     }
 
     #[test]
     fn glob_matches_star_runs_only() {
-        for (p, t) in [("web-*", "web-1"), ("*", ""), ("*", "abc"), ("a*c", "abbbc"), ("*-db-*", "shop-db-0"), ("a**b", "ab"), ("é*", "éa"), ("exact", "exact"), ("*ab", "aab")] {
+        let matching = [
+            ("web-*", "web-1"),
+            ("*", ""),
+            ("*", "abc"),
+            ("a*c", "abbbc"),
+            ("*-db-*", "shop-db-0"),
+        ];
+        for (p, t) in matching.into_iter().chain([
+            ("a**b", "ab"),
+            ("é*", "éa"),
+            ("exact", "exact"),
+            ("*ab", "aab"),
+        ]) {
             assert!(glob_match(p, t), "{p} should match {t}");
         }
-        for (p, t) in [("web-*", "api-1"), ("a*c", "abcd"), ("exact", "exactly"), ("", "a"), ("a?c", "abc"), ("*x*", "abc")] {
+        let failing = [
+            ("web-*", "api-1"),
+            ("a*c", "abcd"),
+            ("exact", "exactly"),
+            ("", "a"),
+            ("a?c", "abc"),
+        ];
+        for (p, t) in failing.into_iter().chain([("*x*", "abc")]) {
             assert!(!glob_match(p, t), "{p} should not match {t}");
         }
     }
 
     #[test]
     fn enrollment_rules_select_pods() {
-        let mut cfg = parse_config(&config("1.0.0", "")).expect("valid config");
-        let e = env("ADD", "");
-        let pod = parse_cni_args(POD);
+        let mut cfg = parse_config(&config("1.0.0", "")).expect("valid");
+        let (e, pod) = (env("ADD", ""), parse_cni_args(POD));
         let cases = [
             (Enrollment::All, true),
             (Enrollment::None, false),
@@ -709,136 +824,159 @@ mod tests {
                 }
             }
         }
-        assert_eq!(decide(&cfg, &e, &PodArgs::default()), Decision::PassThrough("no Kubernetes pod args"));
+        assert_eq!(
+            decide(&cfg, &e, &PodArgs::default()),
+            Decision::PassThrough("no Kubernetes pod args")
+        );
     }
 
     #[test]
     fn excluded_namespace_passes_through_without_posting() {
-        let stdin = config("1.0.0", &format!(r#","exclude_namespaces":["shop"],"prevResult":{PREV_V1}"#));
+        let stdin = config(
+            "1.0.0",
+            &format!(r#","exclude_namespaces":["shop"],"prevResult":{PREV_V1}"#),
+        );
         let (out, posted) = run(&env("ADD", POD), &stdin, Err("must not be called".into()));
         assert!(posted.is_empty());
-        let out = json_of(&out.expect("pass-through succeeds"));
-        assert_eq!(out["ips"][0]["address"], "10.244.1.5/24");
-        let cfg = parse_config(&stdin).expect("valid config");
-        assert_eq!(decide(&cfg, &env("ADD", POD), &parse_cni_args(POD)), Decision::PassThrough("namespace excluded"));
-        let (out, posted) = run(&env("ADD", "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=coredns"), &config("1.0.0", ""), Ok(()));
-        assert!(out.is_ok() && posted.is_empty(), "kube-system is excluded by default");
+        assert_eq!(
+            json_of(&out.expect("pass-through succeeds")),
+            json_of(PREV_V1)
+        );
+        let cfg = parse_config(&stdin).expect("valid");
+        assert_eq!(
+            decide(&cfg, &env("ADD", POD), &parse_cni_args(POD)),
+            Decision::PassThrough("namespace excluded")
+        );
+        let coredns = env("ADD", "K8S_POD_NAMESPACE=kube-system;K8S_POD_NAME=coredns");
+        let (out, posted) = run(&coredns, &config("1.0.0", ""), Ok(()));
+        assert!(
+            out.is_ok() && posted.is_empty(),
+            "kube-system is excluded by default"
+        );
     }
 
     #[test]
     fn add_for_enrolled_pod_posts_once_with_prev_result_ips() {
-        let stdin = config("1.0.0", &format!(r#","cni_agent_run_dir":"/run/ambit","prevResult":{PREV_V1}"#));
+        let stdin = config(
+            "1.0.0",
+            &format!(r#","cni_agent_run_dir":"/run/ambit","prevResult":{PREV_V1}"#),
+        );
         let (out, posted) = run(&env("ADD", POD), &stdin, Ok(()));
         assert_eq!(posted.len(), 1);
         let (event, dir) = &posted[0];
         assert_eq!(dir, "/run/ambit");
-        let expected = AddEvent {
-            netns: "/var/run/netns/cni-1".into(),
-            pod_name: "web-1".into(),
-            pod_namespace: "shop".into(),
-            pod_uid: "u-1".into(),
-            container_id: "c0ffee".into(),
-            ips: vec![
-                PodIp { interface: Some(0), address: "10.244.1.5/24".into(), gateway: Some("10.244.1.1".into()) },
-                PodIp { interface: Some(0), address: "fd00::5/64".into(), gateway: None },
+        let body = serde_json::to_value(event).expect("serializable");
+        let expected = json!({
+            "Netns": "/var/run/netns/cni-1", "PodName": "web-1", "PodNamespace": "shop",
+            "PodUID": "u-1", "ContainerID": "c0ffee",
+            "IPs": [
+                {"Interface": 0, "Address": "10.244.1.5/24", "Gateway": "10.244.1.1"},
+                {"Interface": 0, "Address": "fd00::5/64", "Gateway": null},
             ],
-        };
-        assert_eq!(event, &expected);
-        let out = json_of(&out.expect("ADD succeeds"));
-        assert_eq!(out, json_of(PREV_V1), "prevResult printed back unchanged at the same version");
-    }
-
-    #[test]
-    fn add_event_uses_istio_keys() {
-        let event = AddEvent {
-            netns: "/n".into(),
-            pod_name: "p".into(),
-            pod_namespace: "ns".into(),
-            pod_uid: String::new(),
-            container_id: "c".into(),
-            ips: vec![PodIp { interface: Some(1), address: "10.0.0.2/24".into(), gateway: None }],
-        };
-        let text = serde_json::to_string(&event).expect("serializable");
-        let v = json_of(&text);
-        for key in ["Netns", "PodName", "PodNamespace", "PodUID", "ContainerID", "IPs"] {
-            assert!(v.get(key).is_some(), "{key} missing in {text}");
-        }
-        assert_eq!(v["IPs"][0], json!({"Interface": 1, "Address": "10.0.0.2/24", "Gateway": null}));
-        let istio_like: AddEvent =
-            serde_json::from_str(r#"{"Netns":"/n","PodName":"p","PodNamespace":"ns","IPs":[]}"#).expect("decodes");
-        assert_eq!((istio_like.pod_uid.as_str(), istio_like.container_id.as_str()), ("", ""));
+        });
+        assert_eq!(body, expected, "the agent sees Istio's keys");
+        assert_eq!(
+            json_of(&out.expect("ADD succeeds")),
+            json_of(PREV_V1),
+            "same version: printed back as is"
+        );
+        let istio: AddEvent =
+            serde_json::from_str(r#"{"Netns":"/n","PodName":"p","PodNamespace":"ns","IPs":[]}"#)
+                .expect("an event without PodUID/ContainerID decodes");
+        assert_eq!(
+            (istio.pod_uid.as_str(), istio.container_id.as_str()),
+            ("", "")
+        );
     }
 
     #[test]
     fn agent_failure_fails_the_add_closed() {
-        let stdin = config("0.4.0", &format!(r#","prevResult":{PREV_V1}"#));
+        let stdin = with_prev("0.4.0", PREV_V1);
         let (out, posted) = run(&env("ADD", POD), &stdin, Err("connection refused".into()));
         assert_eq!(posted.len(), 1);
         let err = out.expect_err("ADD must fail");
-        assert_eq!(err.code, 100);
+        let msg = "pod shop/web-1 must be enrolled in the mesh but the Ambit agent refused or is unreachable";
         assert_eq!(
-            err.msg,
-            "pod shop/web-1 must be enrolled in the mesh but the Ambit agent refused or is unreachable"
+            (err.code, err.msg.as_str(), err.details.as_str()),
+            (100, msg, "connection refused")
         );
-        assert_eq!(err.details, "connection refused");
         let v = json_of(&err.to_json(&reply_version(&stdin)));
-        assert_eq!(v, json!({"cniVersion": "0.4.0", "code": 100, "msg": err.msg, "details": "connection refused"}));
+        assert_eq!(
+            v,
+            json!({"cniVersion": "0.4.0", "code": 100, "msg": msg, "details": "connection refused"})
+        );
         assert!(err.to_string().contains("connection refused"));
     }
 
     #[test]
-    fn result_converts_down_adding_ip_version() {
-        let cfg = parse_config(&config("0.4.0", &format!(r#","prevResult":{PREV_V1}"#))).expect("valid config");
-        let out = json_of(&result_for(&cfg).expect("converts"));
+    fn result_conversion_between_versions() {
+        let cfg = parse_config(&with_prev("0.4.0", PREV_V1)).expect("valid");
+        let (out, prev) = (
+            json_of(&result_for(&cfg).expect("converts down")),
+            json_of(PREV_V1),
+        );
         assert_eq!(out["cniVersion"], "0.4.0");
-        assert_eq!(out["ips"][0]["version"], "4");
-        assert_eq!(out["ips"][1]["version"], "6");
-        assert_eq!(out["interfaces"], json_of(PREV_V1)["interfaces"]);
-        assert_eq!(out["routes"], json_of(PREV_V1)["routes"]);
-        assert_eq!(out["dns"], json_of(PREV_V1)["dns"]);
+        assert_eq!(
+            (&out["ips"][0]["version"], &out["ips"][1]["version"]),
+            (&json!("4"), &json!("6"))
+        );
+        for key in ["interfaces", "routes", "dns"] {
+            assert_eq!(out[key], prev[key], "{key} kept as is");
+        }
+        let old = r#"{"cniVersion":"0.3.1","ips":[{"version":"4","interface":0,"address":"10.1.0.2/16"}]}"#;
+        let cfg = parse_config(&with_prev("1.0.0", old)).expect("valid");
+        let out = json_of(&result_for(&cfg).expect("converts up"));
+        assert_eq!(
+            out,
+            json!({"cniVersion": "1.0.0", "ips": [{"interface": 0, "address": "10.1.0.2/16"}]})
+        );
+        let cfg = parse_config(&with_prev(
+            "0.3.0",
+            r#"{"ips":[{"address":"10.1.0.2/16"}]}"#,
+        ))
+        .expect("valid");
+        assert_eq!(
+            json_of(&result_for(&cfg).expect("no prevResult version"))["ips"][0]["version"],
+            "4"
+        );
     }
 
     #[test]
-    fn result_converts_up_dropping_ip_version() {
-        let prev = r#"{"cniVersion":"0.3.1","ips":[{"version":"4","interface":0,"address":"10.1.0.2/16"}]}"#;
-        let cfg = parse_config(&config("1.0.0", &format!(r#","prevResult":{prev}"#))).expect("valid config");
-        let out = json_of(&result_for(&cfg).expect("converts"));
-        assert_eq!(out, json!({"cniVersion": "1.0.0", "ips": [{"interface": 0, "address": "10.1.0.2/16"}]}));
-    }
-
-    #[test]
-    fn result_edge_cases() {
-        let cfg = parse_config(&config("1.1.0", "")).expect("valid config");
-        assert_eq!(json_of(&result_for(&cfg).expect("empty")), json!({"cniVersion": "1.1.0", "interfaces": [], "ips": []}));
-        let versionless = r#"{"ips":[{"address":"10.1.0.2/16"}]}"#;
-        let cfg = parse_config(&config("0.3.0", &format!(r#","prevResult":{versionless}"#))).expect("valid config");
-        assert_eq!(json_of(&result_for(&cfg).expect("converts"))["ips"][0]["version"], "4");
-        let bad = |prev: &str| parse_config(&config("0.3.1", &format!(r#","prevResult":{prev}"#))).map(|c| result_for(&c));
-        assert_eq!(bad(r#"{"ips":[{"address":"nonsense"}]}"#).map(|r| code_of(r)), Ok(7));
-        assert_eq!(bad(r#"{"ips":{}}"#).map(|r| code_of(r)), Ok(7));
-        assert_eq!(bad(r#"{"cniVersion":"0.2.0","ip4":{}}"#).map(|r| code_of(r)), Ok(1));
+    fn result_without_or_with_broken_prev_result() {
+        let cfg = parse_config(&config("1.1.0", "")).expect("valid");
+        let empty = json!({"cniVersion": "1.1.0", "interfaces": [], "ips": []});
+        assert_eq!(json_of(&result_for(&cfg).expect("empty result")), empty);
+        let code =
+            |prev: &str| parse_config(&with_prev("0.3.1", prev)).map(|c| code_of(result_for(&c)));
+        assert_eq!(code(r#"{"ips":[{"address":"nonsense"}]}"#), Ok(7));
+        assert_eq!(code(r#"{"ips":{}}"#), Ok(7));
+        assert_eq!(code(r#"{"cniVersion":"0.2.0","ip4":{}}"#), Ok(1));
     }
 
     #[test]
     fn version_lists_supported_versions() {
         let (out, _) = run(&env("VERSION", ""), br#"{"cniVersion":"0.4.0"}"#, Ok(()));
-        let v = json_of(&out.expect("VERSION succeeds"));
-        assert_eq!(v["cniVersion"], "0.4.0");
-        assert_eq!(v["supportedVersions"], json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]));
+        let all = json!(["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]);
+        assert_eq!(
+            json_of(&out.expect("VERSION succeeds")),
+            json!({"cniVersion": "0.4.0", "supportedVersions": all})
+        );
         let (out, _) = run(&env("VERSION", ""), b"", Ok(()));
-        assert_eq!(json_of(&out.expect("VERSION succeeds"))["cniVersion"], "1.1.0");
+        assert_eq!(
+            json_of(&out.expect("VERSION succeeds"))["cniVersion"],
+            "1.1.0"
+        );
     }
 
     #[test]
     fn del_check_gc_status_have_no_side_effects_and_unknown_is_rejected() {
-        let stdin = config("1.0.0", &format!(r#","prevResult":{PREV_V1}"#));
+        let stdin = with_prev("1.0.0", PREV_V1);
         for cmd in ["DEL", "CHECK", "GC", "STATUS"] {
             let (out, posted) = run(&env(cmd, POD), &stdin, Err("must not be called".into()));
             assert_eq!(out, Ok(String::new()), "{cmd}");
             assert!(posted.is_empty(), "{cmd}");
         }
-        let (out, _) = run(&env("FROB", POD), &stdin, Ok(()));
-        assert_eq!(code_of(out), 4);
+        assert_eq!(code_of(run(&env("FROB", POD), &stdin, Ok(())).0), 4);
     }
 
     #[test]
@@ -854,6 +992,9 @@ mod tests {
             CniError::agent_unreachable("a", "").code,
         ];
         assert_eq!(codes, [1, 2, 4, 6, 7, 11, 100, 999]);
-        assert_eq!(CniError::invalid_config("no cniVersion").to_string(), "CNI error 7: no cniVersion");
+        assert_eq!(
+            CniError::invalid_config("no cniVersion").to_string(),
+            "CNI error 7: no cniVersion"
+        );
     }
 }

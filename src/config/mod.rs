@@ -8,6 +8,7 @@
 //! of Ambit and does no I/O beyond reading the environment and the file it is
 //! given.
 
+pub mod agent;
 pub mod proxy;
 
 use std::collections::BTreeMap;

@@ -1,0 +1,458 @@
+//! The node agent (`ambit agent`): receives CNI ADD events on
+//! `<run dir>/pluginevent.sock`, puts enrolled pods under redirection, hands
+//! their netns to the proxy over ZDS, keeps its pods in a state file across
+//! restarts, notices pods that are gone, and installs (and repairs) the CNI
+//! plugin once it is ready to serve events.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::install;
+use super::plugin::{AddEvent, Enrollment};
+use super::redirect::{RedirectOptions, RedirectRules};
+use super::zds_server::{PodSource, ZdsPod, ZdsServer};
+use crate::config::agent::{AgentConfig, EnrollRule};
+use crate::netns::Netns;
+
+/// File name of the plugin event socket inside the run dir.
+pub const PLUGIN_SOCKET: &str = "pluginevent.sock";
+
+/// One enrolled pod, as kept in the state file.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PodRecord {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub netns_path: PathBuf,
+    /// (device, inode) of the netns, to tell a reused path from the same pod.
+    pub netns_id: (u64, u64),
+    pub ips: Vec<String>,
+}
+
+struct Enrolled {
+    record: PodRecord,
+    netns: Netns,
+}
+
+/// The agent's pods; the ZDS snapshot is read from here.
+#[derive(Default)]
+pub struct PodStore {
+    pods: Mutex<BTreeMap<String, Enrolled>>,
+}
+
+impl PodSource for PodStore {
+    fn pods(&self) -> Vec<ZdsPod> {
+        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.values()
+            .map(|p| ZdsPod {
+                uid: p.record.uid.clone(),
+                name: p.record.name.clone(),
+                namespace: p.record.namespace.clone(),
+                service_account: p.record.service_account.clone(),
+                netns: p.netns.clone(),
+            })
+            .collect()
+    }
+}
+
+impl PodStore {
+    fn records(&self) -> Vec<PodRecord> {
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .map(|p| p.record.clone())
+            .collect()
+    }
+}
+
+/// Everything an event handler needs.
+pub struct Agent {
+    cfg: AgentConfig,
+    store: Arc<PodStore>,
+    zds: Arc<ZdsServer>,
+    rules: RedirectRules,
+    enroll: Enrollment,
+    /// Serialises enrollments so rules, ZDS and state change in one order.
+    ops: tokio::sync::Mutex<()>,
+}
+
+/// Why an enrollment failed; the plugin shows it to the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum EnrollError {
+    #[error("pod {pod}: netns {path}: {reason}")]
+    Netns {
+        pod: String,
+        path: String,
+        reason: String,
+    },
+    #[error("pod {pod}: redirection rules: {reason}")]
+    Rules { pod: String, reason: String },
+    #[error("pod {pod}: proxy did not take the pod: {reason}")]
+    Zds { pod: String, reason: String },
+}
+
+pub fn enrollment(rule: &EnrollRule) -> Enrollment {
+    match rule {
+        EnrollRule::All => Enrollment::All,
+        EnrollRule::None => Enrollment::None,
+        EnrollRule::Namespaces(n) => Enrollment::Namespaces(n.clone()),
+        EnrollRule::PodPattern(p) => Enrollment::PodPattern(p.clone()),
+    }
+}
+
+/// The plugin's entry in the conflist.
+pub fn plugin_entry(cfg: &AgentConfig) -> serde_json::Value {
+    let enroll = match &cfg.enroll {
+        EnrollRule::All => json!({"mode": "all"}),
+        EnrollRule::None => json!({"mode": "none"}),
+        EnrollRule::Namespaces(n) => json!({"mode": "namespaces", "namespaces": n}),
+        EnrollRule::PodPattern(p) => json!({"mode": "pod_pattern", "pod_pattern": p}),
+    };
+    json!({
+        "type": install::PLUGIN_TYPE,
+        "name": install::PLUGIN_TYPE,
+        "cni_agent_run_dir": cfg.run_dir,
+        "exclude_namespaces": cfg.exclude_namespaces,
+        "enroll": enroll,
+    })
+}
+
+impl Agent {
+    fn uid_of(ev: &AddEvent) -> String {
+        [&ev.pod_uid, &ev.container_id]
+            .into_iter()
+            .find(|s| !s.is_empty())
+            .cloned()
+            .unwrap_or_else(|| format!("{}/{}", ev.pod_namespace, ev.pod_name))
+    }
+
+    /// The service account the local config gives this pod ("default" otherwise).
+    fn service_account(&self, ev: &AddEvent) -> String {
+        let Some(path) = &self.cfg.local_xds_path else {
+            return "default".into();
+        };
+        let Ok(state) = crate::xds::local::load(path) else {
+            return "default".into();
+        };
+        let by_name = state
+            .workload_by_name(&ev.pod_namespace, &ev.pod_name)
+            .map(|w| w.service_account.clone());
+        let by_ip = || {
+            ev.ips.iter().find_map(|ip| {
+                let addr = ip.address.split('/').next()?.parse().ok()?;
+                state
+                    .workload_by_addr("", addr)
+                    .map(|w| w.service_account.clone())
+            })
+        };
+        by_name.or_else(by_ip).unwrap_or_else(|| "default".into())
+    }
+
+    /// CNI ADD for an enrolled pod: rules, then ZDS Add (waiting for the Ack), then state.
+    pub async fn add(&self, ev: AddEvent) -> Result<(), EnrollError> {
+        let pod = format!("{}/{}", ev.pod_namespace, ev.pod_name);
+        if self.cfg.exclude_namespaces.contains(&ev.pod_namespace)
+            || !self.enroll.selects(&ev.pod_namespace, &ev.pod_name)
+        {
+            tracing::info!(pod = %pod, "not enrolled by this node's rule; leaving it alone");
+            return Ok(());
+        }
+        let _guard = self.ops.lock().await;
+        let netns = Netns::open(&ev.netns).map_err(|e| EnrollError::Netns {
+            pod: pod.clone(),
+            path: ev.netns.clone(),
+            reason: e.to_string(),
+        })?;
+        let netns_id = netns.id().map_err(|e| EnrollError::Netns {
+            pod: pod.clone(),
+            path: ev.netns.clone(),
+            reason: e.to_string(),
+        })?;
+        let uid = Self::uid_of(&ev);
+        let record = PodRecord {
+            uid: uid.clone(),
+            name: ev.pod_name.clone(),
+            namespace: ev.pod_namespace.clone(),
+            service_account: self.service_account(&ev),
+            netns_path: PathBuf::from(&ev.netns),
+            netns_id,
+            ips: ev.ips.iter().map(|i| i.address.clone()).collect(),
+        };
+        let rules = self.rules;
+        let ns = netns.clone();
+        tokio::task::spawn_blocking(move || rules.apply(&ns))
+            .await
+            .map_err(|e| EnrollError::Rules {
+                pod: pod.clone(),
+                reason: e.to_string(),
+            })?
+            .map_err(|e| EnrollError::Rules {
+                pod: pod.clone(),
+                reason: e.to_string(),
+            })?;
+        let zpod = ZdsPod {
+            uid: uid.clone(),
+            name: record.name.clone(),
+            namespace: record.namespace.clone(),
+            service_account: record.service_account.clone(),
+            netns: netns.clone(),
+        };
+        if let Err(e) = self.zds.add(&zpod).await {
+            let ns = netns.clone();
+            let _ = tokio::task::spawn_blocking(move || rules.remove(&ns)).await;
+            return Err(EnrollError::Zds {
+                pod,
+                reason: e.to_string(),
+            });
+        }
+        tracing::info!(pod = %pod, uid = %uid, sa = %record.service_account, "pod enrolled");
+        self.store
+            .pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(uid, Enrolled { record, netns });
+        self.save();
+        Ok(())
+    }
+
+    /// Removes a pod: ZDS Del to every proxy, rules removed if its netns still exists.
+    async fn remove(&self, uid: &str, netns_alive: bool) {
+        let removed = self
+            .store
+            .pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(uid);
+        let Some(pod) = removed else { return };
+        if let Err(e) = self.zds.del(uid).await {
+            tracing::warn!(uid, error = %e, "ZDS Del failed");
+        }
+        if netns_alive {
+            let rules = self.rules;
+            let _ = tokio::task::spawn_blocking(move || rules.remove(&pod.netns)).await;
+        }
+        tracing::info!(uid, pod = %format!("{}/{}", pod.record.namespace, pod.record.name), "pod removed");
+        self.save();
+    }
+
+    fn save(&self) {
+        let records = self.store.records();
+        let text = serde_json::to_string_pretty(&records).unwrap_or_else(|_| "[]".into());
+        if let Some(dir) = self.cfg.state_file.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        if let Err(e) = install::write_atomic(&self.cfg.state_file, text.as_bytes(), 0o600) {
+            tracing::error!(error = %e, "cannot save agent state");
+        }
+    }
+
+    /// Pods whose netns path is gone (or now names another netns) are removed.
+    async fn reap(&self) {
+        for rec in self.store.records() {
+            let alive = Netns::open(&rec.netns_path)
+                .and_then(|n| n.id())
+                .map(|id| id == rec.netns_id)
+                .unwrap_or(false);
+            if !alive {
+                self.remove(&rec.uid, false).await;
+            }
+        }
+    }
+}
+
+/// Reads the state file and reopens each pod's netns; stale entries are dropped.
+pub fn load_state(path: &Path) -> Vec<(PodRecord, Netns)> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Vec::new();
+    };
+    let records: Vec<PodRecord> = match serde_json::from_str(&text) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(file = %path.display(), error = %e, "agent state unreadable; starting empty");
+            return Vec::new();
+        }
+    };
+    records
+        .into_iter()
+        .filter_map(|r| {
+            let ns = Netns::open(&r.netns_path).ok()?;
+            (ns.id().ok()? == r.netns_id).then_some((r, ns))
+        })
+        .collect()
+}
+
+async fn plugin_events(agent: Arc<Agent>, listener: tokio::net::UnixListener) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: Request<Incoming>| {
+                let agent = agent.clone();
+                async move { Ok::<_, Infallible>(handle_event(agent, req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+async fn handle_event(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let reply = |status: StatusCode, body: String| {
+        Response::builder()
+            .status(status)
+            .body(Full::new(Bytes::from(body)))
+            .unwrap_or_default()
+    };
+    if req.method() != Method::POST || req.uri().path() != "/cmdadd" {
+        return reply(StatusCode::NOT_FOUND, "only POST /cmdadd\n".into());
+    }
+    let body = match Limited::new(req.into_body(), 64 * 1024).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return reply(StatusCode::BAD_REQUEST, format!("body: {e}\n")),
+    };
+    let ev: AddEvent = match serde_json::from_slice(&body) {
+        Ok(ev) => ev,
+        Err(e) => return reply(StatusCode::BAD_REQUEST, format!("bad event: {e}\n")),
+    };
+    match agent.add(ev).await {
+        Ok(()) => reply(StatusCode::OK, "ok\n".into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "enrollment failed");
+            reply(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n"))
+        }
+    }
+}
+
+/// Runs the agent until SIGTERM/SIGINT.
+pub fn run(cfg: AgentConfig) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(serve(cfg, None))
+}
+
+/// The agent's main loop; `stop` ends it early (used by `ambit node`).
+pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> anyhow::Result<()> {
+    let store = Arc::new(PodStore::default());
+    for (record, netns) in load_state(&cfg.state_file) {
+        tracing::info!(uid = %record.uid, "pod restored from agent state");
+        store
+            .pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(record.uid.clone(), Enrolled { record, netns });
+    }
+    let zds = ZdsServer::start(&cfg.zds_path, store.clone())
+        .with_context(|| format!("ZDS socket {}", cfg.zds_path.display()))?;
+    let rules = RedirectRules::new(RedirectOptions {
+        dns_capture: cfg.dns_capture,
+        bypass_inbound: false,
+        ipv6: cfg.ipv6,
+    });
+    let agent = Arc::new(Agent {
+        enroll: enrollment(&cfg.enroll),
+        cfg: cfg.clone(),
+        store,
+        zds,
+        rules,
+        ops: Default::default(),
+    });
+    agent.save();
+
+    {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o750)
+            .create(&cfg.run_dir)?;
+        let sock = cfg.run_dir.join(PLUGIN_SOCKET);
+        let _ = std::fs::remove_file(&sock);
+        let listener = tokio::net::UnixListener::bind(&sock)
+            .with_context(|| format!("plugin socket {}", sock.display()))?;
+        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))?;
+        tokio::spawn(plugin_events(agent.clone(), listener));
+    }
+
+    let ready = Arc::new(AtomicBool::new(!cfg.install_cni));
+    let r = ready.clone();
+    crate::proxy::admin::serve(
+        cfg.readiness_addr,
+        Arc::new(move |_, path| match path {
+            "/healthz" => (StatusCode::OK, crate::proxy::admin::TEXT, "ok\n".into()),
+            "/readyz" if r.load(Ordering::Acquire) => {
+                (StatusCode::OK, crate::proxy::admin::TEXT, "ready\n".into())
+            }
+            "/readyz" => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                crate::proxy::admin::TEXT,
+                "not ready\n".into(),
+            ),
+            _ => (
+                StatusCode::NOT_FOUND,
+                crate::proxy::admin::TEXT,
+                "not found\n".into(),
+            ),
+        }),
+    )
+    .await
+    .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
+
+    // Only now, able to serve events, does the agent put the plugin in place.
+    let entry = plugin_entry(&cfg);
+    let binary = std::env::current_exe()?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let stop = stop.unwrap_or_default();
+    tracing::info!(run_dir = %cfg.run_dir.display(), zds = %cfg.zds_path.display(), "agent serving");
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+            _ = stop.notified() => break,
+        }
+        if cfg.install_cni {
+            match install::install(&cfg.cni_bin_dir, &cfg.cni_conf_dir, &binary, &entry) {
+                Ok(true) => {
+                    tracing::info!(conf_dir = %cfg.cni_conf_dir.display(), "CNI plugin installed")
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!(error = %e, "CNI plugin not installed yet"),
+            }
+            ready.store(
+                install::primary_config(&cfg.cni_conf_dir)
+                    .map(|(_, v, _)| install::has_entry(&v, &entry))
+                    .unwrap_or(false),
+                Ordering::Release,
+            );
+        }
+        agent.reap().await;
+    }
+    if cfg.install_cni {
+        match install::uninstall(&cfg.cni_bin_dir, &cfg.cni_conf_dir) {
+            Ok(()) => tracing::info!("CNI plugin uninstalled"),
+            Err(e) => tracing::warn!(error = %e, "CNI plugin uninstall incomplete"),
+        }
+    }
+    Ok(())
+}

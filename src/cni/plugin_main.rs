@@ -1,0 +1,94 @@
+//! The CNI plugin process (`ambit-cni`): reads the environment and stdin,
+//! runs the pure logic of [`super::plugin`], delivers ADD events to the agent
+//! over `<run dir>/pluginevent.sock` (HTTP/1.1 on a stream Unix socket, 5 s
+//! budget), and prints the result — and nothing else — on stdout. Errors are
+//! CNI error JSON on stdout with exit code 1; logs go to stderr.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+
+use super::agent::PLUGIN_SOCKET;
+use super::plugin::{self, AddEvent, CniError};
+
+/// The whole budget for telling the agent.
+pub const AGENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// POSTs the event to the agent; the error text says what went wrong and where.
+fn post(event: &AddEvent, run_dir: &str) -> Result<(), String> {
+    let sock = Path::new(run_dir).join(PLUGIN_SOCKET);
+    let body = serde_json::to_vec(event).map_err(|e| e.to_string())?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let exchange = async {
+            let stream = tokio::net::UnixStream::connect(&sock).await.map_err(|e| {
+                format!(
+                    "agent socket {}: {e} — is the Ambit agent running?",
+                    sock.display()
+                )
+            })?;
+            let (mut sender, conn) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .map_err(|e| format!("agent socket {}: {e}", sock.display()))?;
+            tokio::spawn(conn);
+            let req = http::Request::post("http://ambit-agent/cmdadd")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .map_err(|e| e.to_string())?;
+            let resp = sender
+                .send_request(req)
+                .await
+                .map_err(|e| format!("agent: {e}"))?;
+            let status = resp.status();
+            let text = resp
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            if status == http::StatusCode::OK {
+                Ok(())
+            } else {
+                Err(format!(
+                    "agent answered {status}: {}",
+                    String::from_utf8_lossy(&text).trim()
+                ))
+            }
+        };
+        tokio::time::timeout(AGENT_TIMEOUT, exchange)
+            .await
+            .map_err(|_| format!("agent socket {}: no answer within 5s", sock.display()))?
+    })
+}
+
+/// Runs the plugin and returns the process exit code.
+pub fn main() -> i32 {
+    let mut stdin = Vec::new();
+    let stdout = std::io::stdout();
+    let outcome = match plugin::env_from(|k| std::env::var(k).ok()) {
+        Err(e) => Err(e),
+        Ok(env) => match std::io::stdin().read_to_end(&mut stdin) {
+            Err(e) => Err(CniError::decoding_failure(format!("reading stdin: {e}"))),
+            Ok(_) => plugin::handle(&env, &stdin, &mut post),
+        },
+    };
+    let mut out = stdout.lock();
+    match outcome {
+        Ok(text) => {
+            let _ = out.write_all(text.as_bytes());
+            0
+        }
+        Err(e) => {
+            eprintln!("ambit-cni: {e}");
+            let _ = out.write_all(e.to_json(&plugin::reply_version(&stdin)).as_bytes());
+            1
+        }
+    }
+}

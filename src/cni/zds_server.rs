@@ -1,0 +1,253 @@
+//! The agent's side of ZDS (DESIGN §3.2): accepts proxy connections, waits
+//! for the hello, sends the snapshot (an Add with the netns fd for every pod
+//! it holds, then SnapshotSent), and afterwards Adds to the newest connection
+//! and Dels to all, each request waiting at most 5 s for its in-order Ack.
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use prost::Message;
+use tokio::sync::{mpsc, oneshot, Mutex};
+
+use crate::netns::Netns;
+use crate::proto::zds::{
+    workload_request::Payload, workload_response, AddWorkload, DelWorkload, SnapshotSent,
+    WorkloadInfo, WorkloadRequest, WorkloadResponse, ZdsHello,
+};
+use crate::zds::{SeqPacket, SeqPacketListener};
+
+/// How long the agent waits for the hello and for each Ack.
+pub const ZDS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A pod as the agent hands it to the proxy.
+#[derive(Debug, Clone)]
+pub struct ZdsPod {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub netns: Netns,
+}
+
+impl ZdsPod {
+    fn add_request(&self) -> WorkloadRequest {
+        WorkloadRequest {
+            payload: Some(Payload::Add(AddWorkload {
+                uid: self.uid.clone(),
+                workload_info: Some(WorkloadInfo {
+                    name: self.name.clone(),
+                    namespace: self.namespace.clone(),
+                    service_account: self.service_account.clone(),
+                }),
+            })),
+        }
+    }
+}
+
+/// Why a ZDS request did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum ZdsError {
+    #[error("no proxy is connected to the ZDS socket")]
+    NoProxy,
+    #[error("proxy rejected the request: {0}")]
+    Rejected(String),
+    #[error("proxy connection failed: {0}")]
+    Connection(String),
+}
+
+type Job = (
+    WorkloadRequest,
+    Option<Netns>,
+    oneshot::Sender<Result<(), ZdsError>>,
+);
+
+struct Conn {
+    id: u64,
+    jobs: mpsc::Sender<Job>,
+}
+
+/// Source of the snapshot a new proxy connection receives.
+pub trait PodSource: Send + Sync + 'static {
+    fn pods(&self) -> Vec<ZdsPod>;
+}
+
+/// The ZDS server; cheap to share.
+pub struct ZdsServer {
+    conns: Mutex<Vec<Conn>>,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+impl ZdsServer {
+    /// Binds `path` and serves proxy connections in the background.
+    pub fn start(path: &Path, source: Arc<dyn PodSource>) -> std::io::Result<Arc<Self>> {
+        let listener = SeqPacketListener::bind(path)?;
+        let server = Arc::new(ZdsServer {
+            conns: Mutex::new(Vec::new()),
+            next_id: Default::default(),
+        });
+        let s = server.clone();
+        tokio::spawn(async move {
+            loop {
+                match listener.accept().await {
+                    Ok(conn) => {
+                        let s = s.clone();
+                        let source = source.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = s.serve(conn, source).await {
+                                tracing::warn!(error = %e, "ZDS proxy connection ended");
+                            }
+                        });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "ZDS accept failed");
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                }
+            }
+        });
+        Ok(server)
+    }
+
+    /// Number of connected proxies.
+    pub async fn connected(&self) -> usize {
+        self.conns
+            .lock()
+            .await
+            .iter()
+            .filter(|c| !c.jobs.is_closed())
+            .count()
+    }
+
+    /// Hands a pod to the newest proxy and waits for its Ack.
+    pub async fn add(&self, pod: &ZdsPod) -> Result<(), ZdsError> {
+        let jobs = {
+            let conns = self.conns.lock().await;
+            conns
+                .iter()
+                .rev()
+                .find(|c| !c.jobs.is_closed())
+                .map(|c| c.jobs.clone())
+                .ok_or(ZdsError::NoProxy)?
+        };
+        let (tx, rx) = oneshot::channel();
+        jobs.send((pod.add_request(), Some(pod.netns.clone()), tx))
+            .await
+            .map_err(|_| ZdsError::NoProxy)?;
+        rx.await
+            .map_err(|_| ZdsError::Connection("closed before the Ack".into()))?
+    }
+
+    /// Tells every proxy to drop a pod; succeeds if none is connected.
+    pub async fn del(&self, uid: &str) -> Result<(), ZdsError> {
+        let all: Vec<mpsc::Sender<Job>> = self
+            .conns
+            .lock()
+            .await
+            .iter()
+            .map(|c| c.jobs.clone())
+            .collect();
+        let mut result = Ok(());
+        for jobs in all {
+            let (tx, rx) = oneshot::channel();
+            let req = WorkloadRequest {
+                payload: Some(Payload::Del(DelWorkload {
+                    uid: uid.to_string(),
+                })),
+            };
+            if jobs.send((req, None, tx)).await.is_err() {
+                continue;
+            }
+            if let Ok(Err(e)) = rx.await {
+                result = Err(e);
+            }
+        }
+        result
+    }
+
+    async fn serve(
+        self: Arc<Self>,
+        conn: SeqPacket,
+        source: Arc<dyn PodSource>,
+    ) -> Result<(), ZdsError> {
+        let err = |e: std::io::Error| ZdsError::Connection(e.to_string());
+        let (hello, fd) = tokio::time::timeout(ZDS_TIMEOUT, conn.recv())
+            .await
+            .map_err(|_| ZdsError::Connection("no hello within 5s".into()))?
+            .map_err(err)?;
+        if fd.is_some() || ZdsHello::decode(hello.as_slice()).is_err() {
+            return Err(ZdsError::Connection(
+                "first message is not a ZdsHello".into(),
+            ));
+        }
+        // Snapshot: every pod we hold, then SnapshotSent.
+        let pods = source.pods();
+        for pod in &pods {
+            exchange(&conn, &pod.add_request(), Some(&pod.netns)).await?;
+        }
+        let sent = WorkloadRequest {
+            payload: Some(Payload::SnapshotSent(SnapshotSent {})),
+        };
+        exchange(&conn, &sent, None).await?;
+        tracing::info!(pods = pods.len(), "proxy connected; snapshot sent");
+
+        let (tx, mut rx) = mpsc::channel::<Job>(64);
+        let id = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        {
+            let mut conns = self.conns.lock().await;
+            conns.retain(|c| !c.jobs.is_closed());
+            conns.push(Conn { id, jobs: tx });
+        }
+        let result = loop {
+            tokio::select! {
+                job = rx.recv() => {
+                    let Some((req, netns, reply)) = job else { break Ok(()) };
+                    let r = exchange(&conn, &req, netns.as_ref()).await;
+                    let failed = matches!(r, Err(ZdsError::Connection(_)));
+                    let _ = reply.send(r);
+                    if failed {
+                        break Err(ZdsError::Connection("lost during a request".into()));
+                    }
+                }
+                // Anything the proxy sends unasked (or EOF) ends the connection.
+                r = conn.recv() => break Err(ZdsError::Connection(match r {
+                    Ok(_) => "unexpected message from the proxy".into(),
+                    Err(e) => e.to_string(),
+                })),
+            }
+        };
+        self.conns.lock().await.retain(|c| c.id != id);
+        result
+    }
+}
+
+/// Sends one request and waits for its Ack.
+async fn exchange(
+    conn: &SeqPacket,
+    req: &WorkloadRequest,
+    netns: Option<&Netns>,
+) -> Result<(), ZdsError> {
+    let err = |e: std::io::Error| ZdsError::Connection(e.to_string());
+    let fd = netns.map(|n| n.as_fd().as_raw_fd());
+    tokio::time::timeout(ZDS_TIMEOUT, conn.send(&req.encode_to_vec(), fd))
+        .await
+        .map_err(|_| ZdsError::Connection("send timed out".into()))?
+        .map_err(err)?;
+    let (bytes, fd) = tokio::time::timeout(ZDS_TIMEOUT, conn.recv())
+        .await
+        .map_err(|_| ZdsError::Connection("no Ack within 5s".into()))?
+        .map_err(err)?;
+    if fd.is_some() {
+        return Err(ZdsError::Connection("Ack carried an fd".into()));
+    }
+    let resp = WorkloadResponse::decode(bytes.as_slice())
+        .map_err(|e| ZdsError::Connection(format!("bad Ack: {e}")))?;
+    match resp.payload {
+        Some(workload_response::Payload::Ack(a)) if a.error.is_empty() => Ok(()),
+        Some(workload_response::Payload::Ack(a)) => Err(ZdsError::Rejected(a.error)),
+        None => Err(ZdsError::Connection("empty response".into())),
+    }
+}

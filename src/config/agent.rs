@@ -1,0 +1,205 @@
+//! The node agent's configuration: its keys and the typed [`AgentConfig`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use super::proxy::LogFormat;
+use super::{parse_bool, CommandLine, ConfigError, Key, Layers};
+
+/// Which pods the agent puts in the mesh (the embedded rule; no Kubernetes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EnrollRule {
+    All,
+    None,
+    Namespaces(Vec<String>),
+    PodPattern(String),
+}
+
+pub static AGENT_KEYS: &[Key] = &[
+    Key {
+        name: "run_dir",
+        env: &["CNI_AGENT_RUN_DIR"],
+        default: "/var/run/ambit",
+        help: "holds pluginevent.sock (dir 0750)",
+    },
+    Key {
+        name: "zds_path",
+        env: &["ZTUNNEL_UDS_ADDRESS"],
+        default: "/var/run/ztunnel/ztunnel.sock",
+        help: "ZDS socket the proxy connects to",
+    },
+    Key {
+        name: "cni_bin_dir",
+        env: &["CNI_BIN_DIR"],
+        default: "/opt/cni/bin",
+        help: "where ambit-cni is installed",
+    },
+    Key {
+        name: "cni_conf_dir",
+        env: &["CNI_NET_DIR"],
+        default: "/etc/cni/net.d",
+        help: "CNI config dir whose first conflist gets our entry",
+    },
+    Key {
+        name: "install_cni",
+        env: &["AMBIT_INSTALL_CNI"],
+        default: "true",
+        help: "install, watch and repair the plugin and conflist entry",
+    },
+    Key {
+        name: "enroll",
+        env: &["AMBIT_ENROLL"],
+        default: "all",
+        help: "all | none | namespaces:ns1,ns2 | pods:<glob on pod name>",
+    },
+    Key {
+        name: "exclude_namespaces",
+        env: &["EXCLUDE_NAMESPACES"],
+        default: "kube-system",
+        help: "comma-separated namespaces never enrolled",
+    },
+    Key {
+        name: "dns_capture",
+        env: &["AMBIENT_DNS_CAPTURE"],
+        default: "false",
+        help: "redirect pod DNS to the proxy's 15053 (off until the DNS proxy exists)",
+    },
+    Key {
+        name: "ipv6",
+        env: &["AMBIENT_IPV6"],
+        default: "true",
+        help: "also program ip6tables in pods",
+    },
+    Key {
+        name: "local_xds_path",
+        env: &["LOCAL_XDS_PATH"],
+        default: "",
+        help: "local config; gives enrolled pods their service account",
+    },
+    Key {
+        name: "state_file",
+        env: &["AMBIT_AGENT_STATE"],
+        default: "/var/lib/ambit/agent-state.json",
+        help: "enrolled pods, kept across restarts",
+    },
+    Key {
+        name: "readiness_addr",
+        env: &["AMBIT_AGENT_READINESS_ADDR"],
+        default: "0.0.0.0:8000",
+        help: "/healthz and /readyz",
+    },
+    Key {
+        name: "log_format",
+        env: &["LOG_FORMAT"],
+        default: "text",
+        help: "text or json",
+    },
+    Key {
+        name: "log_level",
+        env: &["RUST_LOG"],
+        default: "info",
+        help: "tracing filter",
+    },
+];
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    pub run_dir: PathBuf,
+    pub zds_path: PathBuf,
+    pub cni_bin_dir: PathBuf,
+    pub cni_conf_dir: PathBuf,
+    pub install_cni: bool,
+    pub enroll: EnrollRule,
+    pub exclude_namespaces: Vec<String>,
+    pub dns_capture: bool,
+    pub ipv6: bool,
+    pub local_xds_path: Option<PathBuf>,
+    pub state_file: PathBuf,
+    pub readiness_addr: SocketAddr,
+    pub log_format: LogFormat,
+    pub log_level: String,
+}
+
+pub fn parse_enroll(s: &str) -> Option<EnrollRule> {
+    let list = |v: &str| {
+        v.split(',')
+            .map(str::trim)
+            .filter(|x| !x.is_empty())
+            .map(String::from)
+            .collect::<Vec<_>>()
+    };
+    match s.split_once(':') {
+        None if s == "all" => Some(EnrollRule::All),
+        None if s == "none" => Some(EnrollRule::None),
+        Some(("namespaces", v)) if !list(v).is_empty() => Some(EnrollRule::Namespaces(list(v))),
+        Some(("pods", v)) if !v.is_empty() => Some(EnrollRule::PodPattern(v.to_string())),
+        _ => None,
+    }
+}
+
+impl AgentConfig {
+    pub fn load(cl: &CommandLine) -> Result<(Self, Layers), ConfigError> {
+        let layers = Layers::resolve(AGENT_KEYS, cl, |v| std::env::var(v).ok())?;
+        Ok((Self::from_layers(&layers)?, layers))
+    }
+
+    pub fn from_layers(l: &Layers) -> Result<Self, ConfigError> {
+        let path = |s: &str| Some(PathBuf::from(s));
+        Ok(AgentConfig {
+            run_dir: l.require("run_dir", "a directory path", path)?,
+            zds_path: l.require("zds_path", "a socket path", path)?,
+            cni_bin_dir: l.require("cni_bin_dir", "a directory path", path)?,
+            cni_conf_dir: l.require("cni_conf_dir", "a directory path", path)?,
+            install_cni: l.require("install_cni", "true or false", parse_bool)?,
+            enroll: l.require(
+                "enroll",
+                "all, none, namespaces:a,b or pods:<glob>",
+                parse_enroll,
+            )?,
+            exclude_namespaces: l
+                .get("exclude_namespaces", "comma-separated names", |s| {
+                    Some(
+                        s.split(',')
+                            .map(str::trim)
+                            .filter(|x| !x.is_empty())
+                            .map(String::from)
+                            .collect(),
+                    )
+                })?
+                .unwrap_or_default(),
+            dns_capture: l.require("dns_capture", "true or false", parse_bool)?,
+            ipv6: l.require("ipv6", "true or false", parse_bool)?,
+            local_xds_path: l.get("local_xds_path", "a file path", path)?,
+            state_file: l.require("state_file", "a file path", path)?,
+            readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:8000", |s| {
+                s.parse().ok()
+            })?,
+            log_format: l.require("log_format", "text or json", |s| match s {
+                "text" => Some(LogFormat::Text),
+                "json" => Some(LogFormat::Json),
+                _ => None,
+            })?,
+            log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn enrollment_rules_parse() {
+        assert_eq!(parse_enroll("all"), Some(EnrollRule::All));
+        assert_eq!(
+            parse_enroll("namespaces:a, b"),
+            Some(EnrollRule::Namespaces(vec!["a".into(), "b".into()]))
+        );
+        assert_eq!(
+            parse_enroll("pods:web-*"),
+            Some(EnrollRule::PodPattern("web-*".into()))
+        );
+        assert_eq!(parse_enroll("namespaces:"), None);
+        assert_eq!(parse_enroll("some"), None);
+    }
+}
