@@ -16,12 +16,19 @@ struct Node {
     bin_dir: PathBuf,
     conf_dir: PathBuf,
     pods: Vec<String>,
+    enroll: String,
 }
 
 const SUBNET: &str = "10.78.0";
 
 impl Node {
     fn start(tag: &str, enroll: &str) -> Node {
+        Self::start_with(tag, enroll, true)
+    }
+
+    /// `combined`: one `ambit node`; otherwise `ambit agent` and `ambit proxy` as
+    /// separate processes ("agent", "proxy") so a test can restart either.
+    fn start_with(tag: &str, enroll: &str, combined: bool) -> Node {
         let lab = Lab::new(tag, env!("CARGO_BIN_EXE_ambit")).unwrap();
         let dir = lab.dir.clone();
         let (bin_dir, conf_dir) = (dir.join("cni-bin"), dir.join("net.d"));
@@ -33,38 +40,50 @@ impl Node {
                          "routes": [{"dst": "0.0.0.0/0"}]}}]
         });
         std::fs::write(conf_dir.join("10-meshnet.conflist"), conflist.to_string()).unwrap();
-        let (ca_cert, ca_key) = ambit::lab::write_ca(&dir, "ca", "cluster.local").unwrap();
+        ambit::lab::write_ca(&dir, "ca", "cluster.local").unwrap();
         // host-local hands out .2, .3, ... in order: name the pods' service accounts up front.
         let mesh = format!(
             "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{SUBNET}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{SUBNET}.3\"], protocol: HBONE}}\n"
         );
         std::fs::write(dir.join("mesh.yaml"), mesh).unwrap();
-        let mut cmd = lab.node.command(env!("CARGO_BIN_EXE_ambit"));
-        cmd.arg("node")
-            .env("CNI_BIN_DIR", &bin_dir)
-            .env("CNI_NET_DIR", &conf_dir)
-            .env("CNI_AGENT_RUN_DIR", dir.join("run"))
-            .env("ZTUNNEL_UDS_ADDRESS", dir.join("zds.sock"))
-            .env("INPOD_UDS", dir.join("zds.sock"))
-            .env("AMBIT_AGENT_STATE", dir.join("agent-state.json"))
-            .env("AMBIT_AGENT_READINESS_ADDR", "127.0.0.1:8000")
-            .env("AMBIT_ENROLL", enroll)
-            .env("LOCAL_XDS_PATH", dir.join("mesh.yaml"))
-            .env("PROXY_MODE", "shared")
-            .env("AMBIT_CA_CERT", &ca_cert)
-            .env("AMBIT_CA_KEY", &ca_key)
-            .env("AMBIT_STATE_DIR", dir.join("state"));
-        lab.spawn("node", cmd).unwrap();
         let node = Node {
             lab,
             dir,
             bin_dir,
             conf_dir,
             pods: Vec::new(),
+            enroll: enroll.to_string(),
         };
+        if combined {
+            node.lab.spawn("node", node.command("node")).unwrap();
+        } else {
+            node.lab.spawn("agent", node.command("agent")).unwrap();
+            node.lab.spawn("proxy", node.command("proxy")).unwrap();
+        }
         node.wait_ready("127.0.0.1:8000", "/readyz");
         node.wait_ready("127.0.0.1:15021", "/healthz/ready");
         node
+    }
+
+    /// `ambit <role>` inside the node netns with this node's environment.
+    fn command(&self, role: &str) -> Command {
+        let dir = &self.dir;
+        let mut cmd = self.lab.node.command(env!("CARGO_BIN_EXE_ambit"));
+        cmd.arg(role)
+            .env("CNI_BIN_DIR", &self.bin_dir)
+            .env("CNI_NET_DIR", &self.conf_dir)
+            .env("CNI_AGENT_RUN_DIR", dir.join("run"))
+            .env("ZTUNNEL_UDS_ADDRESS", dir.join("zds.sock"))
+            .env("INPOD_UDS", dir.join("zds.sock"))
+            .env("AMBIT_AGENT_STATE", dir.join("agent-state.json"))
+            .env("AMBIT_AGENT_READINESS_ADDR", "127.0.0.1:8000")
+            .env("AMBIT_ENROLL", &self.enroll)
+            .env("LOCAL_XDS_PATH", dir.join("mesh.yaml"))
+            .env("PROXY_MODE", "shared")
+            .env("AMBIT_CA_CERT", dir.join("ca-cert.pem"))
+            .env("AMBIT_CA_KEY", dir.join("ca-key.pem"))
+            .env("AMBIT_STATE_DIR", dir.join("state"));
+        cmd
     }
 
     fn wait_ready(&self, addr: &str, path: &str) {
@@ -84,7 +103,17 @@ impl Node {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self.lab.log_path("node")).unwrap_or_default()
+        ["node", "agent", "proxy", "proxy2"]
+            .iter()
+            .map(|l| std::fs::read_to_string(self.lab.log_path(l)).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn dump(&self, admin: &str) -> String {
+        http_get_in(&self.lab.node, admin, "/config_dump")
+            .map(|r| r.1)
+            .unwrap_or_default()
     }
 
     fn conflist(&self) -> serde_json::Value {
@@ -149,9 +178,14 @@ impl Node {
 
 impl Drop for Node {
     fn drop(&mut self) {
-        self.lab.stop("node");
+        for l in ["node", "agent", "proxy", "proxy2"] {
+            self.lab.stop(l);
+        }
         for p in &self.pods {
-            let _ = Command::new("ip").args(["netns", "del", p]).status();
+            let _ = Command::new("ip")
+                .args(["netns", "del", p])
+                .stderr(std::process::Stdio::null())
+                .status();
         }
     }
 }
@@ -231,8 +265,8 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
 
 #[test]
 fn agent_down_fails_enrolled_adds_closed_and_garbage_gets_a_cni_error() {
-    let mut node = Node::start("down", "namespaces:default");
-    node.lab.stop("node");
+    let mut node = Node::start_with("down", "namespaces:default", false);
+    node.lab.stop("agent");
     // The conflist entry is removed on a clean stop; put it back as if the agent had crashed.
     let run_dir = node.dir.join("run");
     let mut conflist = node.conflist();
@@ -274,4 +308,115 @@ fn agent_down_fails_enrolled_adds_closed_and_garbage_gets_a_cni_error() {
     let v: serde_json::Value = serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("stdout must be CNI error JSON ({e}): {text}"));
     assert_eq!(v["code"], 6, "{text}");
+}
+
+#[test]
+fn proxy_restart_keeps_new_connections_flowing() {
+    let mut node = Node::start_with("prestart", "all", false);
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let mut long_lived = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip_keep(&mut long_lived, b"before"),
+        Some(b"before".to_vec())
+    );
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (s2, c2, target) = (stop.clone(), client.clone(), echo.addr);
+    let traffic = std::thread::spawn(move || {
+        let (mut ok, mut failed) = (0, Vec::new());
+        while !s2.load(std::sync::atomic::Ordering::Relaxed) {
+            match connect_from(&c2, target).and_then(|mut c| echo_roundtrip(&mut c, b"ping")) {
+                Ok(b) if b == b"ping" => ok += 1,
+                other => failed.push(format!("{other:?}")),
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        (ok, failed)
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    // The new proxy starts beside the old one (SO_REUSEPORT) and takes the pods from the agent.
+    let mut cmd = node.command("proxy");
+    cmd.env("AMBIT_ADMIN_ADDR", "127.0.0.1:16000")
+        .env("AMBIT_METRICS_ADDR", "127.0.0.1:16020")
+        .env("AMBIT_READINESS_ADDR", "127.0.0.1:16021");
+    node.lab.spawn("proxy2", cmd).unwrap();
+    node.wait_ready("127.0.0.1:16021", "/healthz/ready");
+    assert!(
+        node.dump("127.0.0.1:16000").contains("uid-client"),
+        "new proxy serves the pods"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    node.lab.stop("proxy");
+    std::thread::sleep(Duration::from_millis(700));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = traffic.join().unwrap();
+    assert!(ok > 20, "only {ok} connections succeeded");
+    assert!(
+        failed.is_empty(),
+        "{} of {} new connections failed during the restart: {:?}",
+        failed.len(),
+        ok + failed.len(),
+        &failed[..failed.len().min(3)]
+    );
+    // The connection carried by the old proxy ends; it does not hang.
+    let t = Instant::now();
+    let _ = echo_roundtrip_keep(&mut long_lived, b"after");
+    assert!(
+        t.elapsed() < Duration::from_secs(4),
+        "long-lived connection hung"
+    );
+}
+
+/// Writes `msg` and reads as many bytes back, keeping the connection open.
+fn echo_roundtrip_keep(s: &mut std::net::TcpStream, msg: &[u8]) -> Option<Vec<u8>> {
+    use std::io::{Read, Write};
+    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    s.write_all(msg).ok()?;
+    let mut buf = vec![0u8; msg.len()];
+    s.read_exact(&mut buf).ok()?;
+    Some(buf)
+}
+
+#[test]
+fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
+    let mut node = Node::start_with("arestart", "all", false);
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    let added = |n: &Node| n.log().matches("pod added").count();
+    assert_eq!(added(&node), 2, "{}", node.log());
+
+    node.lab.stop("agent");
+    let _ = Command::new("ip")
+        .args(["netns", "del", &server.netns_name])
+        .status();
+    node.lab.spawn("agent", node.command("agent")).unwrap();
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let dump = node.dump("127.0.0.1:15000");
+        if dump.contains("uid-client")
+            && !dump.contains("uid-server")
+            && node.log().contains("ZDS snapshot applied")
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "proxy did not resync: {dump}\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(
+        added(&node),
+        2,
+        "no pod may be re-added after an agent restart:\n{}",
+        node.log()
+    );
+    // The surviving pod still has its traffic carried.
+    let outsider = EchoServer::start(&client, 9090).unwrap();
+    let mut c = connect_from(&client, outsider.addr).unwrap();
+    assert_eq!(echo_roundtrip(&mut c, b"alive").unwrap(), b"alive");
 }
