@@ -29,6 +29,21 @@ impl Node {
     /// `combined`: one `ambit node`; otherwise `ambit agent` and `ambit proxy` as
     /// separate processes ("agent", "proxy") so a test can restart either.
     fn start_with(tag: &str, enroll: &str, combined: bool) -> Node {
+        // host-local hands out .2, .3, ... in order: name the pods' service accounts up front.
+        let mesh = format!(
+            "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{SUBNET}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{SUBNET}.3\"], protocol: HBONE}}\n"
+        );
+        Self::start_full(tag, enroll, combined, SUBNET, &mesh, None)
+    }
+
+    fn start_full(
+        tag: &str,
+        enroll: &str,
+        combined: bool,
+        subnet: &str,
+        mesh: &str,
+        ca_from: Option<&Node>,
+    ) -> Node {
         let lab = Lab::new(tag, env!("CARGO_BIN_EXE_ambit")).unwrap();
         let dir = lab.dir.clone();
         let (bin_dir, conf_dir) = (dir.join("cni-bin"), dir.join("net.d"));
@@ -36,15 +51,20 @@ impl Node {
         let conflist = serde_json::json!({
             "cniVersion": "1.0.0", "name": "meshnet",
             "plugins": [{"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
-                "ipam": {"type": "host-local", "dataDir": dir.join("ipam"), "ranges": [[{"subnet": format!("{SUBNET}.0/24")}]],
+                "ipam": {"type": "host-local", "dataDir": dir.join("ipam"), "ranges": [[{"subnet": format!("{subnet}.0/24")}]],
                          "routes": [{"dst": "0.0.0.0/0"}]}}]
         });
         std::fs::write(conf_dir.join("10-meshnet.conflist"), conflist.to_string()).unwrap();
-        ambit::lab::write_ca(&dir, "ca", "cluster.local").unwrap();
-        // host-local hands out .2, .3, ... in order: name the pods' service accounts up front.
-        let mesh = format!(
-            "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{SUBNET}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{SUBNET}.3\"], protocol: HBONE}}\n"
-        );
+        match ca_from {
+            Some(other) => {
+                for f in ["ca-cert.pem", "ca-key.pem"] {
+                    std::fs::copy(other.dir.join(f), dir.join(f)).unwrap();
+                }
+            }
+            None => {
+                ambit::lab::write_ca(&dir, "ca", "cluster.local").unwrap();
+            }
+        }
         std::fs::write(dir.join("mesh.yaml"), mesh).unwrap();
         let node = Node {
             lab,
@@ -419,4 +439,59 @@ fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
     let outsider = EchoServer::start(&client, 9090).unwrap();
     let mut c = connect_from(&client, outsider.addr).unwrap();
     assert_eq!(echo_roundtrip(&mut c, b"alive").unwrap(), b"alive");
+}
+
+#[test]
+fn cross_node_traffic_is_hbone_between_two_nodes() {
+    let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.79.0.2\"], protocol: HBONE}\n";
+    let mut a = Node::start_full("twoa", "all", true, "10.78.0", mesh, None);
+    let mut b = Node::start_full("twob", "all", true, "10.79.0", mesh, Some(&a));
+    // Route the two nodes to each other over a veth pair.
+    let (na, nb) = (a.lab.node_name().to_string(), b.lab.node_name().to_string());
+    let ip = |args: &[&str]| {
+        assert!(
+            Command::new("ip").args(args).status().unwrap().success(),
+            "ip {args:?}"
+        )
+    };
+    ip(&[
+        "-n", &na, "link", "add", "xa", "type", "veth", "peer", "name", "xb", "netns", &nb,
+    ]);
+    ip(&["-n", &na, "addr", "add", "10.99.0.1/30", "dev", "xa"]);
+    ip(&["-n", &nb, "addr", "add", "10.99.0.2/30", "dev", "xb"]);
+    ip(&["-n", &na, "link", "set", "xa", "up"]);
+    ip(&["-n", &nb, "link", "set", "xb", "up"]);
+    for (n, dst, via) in [
+        (&na, "10.79.0.0/24", "10.99.0.2"),
+        (&nb, "10.78.0.0/24", "10.99.0.1"),
+    ] {
+        ip(&["-n", n, "route", "add", dst, "via", via]);
+        assert!(Command::new("ip")
+            .args(["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            .status()
+            .unwrap()
+            .success());
+    }
+    let client = a.add_pod("client", "default").unwrap();
+    let server = b.add_pod("server", "default").unwrap();
+    assert_eq!(server.ip.to_string(), "10.79.0.2");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let payload = vec![3u8; 200_000];
+    let mut conn = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut conn, &payload).unwrap(),
+        payload,
+        "{}\n{}",
+        a.log(),
+        b.log()
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let mb = b.metrics();
+    assert!(
+        mb.lines().any(|l| l
+            .starts_with("istio_tcp_received_bytes_total{reporter=\"destination\"")
+            && l.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
+            && l.contains("connection_security_policy=\"mutual_tls\"")),
+        "node B's proxy must see the client's identity over mTLS:\n{mb}"
+    );
 }
