@@ -3,212 +3,13 @@
 //! host-local, then ambit-cni installed by the agent) exactly as a container
 //! runtime does.
 
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ambit::lab::{connect_from, echo_roundtrip, http_get_in, CniCall, EchoServer, Lab, LabPod};
-use ambit::netns::Netns;
+use ambit::lab::node::Node;
 
-struct Node {
-    lab: Lab,
-    dir: PathBuf,
-    bin_dir: PathBuf,
-    conf_dir: PathBuf,
-    pods: Vec<String>,
-    enroll: String,
-}
-
-const SUBNET: &str = "10.78.0";
-
-impl Node {
-    fn start(tag: &str, enroll: &str) -> Node {
-        Self::start_with(tag, enroll, true)
-    }
-
-    /// `combined`: one `ambit node`; otherwise `ambit agent` and `ambit proxy` as
-    /// separate processes ("agent", "proxy") so a test can restart either.
-    fn start_with(tag: &str, enroll: &str, combined: bool) -> Node {
-        // host-local hands out .2, .3, ... in order: name the pods' service accounts up front.
-        let mesh = format!(
-            "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{SUBNET}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{SUBNET}.3\"], protocol: HBONE}}\n"
-        );
-        Self::start_full(tag, enroll, combined, SUBNET, &mesh, None)
-    }
-
-    fn start_full(
-        tag: &str,
-        enroll: &str,
-        combined: bool,
-        subnet: &str,
-        mesh: &str,
-        ca_from: Option<&Node>,
-    ) -> Node {
-        let lab = Lab::new(tag, env!("CARGO_BIN_EXE_ambit")).unwrap();
-        let dir = lab.dir.clone();
-        let (bin_dir, conf_dir) = (dir.join("cni-bin"), dir.join("net.d"));
-        std::fs::create_dir_all(&conf_dir).unwrap();
-        let conflist = serde_json::json!({
-            "cniVersion": "1.0.0", "name": "meshnet",
-            "plugins": [{"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
-                "ipam": {"type": "host-local", "dataDir": dir.join("ipam"), "ranges": [[{"subnet": format!("{subnet}.0/24")}]],
-                         "routes": [{"dst": "0.0.0.0/0"}]}}]
-        });
-        std::fs::write(conf_dir.join("10-meshnet.conflist"), conflist.to_string()).unwrap();
-        match ca_from {
-            Some(other) => {
-                for f in ["ca-cert.pem", "ca-key.pem"] {
-                    std::fs::copy(other.dir.join(f), dir.join(f)).unwrap();
-                }
-            }
-            None => {
-                ambit::lab::write_ca(&dir, "ca", "cluster.local").unwrap();
-            }
-        }
-        std::fs::write(dir.join("mesh.yaml"), mesh).unwrap();
-        let node = Node {
-            lab,
-            dir,
-            bin_dir,
-            conf_dir,
-            pods: Vec::new(),
-            enroll: enroll.to_string(),
-        };
-        if combined {
-            node.lab.spawn("node", node.command("node")).unwrap();
-        } else {
-            node.lab.spawn("agent", node.command("agent")).unwrap();
-            node.lab.spawn("proxy", node.command("proxy")).unwrap();
-        }
-        node.wait_ready("127.0.0.1:8000", "/readyz");
-        node.wait_ready("127.0.0.1:15021", "/healthz/ready");
-        node
-    }
-
-    /// `ambit <role>` inside the node netns with this node's environment.
-    fn command(&self, role: &str) -> Command {
-        let dir = &self.dir;
-        let mut cmd = self.lab.node.command(env!("CARGO_BIN_EXE_ambit"));
-        cmd.arg(role)
-            .env("CNI_BIN_DIR", &self.bin_dir)
-            .env("CNI_NET_DIR", &self.conf_dir)
-            .env("CNI_AGENT_RUN_DIR", dir.join("run"))
-            .env("ZTUNNEL_UDS_ADDRESS", dir.join("zds.sock"))
-            .env("INPOD_UDS", dir.join("zds.sock"))
-            .env("AMBIT_AGENT_STATE", dir.join("agent-state.json"))
-            .env("AMBIT_AGENT_READINESS_ADDR", "127.0.0.1:8000")
-            .env("AMBIT_ENROLL", &self.enroll)
-            .env("LOCAL_XDS_PATH", dir.join("mesh.yaml"))
-            .env("PROXY_MODE", "shared")
-            .env("AMBIT_CA_CERT", dir.join("ca-cert.pem"))
-            .env("AMBIT_CA_KEY", dir.join("ca-key.pem"))
-            .env("AMBIT_STATE_DIR", dir.join("state"));
-        cmd
-    }
-
-    fn wait_ready(&self, addr: &str, path: &str) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while http_get_in(&self.lab.node, addr, path)
-            .map(|(s, _)| s)
-            .unwrap_or(0)
-            != 200
-        {
-            assert!(
-                Instant::now() < deadline,
-                "{addr}{path} not ready; log:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn log(&self) -> String {
-        ["node", "agent", "proxy", "proxy2"]
-            .iter()
-            .map(|l| std::fs::read_to_string(self.lab.log_path(l)).unwrap_or_default())
-            .collect::<Vec<_>>()
-            .join("\n")
-    }
-
-    fn dump(&self, admin: &str) -> String {
-        http_get_in(&self.lab.node, admin, "/config_dump")
-            .map(|r| r.1)
-            .unwrap_or_default()
-    }
-
-    fn conflist(&self) -> serde_json::Value {
-        serde_json::from_str(
-            &std::fs::read_to_string(self.conf_dir.join("10-meshnet.conflist")).unwrap(),
-        )
-        .unwrap()
-    }
-
-    /// Creates a pod netns and runs the CNI chain ADD for it, as a runtime would.
-    fn add_pod(&mut self, name: &str, namespace: &str) -> Result<LabPod, String> {
-        let netns_name = format!("{}-{name}", self.lab.id);
-        assert!(Command::new("ip")
-            .args(["netns", "add", &netns_name])
-            .status()
-            .unwrap()
-            .success());
-        self.pods.push(netns_name.clone());
-        let ns = Netns::named(&netns_name).unwrap();
-        // Runtimes bring the pod's loopback up themselves, before the network's plugins run.
-        assert!(ns
-            .command("ip")
-            .args(["link", "set", "lo", "up"])
-            .status()
-            .unwrap()
-            .success());
-        let conflist = self.conflist();
-        let cni_path = format!("/usr/lib/cni:{}", self.bin_dir.display());
-        let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
-        let args = format!("IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID=uid-{name}");
-        let call = CniCall {
-            node: &self.lab.node,
-            conflist: &conflist,
-            cni_path: &cni_path,
-            container_id: &netns_name,
-            netns_path: &netns_path,
-            cni_args: &args,
-        };
-        let result = call.run("ADD").map_err(|e| e.to_string())?;
-        let ip: std::net::Ipv4Addr = result["ips"][0]["address"]
-            .as_str()
-            .unwrap()
-            .split('/')
-            .next()
-            .unwrap()
-            .parse()
-            .unwrap();
-        Ok(LabPod {
-            name: name.to_string(),
-            netns_name,
-            ip,
-            ns,
-        })
-    }
-
-    fn metrics(&self) -> String {
-        http_get_in(&self.lab.node, "127.0.0.1:15020", "/metrics")
-            .unwrap()
-            .1
-    }
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        for l in ["node", "agent", "proxy", "proxy2"] {
-            self.lab.stop(l);
-        }
-        for p in &self.pods {
-            let _ = Command::new("ip")
-                .args(["netns", "del", p])
-                .stderr(std::process::Stdio::null())
-                .status();
-        }
-    }
-}
+const BIN: &str = env!("CARGO_BIN_EXE_ambit");
+use ambit::lab::{connect_from, echo_roundtrip, http_get_in, EchoServer, LabPod};
 
 fn istio_rules(pod: &LabPod) -> usize {
     let out = pod.ns.command("iptables-save").output().unwrap();
@@ -220,7 +21,7 @@ fn istio_rules(pod: &LabPod) -> usize {
 
 #[test]
 fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
-    let mut node = Node::start("node", "namespaces:default");
+    let mut node = Node::start(BIN, "node", "namespaces:default");
     let conflist = node.conflist();
     assert_eq!(
         conflist["plugins"].as_array().unwrap().last().unwrap()["type"],
@@ -285,7 +86,7 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
 
 #[test]
 fn agent_down_fails_enrolled_adds_closed_and_garbage_gets_a_cni_error() {
-    let mut node = Node::start_with("down", "namespaces:default", false);
+    let mut node = Node::start_with(BIN, "down", "namespaces:default", false);
     node.lab.stop("agent");
     // The conflist entry is removed on a clean stop; put it back as if the agent had crashed.
     let run_dir = node.dir.join("run");
@@ -332,7 +133,7 @@ fn agent_down_fails_enrolled_adds_closed_and_garbage_gets_a_cni_error() {
 
 #[test]
 fn proxy_restart_keeps_new_connections_flowing() {
-    let mut node = Node::start_with("prestart", "all", false);
+    let mut node = Node::start_with(BIN, "prestart", "all", false);
     let client = node.add_pod("client", "default").unwrap();
     let server = node.add_pod("server", "default").unwrap();
     let echo = EchoServer::start(&server, 8080).unwrap();
@@ -401,7 +202,7 @@ fn echo_roundtrip_keep(s: &mut std::net::TcpStream, msg: &[u8]) -> Option<Vec<u8
 
 #[test]
 fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
-    let mut node = Node::start_with("arestart", "all", false);
+    let mut node = Node::start_with(BIN, "arestart", "all", false);
     let client = node.add_pod("client", "default").unwrap();
     let server = node.add_pod("server", "default").unwrap();
     let added = |n: &Node| n.log().matches("pod added").count();
@@ -444,8 +245,8 @@ fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
 #[test]
 fn cross_node_traffic_is_hbone_between_two_nodes() {
     let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.79.0.2\"], protocol: HBONE}\n";
-    let mut a = Node::start_full("twoa", "all", true, "10.78.0", mesh, None);
-    let mut b = Node::start_full("twob", "all", true, "10.79.0", mesh, Some(&a));
+    let mut a = Node::start_full(BIN, "twoa", "all", true, "10.78.0", mesh, None);
+    let mut b = Node::start_full(BIN, "twob", "all", true, "10.79.0", mesh, Some(&a));
     // Route the two nodes to each other over a veth pair.
     let (na, nb) = (a.lab.node_name().to_string(), b.lab.node_name().to_string());
     let ip = |args: &[&str]| {

@@ -15,6 +15,8 @@ use std::time::{Duration, Instant};
 use crate::cni::redirect::{RedirectOptions, RedirectRules};
 use crate::netns::Netns;
 
+pub mod node;
+
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
 
 /// The bridge subnet inside every lab (labs are isolated, so they can share it).
@@ -234,6 +236,11 @@ impl Lab {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The `ambit` binary this lab runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
     }
 
     pub fn pods(&self) -> &[LabPod] {
