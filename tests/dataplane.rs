@@ -312,3 +312,64 @@ fn peers_from_another_ca_or_trust_domain_are_refused() {
         "server app must never see the intruder"
     );
 }
+
+#[test]
+fn authorization_policy_denies_with_401_and_is_counted() {
+    let mut m = Mesh::new("policy");
+    let (client, server, outsider) = (m.pod("client"), m.pod("server"), m.pod("outsider"));
+    m.write_config(&format!(
+        "workloads:\n{}{}policies:\n- {{name: deny-admin-port, namespace: default, action: Deny, rules: [[[{{destinationPorts: [9090]}}]]]}}\n- {{name: mesh-only, namespace: default, action: Allow, rules: [[[{{principals: [Presence]}}]]]}}\n",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let app = EchoServer::start(&server, 8080).unwrap();
+    let admin = EchoServer::start(&server, 9090).unwrap();
+
+    let mut ok = connect_from(&client, app.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut ok, b"allowed").unwrap(),
+        b"allowed",
+        "mesh-only allows a peer with an identity"
+    );
+    let mut denied = connect_from(&client, admin.addr).unwrap();
+    assert!(
+        echo_roundtrip(&mut denied, b"secret")
+            .unwrap_or_default()
+            .is_empty(),
+        "denied connection must carry nothing"
+    );
+    assert!(
+        admin.peers().is_empty(),
+        "the denied port's app never sees the connection"
+    );
+    // Plaintext from outside the mesh has no identity: mesh-only does not allow it.
+    let mut plain = connect_from(&outsider, app.addr).unwrap();
+    assert!(echo_roundtrip(&mut plain, b"anon")
+        .unwrap_or_default()
+        .is_empty());
+    assert_eq!(app.peers().len(), 1);
+
+    std::thread::sleep(Duration::from_millis(200));
+    let sm = m.metrics(&server);
+    assert_eq!(
+        counter(
+            &sm,
+            "istio_tcp_connections_opened_total",
+            &[("response_flags", "DENY")]
+        ),
+        2,
+        "{sm}"
+    );
+    let log = m.proxy_log(&server);
+    assert!(
+        log.contains("denied by policy") && log.contains("policy=default/deny-admin-port"),
+        "{log}"
+    );
+    assert!(
+        m.proxy_log(&client).contains("status 401"),
+        "client proxy saw the 401: {}",
+        m.proxy_log(&client)
+    );
+}

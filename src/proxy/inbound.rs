@@ -16,6 +16,7 @@ use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{tune, Drain, PodRef};
+use super::rbac;
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
 use crate::xds::StateHandle;
@@ -114,7 +115,8 @@ impl Inbound {
                     let this = self.clone();
                     let peer_id = peer_id.clone();
                     tokio::spawn(async move {
-                        this.hbone_stream(req, respond, peer_id, local_ip).await
+                        this.hbone_stream(req, respond, peer_id, peer, local_ip)
+                            .await
                     });
                 }
                 Err(e) => {
@@ -130,6 +132,7 @@ impl Inbound {
         req: Request<h2::RecvStream>,
         mut respond: SendResponse<Bytes>,
         peer_id: Identity,
+        peer: SocketAddr,
         local_ip: IpAddr,
     ) {
         let src = forwarded_for(&req);
@@ -143,6 +146,14 @@ impl Inbound {
                 return;
             }
         };
+        if let Err(policy) = self.authorize(Some(&peer_id), peer.ip(), target) {
+            reply(&mut respond, StatusCode::UNAUTHORIZED);
+            labels.response_flags = "DENY";
+            self.metrics.opened(&labels);
+            self.metrics.closed(&labels, Transferred::default());
+            tracing::info!(src.addr = %peer, src.principal = %peer_id, dst.addr = %target, policy = %policy, decision = "deny", "inbound HBONE connection denied by policy");
+            return;
+        }
         let start = Instant::now();
         self.metrics.opened(&labels);
         let mut upstream = match self.pod.sockets.connect(target).await {
@@ -186,6 +197,13 @@ impl Inbound {
         };
         let mut labels = self.labels(Some(peer.ip()), None);
         labels.connection_security_policy = "unknown";
+        if let Err(policy) = self.authorize(None, peer.ip(), target) {
+            labels.response_flags = "DENY";
+            self.metrics.opened(&labels);
+            self.metrics.closed(&labels, Transferred::default());
+            tracing::info!(src.addr = %peer, dst.addr = %target, policy = %policy, decision = "deny", "inbound plaintext connection denied by policy");
+            return;
+        }
         let start = Instant::now();
         self.metrics.opened(&labels);
         let upstream = match self.pod.sockets.connect(target).await {
@@ -203,6 +221,36 @@ impl Inbound {
             src.addr = %peer, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
             duration_ms = start.elapsed().as_millis() as u64, error = res.err().map(|e| e.to_string()), "inbound plaintext connection closed"
         );
+    }
+
+    /// Applies the pod's authorization policies; `Err` names the deciding policy.
+    fn authorize(
+        &self,
+        peer: Option<&Identity>,
+        src_ip: IpAddr,
+        target: SocketAddr,
+    ) -> Result<(), String> {
+        let state = self.state.load();
+        let pod = &self.pod;
+        let selected = state
+            .workload_by_addr(&pod.network, target.ip())
+            .map(|w| w.authorization_policies.clone())
+            .unwrap_or_default();
+        let conn = rbac::Connection {
+            src_identity: peer,
+            src_ip,
+            dst_ip: target.ip(),
+            dst_port: target.port(),
+        };
+        let verdict = rbac::evaluate(rbac::applicable(&state, &pod.namespace, &selected), &conn);
+        for (policy, would_allow) in &verdict.dry_run {
+            tracing::info!(src.addr = %src_ip, dst.addr = %target, policy = %policy, would_allow, "dry-run policy matched");
+        }
+        if verdict.allowed {
+            Ok(())
+        } else {
+            Err(verdict.policy.unwrap_or_default())
+        }
     }
 
     fn labels(&self, src_ip: Option<IpAddr>, peer: Option<&Identity>) -> ConnectionLabels {

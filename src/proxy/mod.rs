@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod outbound;
 pub mod pod;
 pub mod pool;
+pub mod rbac;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
