@@ -331,6 +331,9 @@ impl RedirectRules {
             run(netns, family.restore(), &["--noflush"], Some(&text))?;
             ensure_route(netns, family)
         });
+        if result.is_ok() {
+            migrate_queued_connections(netns);
+        }
         if result.is_err() {
             let _ = self.remove(netns);
         }
@@ -370,6 +373,17 @@ impl RedirectRules {
             );
         }
         Ok(())
+    }
+}
+
+/// Lets the kernel hand connections still queued on a closing listener to
+/// another listener of its `SO_REUSEPORT` group (`net.ipv4.tcp_migrate_req`,
+/// Linux 5.14+), so a proxy that exits while its successor listens beside it
+/// drops nothing. Best effort: older kernels just lack the knob.
+fn migrate_queued_connections(netns: &Netns) {
+    let set = netns.run(|| std::fs::write("/proc/sys/net/ipv4/tcp_migrate_req", "1"));
+    if let Err(e) | Ok(Err(e)) = set.map(|r| r.map(|_| ())) {
+        tracing::debug!(netns = %netns.path().display(), error = %e, "tcp_migrate_req not set");
     }
 }
 

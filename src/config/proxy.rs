@@ -185,6 +185,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "listen on [::] as well as 0.0.0.0",
     },
     Key {
+        name: "drain_timeout",
+        env: &["CONNECTION_TERMINATION_DEADLINE", "AMBIT_DRAIN_TIMEOUT"],
+        default: "5s",
+        help: "on SIGTERM, how long connections in flight may finish after listeners close",
+    },
+    Key {
         name: "log_format",
         env: &["LOG_FORMAT"],
         default: "text",
@@ -224,6 +230,7 @@ pub struct ProxyConfig {
     pub frame_size: u32,
     pub worker_threads: usize,
     pub ipv6: bool,
+    pub drain_timeout: Duration,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -332,6 +339,7 @@ impl ProxyConfig {
                 s.parse().ok().filter(|n| (1..=256).contains(n))
             })?,
             ipv6: l.require("ipv6", "true or false", parse_bool)?,
+            drain_timeout: l.require("drain_timeout", "a duration like 5s", parse_duration)?,
             log_format: l.require("log_format", "text or json", |s| match s {
                 "text" => Some(LogFormat::Text),
                 "json" => Some(LogFormat::Json),

@@ -15,7 +15,7 @@ use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
-use super::pod::{tune, Drain, PodRef};
+use super::pod::{tune, Lifecycle, PodRef};
 use super::rbac;
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
@@ -33,7 +33,7 @@ pub struct Inbound {
     pub trust_domain: String,
 }
 
-async fn accept_loop<F, Fut>(listener: TcpListener, what: &'static str, drain: Drain, handle: F)
+async fn accept_loop<F, Fut>(listener: TcpListener, what: &'static str, life: Lifecycle, handle: F)
 where
     F: Fn(TcpStream, SocketAddr) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
@@ -41,15 +41,13 @@ where
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
-            _ = drain.signalled() => return,
+            _ = life.stop_listening() => return,
         };
         match accepted {
             Ok((stream, peer)) => {
                 let _ = tune(&stream);
                 let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
-                let drain = drain.clone();
-                let conn = handle(stream, peer);
-                tokio::spawn(async move { drain.run(conn).await });
+                life.spawn(handle(stream, peer));
             }
             Err(e) => {
                 tracing::warn!(listener = what, error = %e, "accept failed");
@@ -62,7 +60,7 @@ where
 impl Inbound {
     /// Serves HBONE on `listener` (15008).
     pub async fn serve_hbone(self: Arc<Self>, listener: TcpListener) {
-        accept_loop(listener, "hbone", self.pod.drain.clone(), |s, p| {
+        accept_loop(listener, "hbone", self.pod.life.clone(), |s, p| {
             self.clone().hbone_conn(s, p)
         })
         .await
@@ -70,7 +68,7 @@ impl Inbound {
 
     /// Serves plaintext on `listener` (15006).
     pub async fn serve_plaintext(self: Arc<Self>, listener: TcpListener) {
-        accept_loop(listener, "plaintext", self.pod.drain.clone(), |s, p| {
+        accept_loop(listener, "plaintext", self.pod.life.clone(), |s, p| {
             self.clone().plaintext_conn(s, p)
         })
         .await
@@ -114,7 +112,7 @@ impl Inbound {
                 Ok((req, respond)) => {
                     let this = self.clone();
                     let peer_id = peer_id.clone();
-                    tokio::spawn(async move {
+                    self.pod.life.spawn(async move {
                         this.hbone_stream(req, respond, peer_id, peer, local_ip)
                             .await
                     });

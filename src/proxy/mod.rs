@@ -65,6 +65,9 @@ pub struct ProxyShared {
     pub network: String,
     pub mark: u32,
     pub ipv6: bool,
+    /// Fired when the proxy exits: every pod stops accepting.
+    pub stop_accepting: Drain,
+    pub active: Arc<pod::ActiveConnections>,
 }
 
 /// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
@@ -116,7 +119,11 @@ impl ProxyShared {
             identity,
             ips,
             sockets,
-            drain,
+            life: pod::Lifecycle {
+                drain,
+                stop_accepting: self.stop_accepting.clone(),
+                active: self.active.clone(),
+            },
         }))
     }
 
@@ -177,6 +184,8 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     metrics.register(&mut registry);
     let pool = pool::Pool::new(cfg.pool_max_streams, cfg.pool_idle_timeout);
     pool.spawn_evictor();
+    let (stop_trigger, stop_accepting) = Drain::new();
+    let active: Arc<pod::ActiveConnections> = Arc::default();
     let shared = Arc::new(ProxyShared {
         state: state.clone(),
         certs: certs.clone(),
@@ -192,6 +201,8 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         network: cfg.network.clone(),
         mark: cfg.packet_mark,
         ipv6: cfg.ipv6,
+        stop_accepting,
+        active: active.clone(),
     });
 
     let ready = Arc::new(AtomicBool::new(false));
@@ -293,10 +304,23 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     tracing::info!(mode = ?cfg.mode, "proxy started");
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: exiting"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: exiting"),
-        _ = quit.notified() => tracing::info!("/quitquitquit: exiting"),
+        _ = term.recv() => tracing::info!("SIGTERM: draining"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
+        _ = quit.notified() => tracing::info!("/quitquitquit: draining"),
     }
+    // Stop accepting (a successor listening beside us takes new connections),
+    // then give connections in flight until the deadline; a second signal exits at once.
+    stop_trigger.fire();
+    ready.store(false, Ordering::Release);
+    let deadline = tokio::time::Instant::now() + cfg.drain_timeout;
+    while active.count() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::select! {
+            _ = tokio::time::sleep(std::time::Duration::from_millis(50)) => {}
+            _ = term.recv() => break,
+            _ = tokio::signal::ctrl_c() => break,
+        }
+    }
+    tracing::info!(open = active.count(), "proxy exiting");
     Ok(())
 }
 

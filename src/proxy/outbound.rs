@@ -155,17 +155,16 @@ pub struct Outbound {
 
 impl Outbound {
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
-        let drain = self.pod.drain.clone();
+        let life = self.pod.life.clone();
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
-                _ = drain.signalled() => return,
+                _ = life.stop_listening() => return,
             };
             match accepted {
                 Ok((stream, peer)) => {
                     let this = self.clone();
-                    let drain = drain.clone();
-                    tokio::spawn(async move { drain.run(this.handle(stream, peer)).await });
+                    life.spawn(async move { this.handle(stream, peer).await });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "outbound accept failed");

@@ -130,6 +130,62 @@ impl DrainTrigger {
     }
 }
 
+/// Connections in flight across the proxy, for a graceful exit.
+#[derive(Debug, Default)]
+pub struct ActiveConnections(std::sync::atomic::AtomicUsize);
+
+/// Counts one connection while it lives.
+#[derive(Debug)]
+pub struct ConnectionGuard(Arc<ActiveConnections>);
+
+impl ActiveConnections {
+    pub fn track(self: &Arc<Self>) -> ConnectionGuard {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        ConnectionGuard(self.clone())
+    }
+
+    pub fn count(&self) -> usize {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+impl Drop for ConnectionGuard {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// How a pod's listeners and connections are told to stop.
+#[derive(Debug, Clone)]
+pub struct Lifecycle {
+    /// This pod is gone: close its listeners and connections now.
+    pub drain: Drain,
+    /// The proxy is exiting: stop accepting (a successor may be listening
+    /// beside us) and let connections in flight finish.
+    pub stop_accepting: Drain,
+    pub active: Arc<ActiveConnections>,
+}
+
+impl Lifecycle {
+    /// Resolves when the pod's listener should close.
+    pub async fn stop_listening(&self) {
+        tokio::select! {
+            _ = self.drain.signalled() => {}
+            _ = self.stop_accepting.signalled() => {}
+        }
+    }
+
+    /// Spawns a connection task: counted, and cut short if the pod is drained.
+    pub fn spawn<F: std::future::Future<Output = ()> + Send + 'static>(&self, fut: F) {
+        let guard = self.active.track();
+        let drain = self.drain.clone();
+        tokio::spawn(async move {
+            drain.run(fut).await;
+            drop(guard);
+        });
+    }
+}
+
 /// One pod the proxy serves.
 #[derive(Debug)]
 pub struct Pod {
@@ -142,7 +198,7 @@ pub struct Pod {
     pub ips: Vec<IpAddr>,
     pub sockets: SocketFactory,
     pub tls: TlsHandle,
-    pub drain: Drain,
+    pub life: Lifecycle,
     /// Labels for metrics: the pod's canonical service and revision.
     pub canonical_service: String,
     pub canonical_revision: String,
