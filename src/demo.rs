@@ -1,34 +1,35 @@
-//! `ambit demo`: a node of three pods in network namespaces on this host —
-//! two meshed pods with their own proxies and a service in front of one, and
-//! one pod outside the mesh — then traffic between them and a table of what
-//! the proxies did. Cleans everything up on Ctrl-C (or at once with `--once`).
+//! `ambit demo`: a node built on this host the way a real one works — an
+//! `ambit node` (agent + shared proxy) in a node network namespace, pods
+//! created through the real CNI chain (reference `bridge` + `host-local`, then
+//! the `ambit-cni` the agent installed) — then traffic between the pods and a
+//! table of what the proxy did: path, bytes, identities, policy decisions.
+//! Cleans everything up on Ctrl-C (or at once with `--once`).
 
 use std::io;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::lab::{connect_from, echo_roundtrip, write_ca, EchoServer, Lab, LabPod, ProxySpec};
+use crate::lab::node::Node;
+use crate::lab::{connect_from, echo_roundtrip, EchoServer};
 
-const TD: &str = "cluster.local";
 const VIP: &str = "10.96.0.10";
+const SUBNET: &str = "10.78.0";
 
-fn config(client: &LabPod, server: &LabPod) -> String {
+fn mesh_config() -> String {
     format!(
-        r#"# Demo mesh, in ztunnel's local-config format.
+        r#"# Demo mesh, in ztunnel's local-config format. host-local hands out .2, .3, .4 in order.
 workloads:
-- uid: demo/client
-  name: client
+- name: client
   namespace: default
   serviceAccount: client-sa
-  workloadIps: ["{c}"]
+  workloadIps: ["{SUBNET}.2"]
   protocol: HBONE
-- uid: demo/server
-  name: server
+- name: server
   namespace: default
   serviceAccount: server-sa
-  workloadIps: ["{s}"]
+  workloadIps: ["{SUBNET}.3"]
   protocol: HBONE
   services:
     "default/echo.default.svc.cluster.local":
@@ -40,9 +41,13 @@ services:
   vips: ["/{VIP}"]
   ports:
     80: 8080
-"#,
-        c = client.ip,
-        s = server.ip
+policies:
+- name: deny-admin-port
+  namespace: default
+  action: Deny
+  rules:
+  - - - destinationPorts: [9090]
+"#
     )
 }
 
@@ -50,32 +55,43 @@ services:
 struct Row {
     what: &'static str,
     target: SocketAddr,
-    result: String,
     path: String,
     bytes: String,
     src_id: String,
     dst_id: String,
+    decision: String,
 }
 
-/// The newest JSON log line of `label` whose message is `msg`, as its fields.
-fn last_event(lab: &Lab, label: &str, msg: &str) -> Option<serde_json::Value> {
-    let text = std::fs::read_to_string(lab.log_path(label)).ok()?;
-    text.lines()
-        .rev()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .find(|v| v["fields"]["message"] == msg)
-        .map(|v| v["fields"].clone())
+/// JSON log events of the node (agent and proxy share its log), newest first.
+fn events(node: &Node) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(node.lab.log_path("node")).unwrap_or_default();
+    let mut v: Vec<serde_json::Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .map(|v: serde_json::Value| v["fields"].clone())
+        .collect();
+    v.reverse();
+    v
 }
 
-fn field(v: &Option<serde_json::Value>, key: &str) -> String {
-    v.as_ref()
-        .and_then(|v| {
-            v[key]
-                .as_str()
-                .map(str::to_string)
-                .or_else(|| v[key].as_u64().map(|n| n.to_string()))
-        })
-        .unwrap_or_else(|| "-".into())
+fn find<'a>(
+    evs: &'a [serde_json::Value],
+    msg: &str,
+    key: &str,
+    value: &str,
+) -> Option<&'a serde_json::Value> {
+    evs.iter()
+        .find(|e| e["message"] == msg && e[key].as_str() == Some(value))
+}
+
+fn field(e: Option<&serde_json::Value>, key: &str) -> String {
+    e.and_then(|v| {
+        v[key]
+            .as_str()
+            .map(str::to_string)
+            .or_else(|| v[key].as_u64().map(|n| n.to_string()))
+    })
+    .unwrap_or_else(|| "-".into())
 }
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
@@ -84,42 +100,52 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         anyhow::bail!("the demo creates network namespaces and iptables rules: run it as root");
     }
     let bin = std::env::current_exe()?;
-    println!(
-        "Building a node: bridge {} in its own netns, pods on veths …",
-        crate::lab::BRIDGE
+    let bin = bin.to_str().context("binary path is not UTF-8")?;
+    // The node's processes inherit this: JSON logs, so the table can be read back from them.
+    std::env::set_var("LOG_FORMAT", "json");
+    println!("Starting a node: `ambit node` (agent + shared proxy) in its own network namespace …");
+    let mut node = Node::start_full(
+        bin,
+        "demo",
+        "namespaces:default",
+        true,
+        SUBNET,
+        &mesh_config(),
+        None,
     );
-    let mut lab = Lab::new("demo", bin).context("creating the demo node")?;
-    let client = lab.add_pod("client")?;
-    let server = lab.add_pod("server")?;
-    let outsider = lab.add_pod("outsider")?;
-    let (ca_cert, ca_key) = write_ca(&lab.dir, "ca", TD)?;
-    let cfg_path = lab.dir.join("mesh.yaml");
-    std::fs::write(&cfg_path, config(&client, &server))?;
-    for (pod, sa) in [(&client, "client-sa"), (&server, "server-sa")] {
-        lab.redirect(pod)?;
-        let spec = ProxySpec {
-            config: cfg_path.clone(),
-            ca_cert: ca_cert.clone(),
-            ca_key: ca_key.clone(),
-            workload_info: format!("default/{}/{sa}", pod.name),
-            trust_domain: TD.into(),
-            extra_env: vec![("LOG_FORMAT".into(), "json".into())],
-        };
-        lab.start_proxy(pod, &spec)?;
+    println!(
+        "  agent ready; it installed ambit-cni into {} and chained it into {}",
+        node.bin_dir.display(),
+        node.conf_dir.display()
+    );
+    let client = node
+        .add_pod("client", "default")
+        .map_err(anyhow::Error::msg)?;
+    let server = node
+        .add_pod("server", "default")
+        .map_err(anyhow::Error::msg)?;
+    let outsider = node
+        .add_pod("outsider", "outside")
+        .map_err(anyhow::Error::msg)?;
+    for (p, how) in [
+        (&client, "enrolled"),
+        (&server, "enrolled"),
+        (&outsider, "not enrolled (namespace 'outside')"),
+    ] {
         println!(
-            "  pod {:<9} {:<11} meshed: in-pod rules applied, ambit proxy ready",
-            pod.name, pod.ip
+            "  pod {:<9} {:<10} created through bridge + host-local + ambit-cni: {how}",
+            p.name, p.ip
         );
     }
-    println!("  pod {:<9} {:<11} not meshed", outsider.name, outsider.ip);
-    let _server_app = EchoServer::start(&server, 8080)?;
-    let _outsider_app = EchoServer::start(&outsider, 8080)?;
-    println!(
-        "  service echo.default.svc.cluster.local {VIP}:80 -> server:8080\n  local config: {}\n",
-        cfg_path.display()
-    );
+    let _apps = [
+        EchoServer::start(&server, 8080)?,
+        EchoServer::start(&server, 9090)?,
+        EchoServer::start(&outsider, 8080)?,
+    ];
+    println!("  service echo.default.svc.cluster.local {VIP}:80 -> server:8080; policy default/deny-admin-port denies port 9090");
+    println!("  local config: {}\n", node.dir.join("mesh.yaml").display());
 
-    let scenarios: [(&'static str, SocketAddr); 3] = [
+    let scenarios: [(&'static str, SocketAddr); 4] = [
         (
             "client -> server (pod IP)",
             SocketAddr::new(server.ip.into(), 8080),
@@ -129,45 +155,64 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             "client -> outsider",
             SocketAddr::new(outsider.ip.into(), 8080),
         ),
+        (
+            "client -> server admin port",
+            SocketAddr::new(server.ip.into(), 9090),
+        ),
     ];
-    let payload = vec![b'x'; 256 * 1024];
+    let payload = vec![b'x'; 64 * 1024];
     let mut rows = Vec::new();
     for (what, target) in scenarios {
-        let start = Instant::now();
         let outcome =
             connect_from(&client, target).and_then(|mut c| echo_roundtrip(&mut c, &payload));
-        std::thread::sleep(Duration::from_millis(150));
-        let out_ev = last_event(&lab, "proxy-client", "outbound connection closed");
-        let in_ev = last_event(&lab, "proxy-server", "inbound HBONE connection closed");
-        let hbone = field(&out_ev, "route") == "hbone";
+        std::thread::sleep(Duration::from_millis(200));
+        let evs = events(&node);
+        let out = evs.iter().find(|e| {
+            matches!(
+                e["message"].as_str(),
+                Some("outbound connection closed" | "outbound connection failed")
+            ) && e["dst.addr"].as_str() == Some(&target.to_string())
+        });
+        let route = field(out, "route");
+        let inbound = evs
+            .iter()
+            .find(|e| e["message"] == "inbound HBONE connection closed");
+        let denied = find(
+            &evs,
+            "inbound HBONE connection denied by policy",
+            "dst.addr",
+            &target.to_string(),
+        );
+        let hbone = route == "hbone";
         rows.push(Row {
             what,
             target,
-            result: match outcome {
-                Ok(b) if b == payload => format!("ok {:.0?}", start.elapsed()),
-                Ok(b) => format!("short ({} B)", b.len()),
-                Err(e) => format!("failed: {e}"),
-            },
-            path: if hbone {
-                "HBONE mTLS".into()
-            } else {
-                field(&out_ev, "route")
-            },
+            path: if hbone { "HBONE mTLS".into() } else { route },
             bytes: format!(
                 "{} / {}",
-                field(&out_ev, "bytes_sent"),
-                field(&out_ev, "bytes_received")
+                field(out, "bytes_sent"),
+                field(out, "bytes_received")
             ),
             src_id: if hbone {
-                field(&in_ev, "src.principal")
+                field(denied.or(inbound), "src.principal")
             } else {
                 "-".into()
             },
-            dst_id: field(&out_ev, "dst.principal").replace("unknown", "-"),
+            dst_id: if hbone {
+                field(out, "dst.principal")
+            } else {
+                "-".into()
+            },
+            decision: match (&outcome, denied) {
+                (_, Some(d)) => format!("DENIED by {} (401)", field(Some(d), "policy")),
+                (Ok(b), None) if *b == payload => "allowed, echoed".into(),
+                (Ok(b), None) => format!("short reply ({} B)", b.len()),
+                (Err(e), None) => format!("failed: {e}"),
+            },
         });
     }
     println!(
-        "{:<28} {:<17} {:<12} {:<17} {:<48} {:<48} result",
+        "{:<28} {:<16} {:<12} {:<15} {:<44} {:<44} decision",
         "connection",
         "to",
         "path",
@@ -177,21 +222,21 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     );
     for r in &rows {
         println!(
-            "{:<28} {:<17} {:<12} {:<17} {:<48} {:<48} {}",
+            "{:<28} {:<16} {:<12} {:<15} {:<44} {:<44} {}",
             r.what,
             r.target.to_string(),
             r.path,
             r.bytes,
-            r.src_id,
-            r.dst_id,
-            r.result
+            r.src_id.trim_start_matches("spiffe://"),
+            r.dst_id.trim_start_matches("spiffe://"),
+            r.decision
         );
     }
     println!(
         "\nMetrics: ip netns exec {} curl -s 127.0.0.1:15020/metrics",
-        client.netns_name
+        node.lab.node_name()
     );
-    println!("Logs:    {}", lab.dir.display());
+    println!("Logs:    {}", node.lab.log_path("node").display());
     if once {
         return Ok(());
     }

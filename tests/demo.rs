@@ -1,5 +1,6 @@
-//! The README's main job: `ambit demo --once` builds a node, sends traffic and
-//! prints what the proxies did.
+//! The README's main job: `ambit demo --once` builds a node through the real
+//! CNI path, sends traffic (meshed, service, passthrough, denied) and prints
+//! what the proxy did.
 
 #[test]
 fn demo_shows_meshed_service_and_passthrough_traffic() {
@@ -30,5 +31,17 @@ fn demo_shows_meshed_service_and_passthrough_traffic() {
         );
     }
     let r = row("client -> outsider");
-    assert!(r.contains("passthrough") && r.contains(" ok "), "{r}");
+    assert!(
+        r.contains("passthrough") && r.contains("allowed, echoed"),
+        "{r}"
+    );
+    let r = row("client -> server admin port");
+    assert!(
+        r.contains("DENIED by default/deny-admin-port (401)") && r.contains("sa/client-sa"),
+        "{r}"
+    );
+    assert!(
+        text.contains("not enrolled (namespace 'outside')"),
+        "{text}"
+    );
 }
