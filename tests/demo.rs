@@ -26,7 +26,7 @@ fn demo_shows_meshed_service_and_passthrough_traffic() {
             r.contains("HBONE mTLS")
                 && r.contains("sa/client-sa")
                 && r.contains("sa/server-sa")
-                && r.contains(" ok "),
+                && r.contains("allowed, echoed"),
             "{r}"
         );
     }
