@@ -65,6 +65,34 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         "{dump}"
     );
 
+    // Kubelet-style probe from the node: SNATed to 169.254.7.127 by the host
+    // rule (the pod's IP is in the probe ipset) and not captured in the pod.
+    let out = node
+        .lab
+        .node
+        .command("ipset")
+        .args(["list", "istio-inpod-probes-v4"])
+        .output()
+        .unwrap();
+    let sets = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        sets.contains(&format!("{} comment \"uid-server\"", server.ip)),
+        "{sets}"
+    );
+    let probe = node
+        .lab
+        .node
+        .run(move || std::net::TcpStream::connect((server.ip, 8080)))
+        .unwrap();
+    let mut probe = probe.unwrap();
+    assert_eq!(echo_roundtrip(&mut probe, b"probe").unwrap(), b"probe");
+    let probe_src = echo.peers().last().copied().unwrap();
+    assert_eq!(
+        probe_src.ip().to_string(),
+        "169.254.7.127",
+        "probe must arrive SNATed and uncaptured"
+    );
+
     // A pod the rule does not select starts normally and is left alone.
     let other = node.add_pod("other", "kube-system").unwrap();
     assert_eq!(istio_rules(&other), 0, "excluded pod must have no rules");

@@ -21,10 +21,10 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::install;
 use super::plugin::{AddEvent, Enrollment};
 use super::redirect::{RedirectOptions, RedirectRules};
 use super::zds_server::{PodSource, ZdsPod, ZdsServer};
+use super::{hostprobe, install};
 use crate::config::agent::{AgentConfig, EnrollRule};
 use crate::netns::Netns;
 
@@ -42,6 +42,15 @@ pub struct PodRecord {
     /// (device, inode) of the netns, to tell a reused path from the same pod.
     pub netns_id: (u64, u64),
     pub ips: Vec<String>,
+}
+
+impl PodRecord {
+    fn ip_addrs(&self) -> Vec<std::net::IpAddr> {
+        self.ips
+            .iter()
+            .filter_map(|a| a.split('/').next()?.parse().ok())
+            .collect()
+    }
 }
 
 struct Enrolled {
@@ -221,6 +230,9 @@ impl Agent {
                 reason: e.to_string(),
             });
         }
+        if let Err(e) = hostprobe::add_pod(&uid, &record.ip_addrs()) {
+            tracing::warn!(pod = %pod, error = %e, "probe ipset not updated; kubelet probes to this pod may be captured");
+        }
         tracing::info!(pod = %pod, uid = %uid, sa = %record.service_account, "pod enrolled");
         self.store
             .pods
@@ -240,6 +252,7 @@ impl Agent {
             .unwrap_or_else(|e| e.into_inner())
             .remove(uid);
         let Some(pod) = removed else { return };
+        hostprobe::remove_pod(uid, &pod.record.ip_addrs());
         if let Err(e) = self.zds.del(uid).await {
             tracing::warn!(uid, error = %e, "ZDS Del failed");
         }
@@ -361,6 +374,10 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(record.uid.clone(), Enrolled { record, netns });
+    }
+    hostprobe::install(cfg.ipv6).context("host probe SNAT rule and ipsets")?;
+    for p in store.records() {
+        let _ = hostprobe::add_pod(&p.uid, &p.ip_addrs());
     }
     let zds = ZdsServer::start(&cfg.zds_path, store.clone())
         .with_context(|| format!("ZDS socket {}", cfg.zds_path.display()))?;

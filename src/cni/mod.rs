@@ -2,6 +2,7 @@
 //! in-pod redirection rules and the agent's side of ZDS.
 
 pub mod agent;
+pub mod hostprobe;
 pub mod install;
 pub mod plugin;
 pub mod plugin_main;
