@@ -324,3 +324,44 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
         "node B's proxy must see the client's identity over mTLS:\n{mb}"
     );
 }
+
+#[test]
+fn agent_start_enrolls_pods_that_already_exist() {
+    let mesh = "workloads:\n- {name: early, namespace: default, serviceAccount: early-sa, workloadIps: [\"10.78.0.50\"], protocol: HBONE}\n";
+    let mut node = Node::start_full(BIN, "early", "all", false, "10.78.0", mesh, None);
+    node.lab.stop("agent");
+    // A pod that came up while the agent was away (no CNI event will ever come for it).
+    let name = format!("{}-early", node.lab.id);
+    assert!(Command::new("ip")
+        .args(["netns", "add", &name])
+        .status()
+        .unwrap()
+        .success());
+    node.pods.push(name.clone());
+    let ns = ambit::netns::Netns::named(&name).unwrap();
+    for args in [
+        &["link", "set", "lo", "up"][..],
+        &[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+        ],
+        &["addr", "add", "10.78.0.50/24", "dev", "eth0"],
+        &["link", "set", "eth0", "up"],
+    ] {
+        assert!(ns.command("ip").args(args).status().unwrap().success());
+    }
+    node.lab.spawn("agent", node.command("agent")).unwrap();
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !node.dump("127.0.0.1:15000").contains("default/early") {
+        assert!(
+            Instant::now() < deadline,
+            "pre-existing pod not picked up:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let rules =
+        String::from_utf8_lossy(&ns.command("iptables-save").output().unwrap().stdout).into_owned();
+    assert!(rules.contains("--to-ports 15001"), "{rules}");
+    assert!(node.log().contains("existing pod found and enrolled"));
+}

@@ -310,6 +310,101 @@ pub fn load_state(path: &Path) -> Vec<(PodRecord, Netns)> {
         .collect()
 }
 
+/// Every network namespace on the host other than `own`, with a path to it:
+/// named ones (`/var/run/netns`) first, then those only a process holds.
+fn host_netns(own: (u64, u64)) -> Vec<(PathBuf, Netns)> {
+    let mut seen = std::collections::HashSet::from([own]);
+    let mut out = Vec::new();
+    let named = std::fs::read_dir("/var/run/netns")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path());
+    let procs = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .bytes()
+                .all(|b| b.is_ascii_digit())
+        })
+        .map(|e| e.path().join("ns/net"));
+    for path in named.chain(procs) {
+        let Ok(ns) = Netns::open(&path) else { continue };
+        let Ok(id) = ns.id() else { continue };
+        if seen.insert(id) {
+            out.push((path, ns));
+        }
+    }
+    out
+}
+
+/// Pods that exist but the agent does not hold (it started after them, or
+/// lost its state): local-config workloads selected by the rule whose IP is on
+/// an interface of some netns on this host.
+fn discover(cfg: &AgentConfig, enroll: &Enrollment, held: &[PodRecord]) -> Vec<(PodRecord, Netns)> {
+    let Some(path) = &cfg.local_xds_path else {
+        return Vec::new();
+    };
+    let Ok(state) = crate::xds::local::load(path) else {
+        return Vec::new();
+    };
+    let wanted: Vec<_> = state
+        .workloads()
+        .filter(|w| {
+            !cfg.exclude_namespaces.contains(&w.namespace) && enroll.selects(&w.namespace, &w.name)
+        })
+        .filter(|w| {
+            !held
+                .iter()
+                .any(|h| h.uid == w.uid || (h.name == w.name && h.namespace == w.namespace))
+        })
+        .filter(|w| !w.workload_ips.is_empty())
+        .cloned()
+        .collect();
+    if wanted.is_empty() {
+        return Vec::new();
+    }
+    let Ok(own) = Netns::current().and_then(|n| n.id()) else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for (path, ns) in host_netns(own) {
+        let Ok(Ok(addrs)) = ns.run(|| {
+            nix::ifaddrs::getifaddrs().map(|a| a.filter_map(|i| i.address).collect::<Vec<_>>())
+        }) else {
+            continue;
+        };
+        let ips: Vec<std::net::IpAddr> = addrs
+            .iter()
+            .filter_map(|s| {
+                s.as_sockaddr_in()
+                    .map(|v| v.ip().into())
+                    .or_else(|| s.as_sockaddr_in6().map(|v| v.ip().into()))
+            })
+            .collect();
+        if let Some(w) = wanted
+            .iter()
+            .find(|w| w.workload_ips.iter().any(|ip| ips.contains(ip)))
+        {
+            let Ok(netns_id) = ns.id() else { continue };
+            let record = PodRecord {
+                uid: w.uid.clone(),
+                name: w.name.clone(),
+                namespace: w.namespace.clone(),
+                service_account: w.service_account.clone(),
+                netns_path: path,
+                netns_id,
+                ips: w.workload_ips.iter().map(|i| i.to_string()).collect(),
+            };
+            found.push((record, ns));
+        }
+    }
+    found
+}
+
 async fn plugin_events(agent: Arc<Agent>, listener: tokio::net::UnixListener) {
     loop {
         let Ok((stream, _)) = listener.accept().await else {
@@ -374,6 +469,28 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(record.uid.clone(), Enrolled { record, netns });
+    }
+    // Pods that predate the agent: put them under redirection before the proxy gets the snapshot.
+    let enroll = enrollment(&cfg.enroll);
+    let rules = RedirectRules::new(RedirectOptions {
+        dns_capture: cfg.dns_capture,
+        bypass_inbound: false,
+        ipv6: cfg.ipv6,
+    });
+    for (record, netns) in discover(&cfg, &enroll, &store.records()) {
+        match rules.apply(&netns) {
+            Ok(()) => {
+                tracing::info!(uid = %record.uid, netns = %record.netns_path.display(), "existing pod found and enrolled");
+                store
+                    .pods
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(record.uid.clone(), Enrolled { record, netns });
+            }
+            Err(e) => {
+                tracing::warn!(uid = %record.uid, error = %e, "existing pod found but its rules failed")
+            }
+        }
     }
     hostprobe::install(cfg.ipv6).context("host probe SNAT rule and ipsets")?;
     for p in store.records() {
