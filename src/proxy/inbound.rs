@@ -15,7 +15,7 @@ use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
-use super::pod::{tune, Lifecycle, PodRef};
+use super::pod::{tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::rbac;
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
@@ -81,7 +81,10 @@ impl Inbound {
         };
         let acceptor = tokio_rustls::TlsAcceptor::from(self.pod.tls.load().server.clone());
         let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-            Ok(Ok(tls)) => tls,
+            Ok(Ok(mut tls)) => {
+                tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
+                tls
+            }
             Ok(Err(e)) => {
                 tracing::warn!(src.addr = %peer, error = %e, "HBONE TLS handshake refused");
                 return;

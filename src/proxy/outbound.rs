@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
-use super::pod::{tune, PodRef};
+use super::pod::{tune, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
@@ -319,13 +319,14 @@ impl Outbound {
                     source,
                 })?;
         let connector = tokio_rustls::TlsConnector::from(self.pod.tls.load().client.clone());
-        let tls = connector
+        let mut tls = connector
             .connect(tls::hbone_server_name(), tcp)
             .await
             .map_err(|source| OutboundError::Tls {
                 addr: proxy,
                 source,
             })?;
+        tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
         tls::verify_peer_identity(tls.get_ref().1.peer_certificates(), &identities).map_err(
             |source| OutboundError::PeerIdentity {
                 addr: proxy,

@@ -85,6 +85,11 @@ impl SocketFactory {
     }
 }
 
+/// How much encrypted data rustls may queue before writing: large enough that
+/// one `writev` carries a whole HTTP/2 DATA frame's records (rustls' default,
+/// 64 KiB, splits a 256 KiB frame into four writes).
+pub const TLS_SEND_BUFFER: usize = 1 << 20;
+
 /// NODELAY and keepalive, for every connection the proxy holds.
 pub fn tune(stream: &TcpStream) -> io::Result<()> {
     stream.set_nodelay(true)?;
