@@ -70,34 +70,49 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
 async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
     let pipe = Pipe::new()?;
     let mut total = 0u64;
-    loop {
-        let n = loop {
-            src.readable().await?;
-            match src.try_io(Interest::READABLE, || {
-                splice(src.as_raw_fd(), pipe.write.as_raw_fd(), pipe.size)
-            }) {
-                Ok(n) => break n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+    let mut eof = false;
+    while !eof {
+        // Fill: take everything the socket has (up to the pipe's size) before
+        // writing, so a busy flow moves in few large splices.
+        let mut queued = 0usize;
+        loop {
+            let r = src.try_io(Interest::READABLE, || {
+                splice(src.as_raw_fd(), pipe.write.as_raw_fd(), pipe.size - queued)
+            });
+            match r {
+                Ok(0) => {
+                    eof = true;
+                    break;
+                }
+                Ok(n) => {
+                    queued += n;
+                    if queued >= pipe.size {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if queued > 0 {
+                        break;
+                    }
+                    src.readable().await?;
+                }
                 Err(e) => return Err(e),
             }
-        };
-        if n == 0 {
-            let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
-            return Ok(total);
         }
-        let mut left = n;
-        while left > 0 {
+        total += queued as u64;
+        while queued > 0 {
             dst.writable().await?;
             match dst.try_io(Interest::WRITABLE, || {
-                splice(pipe.read.as_raw_fd(), dst.as_raw_fd(), left)
+                splice(pipe.read.as_raw_fd(), dst.as_raw_fd(), queued)
             }) {
-                Ok(m) => left -= m,
+                Ok(m) => queued -= m,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(e) => return Err(e),
             }
         }
-        total += n as u64;
     }
+    let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+    Ok(total)
 }
 
 /// Copies between two TCP connections in the kernel until both directions end.
