@@ -373,3 +373,52 @@ fn authorization_policy_denies_with_401_and_is_counted() {
         m.proxy_log(&client)
     );
 }
+
+#[test]
+fn a_policy_change_closes_open_connections_it_now_denies() {
+    let mut m = Mesh::new("reauth");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    let workloads = format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    );
+    m.write_config(&workloads);
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let (a, b) = (
+        EchoServer::start(&server, 8080).unwrap(),
+        EchoServer::start(&server, 8081).unwrap(),
+    );
+    let ping = |s: &mut std::net::TcpStream| -> bool {
+        use std::io::{Read, Write};
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut buf = [0u8; 4];
+        s.write_all(b"ping").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"ping"
+    };
+    let (mut doomed, mut spared) = (
+        connect_from(&client, a.addr).unwrap(),
+        connect_from(&client, b.addr).unwrap(),
+    );
+    assert!(ping(&mut doomed) && ping(&mut spared));
+
+    m.write_config(&format!("{workloads}policies:\n- {{name: close-8080, namespace: default, action: Deny, rules: [[[{{destinationPorts: [8080]}}]]]}}\n"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(2);
+    while !m.proxy_log(&server).contains("no longer allowed by policy") {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "open connection not re-checked: {}",
+            m.proxy_log(&server)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !ping(&mut doomed),
+        "the connection the new policy denies must be closed"
+    );
+    assert!(
+        ping(&mut spared),
+        "a connection the policy still allows stays open"
+    );
+    assert!(m.proxy_log(&server).contains("policy=default/close-8080"));
+}

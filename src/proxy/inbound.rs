@@ -16,7 +16,7 @@ use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
-use super::rbac;
+use super::reauth::{Authorized, Tracker};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
 use crate::xds::StateHandle;
@@ -31,6 +31,7 @@ pub struct Inbound {
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
     pub trust_domain: String,
+    pub tracker: Arc<Tracker>,
 }
 
 async fn accept_loop<F, Fut>(listener: TcpListener, what: &'static str, life: Lifecycle, handle: F)
@@ -147,7 +148,8 @@ impl Inbound {
                 return;
             }
         };
-        if let Err(policy) = self.authorize(Some(&peer_id), peer.ip(), target) {
+        let auth = self.authorized(Some(&peer_id), peer.ip(), target);
+        if let Err(policy) = auth.check(&self.state.load()) {
             reply(&mut respond, StatusCode::UNAUTHORIZED);
             labels.response_flags = "DENY";
             self.metrics.opened(&labels);
@@ -171,7 +173,20 @@ impl Inbound {
             Ok(s) => s,
             Err(_) => return,
         };
-        let (t, res) = tcp_h2_bidirectional(&mut upstream, send, req.into_body()).await;
+        let tracked = self.tracker.track(auth);
+        let mut result = None;
+        tracked
+            .revoked
+            .run(async {
+                result = Some(tcp_h2_bidirectional(&mut upstream, send, req.into_body()).await)
+            })
+            .await;
+        let (t, res) = result.unwrap_or_else(|| {
+            (
+                Transferred::default(),
+                Err(std::io::Error::other("closed: no longer allowed by policy")),
+            )
+        });
         // Towards the application is "sent" from the source's point of view.
         let t = Transferred {
             sent: t.received,
@@ -198,7 +213,8 @@ impl Inbound {
         };
         let mut labels = self.labels(Some(peer.ip()), None);
         labels.connection_security_policy = "unknown";
-        if let Err(policy) = self.authorize(None, peer.ip(), target) {
+        let auth = self.authorized(None, peer.ip(), target);
+        if let Err(policy) = auth.check(&self.state.load()) {
             labels.response_flags = "DENY";
             self.metrics.opened(&labels);
             self.metrics.closed(&labels, Transferred::default());
@@ -216,7 +232,18 @@ impl Inbound {
                 return;
             }
         };
-        let (t, res) = splice_bidirectional(&stream, &upstream).await;
+        let tracked = self.tracker.track(auth);
+        let mut result = None;
+        tracked
+            .revoked
+            .run(async { result = Some(splice_bidirectional(&stream, &upstream).await) })
+            .await;
+        let (t, res) = result.unwrap_or_else(|| {
+            (
+                Transferred::default(),
+                Err(std::io::Error::other("closed: no longer allowed by policy")),
+            )
+        });
         self.metrics.closed(&labels, t);
         tracing::info!(
             src.addr = %peer, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
@@ -224,33 +251,19 @@ impl Inbound {
         );
     }
 
-    /// Applies the pod's authorization policies; `Err` names the deciding policy.
-    fn authorize(
+    /// What this connection is authorized as (for the check and re-checks).
+    fn authorized(
         &self,
         peer: Option<&Identity>,
         src_ip: IpAddr,
         target: SocketAddr,
-    ) -> Result<(), String> {
-        let state = self.state.load();
-        let pod = &self.pod;
-        let selected = state
-            .workload_by_addr(&pod.network, target.ip())
-            .map(|w| w.authorization_policies.clone())
-            .unwrap_or_default();
-        let conn = rbac::Connection {
-            src_identity: peer,
+    ) -> Authorized {
+        Authorized {
+            namespace: self.pod.namespace.clone(),
+            network: self.pod.network.clone(),
+            peer: peer.cloned(),
             src_ip,
-            dst_ip: target.ip(),
-            dst_port: target.port(),
-        };
-        let verdict = rbac::evaluate(rbac::applicable(&state, &pod.namespace, &selected), &conn);
-        for (policy, would_allow) in &verdict.dry_run {
-            tracing::info!(src.addr = %src_ip, dst.addr = %target, policy = %policy, would_allow, "dry-run policy matched");
-        }
-        if verdict.allowed {
-            Ok(())
-        } else {
-            Err(verdict.policy.unwrap_or_default())
+            target,
         }
     }
 

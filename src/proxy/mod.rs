@@ -13,6 +13,7 @@ pub mod outbound;
 pub mod pod;
 pub mod pool;
 pub mod rbac;
+pub mod reauth;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,6 +69,7 @@ pub struct ProxyShared {
     /// Fired when the proxy exits: every pod stops accepting.
     pub stop_accepting: Drain,
     pub active: Arc<pod::ActiveConnections>,
+    pub tracker: Arc<reauth::Tracker>,
 }
 
 /// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
@@ -162,6 +164,7 @@ impl ProxyShared {
             metrics: self.metrics.clone(),
             h2: self.h2,
             trust_domain: self.trust_domain.clone(),
+            tracker: self.tracker.clone(),
         });
         tokio::spawn(outbound.serve(out_l));
         tokio::spawn(inbound.clone().serve_hbone(hbone_l));
@@ -203,7 +206,9 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         ipv6: cfg.ipv6,
         stop_accepting,
         active: active.clone(),
+        tracker: Arc::default(),
     });
+    shared.tracker.spawn_watcher(state.clone());
 
     let ready = Arc::new(AtomicBool::new(false));
     // Held for the life of the process: dropping it would drain the dedicated pod.

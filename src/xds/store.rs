@@ -196,21 +196,40 @@ impl State {
 }
 
 /// Shared handle to the current state; cheap to clone.
-#[derive(Debug, Clone, Default)]
-pub struct StateHandle(Arc<ArcSwap<State>>);
+#[derive(Debug, Clone)]
+pub struct StateHandle {
+    current: Arc<ArcSwap<State>>,
+    /// Bumped on every swap, for those who act on changes (policy re-checks).
+    version: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl Default for StateHandle {
+    fn default() -> Self {
+        Self::new(State::default())
+    }
+}
 
 impl StateHandle {
     pub fn new(state: State) -> Self {
-        StateHandle(Arc::new(ArcSwap::from_pointee(state)))
+        StateHandle {
+            current: Arc::new(ArcSwap::from_pointee(state)),
+            version: Arc::new(tokio::sync::watch::channel(0).0),
+        }
     }
 
     /// The current snapshot; hold it for the duration of one decision.
     pub fn load(&self) -> Arc<State> {
-        self.0.load_full()
+        self.current.load_full()
     }
 
     /// Replaces the state in one atomic step.
     pub fn store(&self, state: State) {
-        self.0.store(Arc::new(state));
+        self.current.store(Arc::new(state));
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// A receiver that wakes after every [`StateHandle::store`].
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.version.subscribe()
     }
 }
