@@ -11,9 +11,7 @@
 use std::net::IpAddr;
 
 use crate::identity::Identity;
-use crate::xds::types::{
-    Authorization, PolicyAction, PolicyScope, RbacMatch, StringMatch, Workload,
-};
+use crate::xds::types::{Authorization, PolicyAction, RbacMatch, StringMatch, Workload};
 use crate::xds::State;
 
 /// What policy evaluation looks at.
@@ -40,17 +38,10 @@ pub struct Verdict {
 /// (`ns/name` keys): its namespace's, the global ones, and those it names.
 pub fn applicable<'a>(
     state: &'a State,
-    namespace: &'a str,
+    namespace: &str,
     selected: &'a [String],
 ) -> impl Iterator<Item = &'a Authorization> + 'a {
-    state
-        .policies()
-        .map(|p| p.as_ref())
-        .filter(move |p| match p.scope {
-            PolicyScope::Global => true,
-            PolicyScope::Namespace => p.namespace == namespace,
-            PolicyScope::WorkloadSelector => selected.iter().any(|k| *k == p.key()),
-        })
+    state.policies_for(namespace, selected).map(|p| p.as_ref())
 }
 
 /// [`applicable`] for a workload from the state.
@@ -66,12 +57,18 @@ pub fn evaluate<'a>(
     policies: impl Iterator<Item = &'a Authorization>,
     conn: &Connection<'_>,
 ) -> Verdict {
+    let subject = Subject {
+        conn,
+        principal: conn
+            .src_identity
+            .map(|i| i.to_string().trim_start_matches("spiffe://").to_string()),
+    };
     let mut allow_exists = false;
     let mut allow_match = None;
     let mut dry_run = Vec::new();
     let mut deny_match = None;
     for p in policies {
-        let hit = policy_matches(p, conn);
+        let hit = policy_matches(p, &subject);
         if p.dry_run {
             if hit {
                 dry_run.push((p.key(), p.action == PolicyAction::Allow));
@@ -117,11 +114,17 @@ pub fn evaluate<'a>(
     }
 }
 
-fn policy_matches(p: &Authorization, conn: &Connection<'_>) -> bool {
+/// A connection with its principal spelled out once (not once per match).
+struct Subject<'a> {
+    conn: &'a Connection<'a>,
+    principal: Option<String>,
+}
+
+fn policy_matches(p: &Authorization, s: &Subject<'_>) -> bool {
     // rules OR; a rule is clauses AND; a clause is matches OR. No rules: matches nothing.
     p.rules.iter().any(|rule| {
         rule.iter()
-            .all(|clause| clause.iter().any(|m| match_holds(m, conn)))
+            .all(|clause| clause.iter().any(|m| match_holds(m, s)))
     })
 }
 
@@ -143,55 +146,24 @@ fn string_matches(m: &StringMatch, value: Option<&str>) -> bool {
     }
 }
 
-/// `ip` is inside `cidr` (`10.0.0.0/8`, or a bare address).
-pub fn cidr_contains(cidr: &str, ip: IpAddr) -> bool {
-    let (net, len) = match cidr.split_once('/') {
-        Some((n, l)) => (n, l.parse::<u8>().ok()),
-        None => (cidr, None),
-    };
-    let Ok(net) = net.parse::<IpAddr>() else {
-        return false;
-    };
-    let ip = crate::proxy::hbone::canonical(ip);
-    match (net, ip) {
-        (IpAddr::V4(n), IpAddr::V4(i)) => {
-            let len = len.unwrap_or(32).min(32) as u32;
-            let mask = if len == 0 { 0 } else { u32::MAX << (32 - len) };
-            u32::from(n) & mask == u32::from(i) & mask
-        }
-        (IpAddr::V6(n), IpAddr::V6(i)) => {
-            let len = len.unwrap_or(128).min(128) as u32;
-            let mask = if len == 0 {
-                0
-            } else {
-                u128::MAX << (128 - len)
-            };
-            u128::from(n) & mask == u128::from(i) & mask
-        }
-        _ => false,
-    }
-}
-
-fn match_holds(m: &RbacMatch, c: &Connection<'_>) -> bool {
+fn match_holds(m: &RbacMatch, s: &Subject<'_>) -> bool {
+    let c = s.conn;
     let ns = c.src_identity.map(|i| i.namespace.as_str());
-    let principal = c.src_identity.map(|i| i.to_string());
-    let principal = principal
-        .as_deref()
-        .map(|p| p.trim_start_matches("spiffe://"));
-    let sa = |s: &crate::xds::types::ServiceAccountMatch| {
+    let principal = s.principal.as_deref();
+    let sa = |m: &crate::xds::types::ServiceAccountMatch| {
         c.src_identity
-            .is_some_and(|i| i.namespace == s.namespace && i.service_account == s.service_account)
+            .is_some_and(|i| i.namespace == m.namespace && i.service_account == m.service_account)
     };
-    any_or_empty(&m.namespaces, |s| string_matches(s, ns))
-        && none(&m.not_namespaces, |s| string_matches(s, ns))
-        && any_or_empty(&m.principals, |s| string_matches(s, principal))
-        && none(&m.not_principals, |s| string_matches(s, principal))
+    any_or_empty(&m.namespaces, |x| string_matches(x, ns))
+        && none(&m.not_namespaces, |x| string_matches(x, ns))
+        && any_or_empty(&m.principals, |x| string_matches(x, principal))
+        && none(&m.not_principals, |x| string_matches(x, principal))
         && any_or_empty(&m.service_accounts, sa)
         && none(&m.not_service_accounts, sa)
-        && any_or_empty(&m.source_ips, |n| cidr_contains(n, c.src_ip))
-        && none(&m.not_source_ips, |n| cidr_contains(n, c.src_ip))
-        && any_or_empty(&m.destination_ips, |n| cidr_contains(n, c.dst_ip))
-        && none(&m.not_destination_ips, |n| cidr_contains(n, c.dst_ip))
+        && any_or_empty(&m.source_ips, |n| n.contains(c.src_ip))
+        && none(&m.not_source_ips, |n| n.contains(c.src_ip))
+        && any_or_empty(&m.destination_ips, |n| n.contains(c.dst_ip))
+        && none(&m.not_destination_ips, |n| n.contains(c.dst_ip))
         && any_or_empty(&m.destination_ports, |p| *p == c.dst_port)
         && none(&m.not_destination_ports, |p| *p == c.dst_port)
 }
@@ -342,14 +314,19 @@ mod tests {
 
     #[test]
     fn cidr_math() {
-        assert!(cidr_contains("10.0.0.0/8", "10.200.1.1".parse().unwrap()));
-        assert!(!cidr_contains("10.0.0.0/8", "11.0.0.1".parse().unwrap()));
-        assert!(cidr_contains("0.0.0.0/0", "1.2.3.4".parse().unwrap()));
-        assert!(cidr_contains("fd00::/8", "fd12::1".parse().unwrap()));
-        assert!(cidr_contains(
-            "10.0.0.1",
-            "::ffff:10.0.0.1".parse().unwrap()
-        ));
-        assert!(!cidr_contains("bogus", "10.0.0.1".parse().unwrap()));
+        use crate::xds::types::Cidr;
+        let c = |s: &str| Cidr::try_from(s.to_string());
+        assert!(c("10.0.0.0/8")
+            .unwrap()
+            .contains("10.200.1.1".parse().unwrap()));
+        assert!(!c("10.0.0.0/8")
+            .unwrap()
+            .contains("11.0.0.1".parse().unwrap()));
+        assert!(c("0.0.0.0/0").unwrap().contains("1.2.3.4".parse().unwrap()));
+        assert!(c("fd00::/8").unwrap().contains("fd12::1".parse().unwrap()));
+        assert!(c("10.0.0.1")
+            .unwrap()
+            .contains("::ffff:10.0.0.1".parse().unwrap()));
+        assert!(c("bogus").is_err() && c("10.0.0.0/33").is_err());
     }
 }

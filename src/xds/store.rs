@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use super::types::{Authorization, HealthStatus, NetworkAddress, Service, Workload};
+use super::types::{Authorization, HealthStatus, NetworkAddress, PolicyScope, Service, Workload};
 
 /// A workload backing a service, with its own port overrides.
 #[derive(Debug, Clone)]
@@ -30,6 +30,9 @@ pub struct State {
     services_by_host: HashMap<String, Arc<Service>>,
     endpoints: HashMap<String, Vec<Endpoint>>,
     policies: HashMap<String, Arc<Authorization>>,
+    /// Namespace-scoped policies by namespace, and the global ones.
+    policies_by_ns: HashMap<String, Vec<Arc<Authorization>>>,
+    global_policies: Vec<Arc<Authorization>>,
 }
 
 /// Why a resource could not join the state; names the resource.
@@ -137,7 +140,17 @@ impl State {
                 });
                 continue;
             }
-            st.policies.insert(key, Arc::new(p));
+            let p = Arc::new(p);
+            match p.scope {
+                PolicyScope::Global => st.global_policies.push(p.clone()),
+                PolicyScope::Namespace => st
+                    .policies_by_ns
+                    .entry(p.namespace.clone())
+                    .or_default()
+                    .push(p.clone()),
+                PolicyScope::WorkloadSelector => {}
+            }
+            st.policies.insert(key, p);
         }
         if errors.is_empty() {
             Ok(st)
@@ -188,6 +201,27 @@ impl State {
 
     pub fn services(&self) -> impl Iterator<Item = &Arc<Service>> {
         self.services_by_host.values()
+    }
+
+    /// Policies that apply to a workload in `namespace` naming `selected`
+    /// (`ns/name` keys): the global ones, its namespace's, and the named
+    /// workload-selector ones. Indexed: cost does not grow with other namespaces' policies.
+    pub fn policies_for<'a>(
+        &'a self,
+        namespace: &str,
+        selected: &'a [String],
+    ) -> impl Iterator<Item = &'a Arc<Authorization>> + 'a {
+        let ns = self
+            .policies_by_ns
+            .get(namespace)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        self.global_policies.iter().chain(ns.iter()).chain(
+            selected
+                .iter()
+                .filter_map(|k| self.policies.get(k))
+                .filter(|p| p.scope == PolicyScope::WorkloadSelector),
+        )
     }
 
     pub fn policies(&self) -> impl Iterator<Item = &Arc<Authorization>> {

@@ -239,6 +239,63 @@ pub struct ServiceAccountMatch {
     pub service_account: String,
 }
 
+/// An address block (`10.0.0.0/8`, or a bare address for one host), parsed once at load.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub struct Cidr {
+    pub net: IpAddr,
+    pub len: u8,
+}
+
+impl TryFrom<String> for Cidr {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        let bad = || format!("{s:?} is not an IP address or CIDR block");
+        let (net, len) = match s.split_once('/') {
+            Some((n, l)) => (
+                n.parse::<IpAddr>().map_err(|_| bad())?,
+                Some(l.parse::<u8>().map_err(|_| bad())?),
+            ),
+            None => (s.parse::<IpAddr>().map_err(|_| bad())?, None),
+        };
+        let max = if net.is_ipv4() { 32 } else { 128 };
+        let len = len.unwrap_or(max);
+        if len > max {
+            return Err(bad());
+        }
+        Ok(Cidr { net, len })
+    }
+}
+
+impl Cidr {
+    /// Whether `ip` is inside this block (IPv4-mapped IPv6 counts as IPv4).
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(ip),
+            v4 => v4,
+        };
+        match (self.net, ip) {
+            (IpAddr::V4(n), IpAddr::V4(i)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u32::MAX << (32 - self.len as u32)
+                };
+                u32::from(n) & mask == u32::from(i) & mask
+            }
+            (IpAddr::V6(n), IpAddr::V6(i)) => {
+                let mask = if self.len == 0 {
+                    0
+                } else {
+                    u128::MAX << (128 - self.len as u32)
+                };
+                u128::from(n) & mask == u128::from(i) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
 /// One match of a policy clause; every listed field must hold.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
@@ -249,10 +306,10 @@ pub struct RbacMatch {
     pub not_service_accounts: Vec<ServiceAccountMatch>,
     pub principals: Vec<StringMatch>,
     pub not_principals: Vec<StringMatch>,
-    pub source_ips: Vec<String>,
-    pub not_source_ips: Vec<String>,
-    pub destination_ips: Vec<String>,
-    pub not_destination_ips: Vec<String>,
+    pub source_ips: Vec<Cidr>,
+    pub not_source_ips: Vec<Cidr>,
+    pub destination_ips: Vec<Cidr>,
+    pub not_destination_ips: Vec<Cidr>,
     pub destination_ports: Vec<u16>,
     pub not_destination_ports: Vec<u16>,
 }
