@@ -61,8 +61,8 @@ pub static AGENT_KEYS: &[Key] = &[
     Key {
         name: "dns_capture",
         env: &["AMBIENT_DNS_CAPTURE"],
-        default: "false",
-        help: "redirect pod DNS to the proxy's 15053 (off until the DNS proxy exists)",
+        default: "true",
+        help: "redirect pod DNS to the proxy's 15053",
     },
     Key {
         name: "ipv6",

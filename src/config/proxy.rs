@@ -185,6 +185,18 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "listen on [::] as well as 0.0.0.0",
     },
     Key {
+        name: "dns_proxy",
+        env: &["AMBIT_DNS_PROXY"],
+        default: "true",
+        help: "serve DNS on 127.0.0.1:15053 (and [::1]) in each pod",
+    },
+    Key {
+        name: "dns_upstreams",
+        env: &["AMBIT_DNS_UPSTREAMS"],
+        default: "",
+        help: "comma-separated ip:port resolvers for non-mesh names; unset: /etc/resolv.conf",
+    },
+    Key {
         name: "drain_timeout",
         env: &["CONNECTION_TERMINATION_DEADLINE", "AMBIT_DRAIN_TIMEOUT"],
         default: "5s",
@@ -231,6 +243,9 @@ pub struct ProxyConfig {
     pub worker_threads: usize,
     pub ipv6: bool,
     pub drain_timeout: Duration,
+    pub dns_proxy: bool,
+    /// Empty: read /etc/resolv.conf at start.
+    pub dns_upstreams: Vec<SocketAddr>,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -340,6 +355,18 @@ impl ProxyConfig {
             })?,
             ipv6: l.require("ipv6", "true or false", parse_bool)?,
             drain_timeout: l.require("drain_timeout", "a duration like 5s", parse_duration)?,
+            dns_proxy: l.require("dns_proxy", "true or false", parse_bool)?,
+            dns_upstreams: l
+                .get(
+                    "dns_upstreams",
+                    "comma-separated ip:port, like 10.0.0.10:53",
+                    |s| {
+                        s.split(',')
+                            .map(|a| a.trim().parse::<SocketAddr>().ok())
+                            .collect::<Option<Vec<_>>>()
+                    },
+                )?
+                .unwrap_or_default(),
             log_format: l.require("log_format", "text or json", |s| match s {
                 "text" => Some(LogFormat::Text),
                 "json" => Some(LogFormat::Json),

@@ -18,6 +18,8 @@ pub struct Node {
     pub conf_dir: PathBuf,
     pub pods: Vec<String>,
     pub enroll: String,
+    /// First three octets of the pods' /24 (the bridge holds `.1`).
+    pub subnet: String,
 }
 
 pub const SUBNET: &str = "10.78.0";
@@ -75,6 +77,7 @@ impl Node {
             conf_dir,
             pods: Vec::new(),
             enroll: enroll.to_string(),
+            subnet: subnet.to_string(),
         };
         if combined {
             node.lab.spawn("node", node.command("node")).unwrap();
@@ -104,7 +107,9 @@ impl Node {
             .env("PROXY_MODE", "shared")
             .env("AMBIT_CA_CERT", dir.join("ca-cert.pem"))
             .env("AMBIT_CA_KEY", dir.join("ca-key.pem"))
-            .env("AMBIT_STATE_DIR", dir.join("state"));
+            .env("AMBIT_STATE_DIR", dir.join("state"))
+            // Non-mesh names go to a resolver on the node's bridge address (tests run one there).
+            .env("AMBIT_DNS_UPSTREAMS", format!("{}.1:53", self.subnet));
         cmd
     }
 

@@ -5,6 +5,7 @@
 
 pub mod admin;
 pub mod copy;
+pub mod dns;
 pub mod hbone;
 pub mod inbound;
 pub mod inpod;
@@ -24,7 +25,7 @@ use http::{Method, StatusCode};
 use prometheus_client::registry::Registry;
 
 use crate::config::{ProxyConfig, ProxyMode};
-use crate::constants::{HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
+use crate::constants::{DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::identity::{CertManager, Identity, LocalCa};
 use crate::netns::Netns;
 use crate::xds::{self, StateHandle};
@@ -70,6 +71,8 @@ pub struct ProxyShared {
     pub stop_accepting: Drain,
     pub active: Arc<pod::ActiveConnections>,
     pub tracker: Arc<reauth::Tracker>,
+    /// Resolvers for non-mesh names; `None`: no DNS proxy.
+    pub dns_upstreams: Option<Arc<Vec<SocketAddr>>>,
 }
 
 /// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
@@ -169,6 +172,34 @@ impl ProxyShared {
         tokio::spawn(outbound.serve(out_l));
         tokio::spawn(inbound.clone().serve_hbone(hbone_l));
         tokio::spawn(inbound.serve_plaintext(plain_l));
+        if let Some(upstreams) = &self.dns_upstreams {
+            let dns = Arc::new(dns::DnsProxy {
+                pod: pod.clone(),
+                state: self.state.clone(),
+                upstreams: upstreams.clone(),
+            });
+            let mut addrs: Vec<SocketAddr> = vec![(Ipv4Addr::LOCALHOST, DNS_PORT).into()];
+            if self.ipv6 {
+                addrs.push((Ipv6Addr::LOCALHOST, DNS_PORT).into());
+            }
+            for (i, addr) in addrs.into_iter().enumerate() {
+                // The IPv4 pair is required; [::1] only where the pod has IPv6 loopback.
+                let bound = pod
+                    .sockets
+                    .udp(addr, false)
+                    .and_then(|u| Ok((u, pod.sockets.listen(addr)?)));
+                match bound {
+                    Ok((udp, tcp)) => {
+                        tokio::spawn(dns.clone().serve_udp(udp));
+                        tokio::spawn(dns.clone().serve_tcp(tcp));
+                    }
+                    Err(e) if i == 0 => {
+                        return Err(e).with_context(|| format!("pod {}: DNS on {addr}", pod.uid))
+                    }
+                    Err(e) => tracing::debug!(pod = %pod.uid, error = %e, "no DNS on [::1]"),
+                }
+            }
+        }
         Ok(())
     }
 }
@@ -207,6 +238,20 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         stop_accepting,
         active: active.clone(),
         tracker: Arc::default(),
+        dns_upstreams: cfg.dns_proxy.then(|| {
+            let upstreams = if cfg.dns_upstreams.is_empty() {
+                dns::resolv_conf_servers(
+                    &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
+                )
+            } else {
+                cfg.dns_upstreams.clone()
+            };
+            tracing::info!(
+                ?upstreams,
+                "DNS proxy on; other names go to these resolvers"
+            );
+            Arc::new(upstreams)
+        }),
     });
     shared.tracker.spawn_watcher(state.clone());
 

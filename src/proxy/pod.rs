@@ -43,9 +43,13 @@ impl SocketFactory {
     }
 
     fn socket(&self, addr: &SocketAddr) -> io::Result<Socket> {
+        self.socket_of(addr, Type::STREAM, Protocol::TCP)
+    }
+
+    fn socket_of(&self, addr: &SocketAddr, ty: Type, proto: Protocol) -> io::Result<Socket> {
         let domain = Domain::for_address(*addr);
         let make = || {
-            let s = Socket::new(domain, Type::STREAM.nonblocking(), Some(Protocol::TCP))?;
+            let s = Socket::new(domain, ty.nonblocking(), Some(proto))?;
             s.set_mark(self.mark)?;
             Ok(s)
         };
@@ -66,6 +70,19 @@ impl SocketFactory {
         s.bind(&addr.into())?;
         s.listen(1024)?;
         TcpListener::from_std(s.into())
+    }
+
+    /// A UDP socket in the pod: bound to `addr` (a listener) or, with `connect`, aimed at it.
+    pub fn udp(&self, addr: SocketAddr, connect: bool) -> io::Result<tokio::net::UdpSocket> {
+        let s = self.socket_of(&addr, Type::DGRAM, Protocol::UDP)?;
+        if connect {
+            s.connect(&addr.into())?;
+        } else {
+            s.set_reuse_address(true)?;
+            s.set_reuse_port(true)?;
+            s.bind(&addr.into())?;
+        }
+        tokio::net::UdpSocket::from_std(s.into())
     }
 
     /// Connects to `addr` from the pod, within [`CONNECT_TIMEOUT`].

@@ -179,6 +179,16 @@ impl State {
         })
     }
 
+    /// Services whose hostname is `hostname` (any namespace).
+    pub fn services_named<'a>(
+        &'a self,
+        hostname: &'a str,
+    ) -> impl Iterator<Item = &'a Arc<Service>> + 'a {
+        self.services_by_host
+            .values()
+            .filter(move |s| s.hostname == hostname)
+    }
+
     pub fn service_by_host(&self, key: &str) -> Option<&Arc<Service>> {
         self.services_by_host.get(key)
     }

@@ -1,0 +1,360 @@
+//! The DNS proxy (port 15053 in each pod, UDP and TCP): answers A/AAAA for
+//! mesh service hostnames from the state — full names and Kubernetes short
+//! forms with the pod's search domains; headless services answer with their
+//! endpoints — and forwards everything else to the node's resolvers, from
+//! inside the pod's netns with the pod mark. Parsing and building messages is
+//! hickory-proto's; a packet it cannot parse gets FORMERR (or is dropped when
+//! not even the header is there).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use hickory_proto::op::{Message, MessageType, OpCode, ResponseCode};
+use hickory_proto::rr::rdata::{A, AAAA};
+use hickory_proto::rr::{RData, Record, RecordType};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::pod::PodRef;
+use crate::xds::{State, StateHandle};
+
+/// TTL of the answers the proxy makes itself.
+pub const TTL: u32 = 30;
+/// How long an upstream resolver has to answer.
+pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
+pub const CLUSTER_DOMAIN: &str = "cluster.local";
+
+/// What to do with one query.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply {
+    /// Send these bytes back.
+    Answer(Vec<u8>),
+    /// Not a mesh name: pass the query to the upstream resolvers.
+    Forward,
+    /// Not even a DNS header: say nothing.
+    Drop,
+}
+
+/// Names a query may mean, given the pod's search domains (`<ns>.svc.<cd>`, `svc.<cd>`, `<cd>`).
+fn candidates(name: &str, namespace: &str) -> Vec<String> {
+    let mut out = vec![name.to_string()];
+    if !name.ends_with(CLUSTER_DOMAIN) {
+        out.push(format!("{name}.{namespace}.svc.{CLUSTER_DOMAIN}"));
+        out.push(format!("{name}.svc.{CLUSTER_DOMAIN}"));
+    }
+    out
+}
+
+/// Addresses of the mesh service `name` means, or `None` if it is not one.
+fn lookup(state: &State, name: &str, namespace: &str) -> Option<Vec<IpAddr>> {
+    for candidate in candidates(name, namespace) {
+        let mut found = false;
+        let mut ips = Vec::new();
+        for svc in state.services_named(&candidate) {
+            found = true;
+            if svc.vips.is_empty() {
+                // Headless: the endpoints themselves.
+                ips.extend(
+                    state
+                        .healthy_endpoints(svc)
+                        .flat_map(|e| e.workload.workload_ips.iter().copied()),
+                );
+            } else {
+                ips.extend(svc.vips.iter().map(|v| v.address));
+            }
+        }
+        if found {
+            ips.sort();
+            ips.dedup();
+            return Some(ips);
+        }
+    }
+    None
+}
+
+/// Decides one query (pure: reads only `state`).
+pub fn reply(packet: &[u8], state: &State, namespace: &str) -> Reply {
+    let formerr = |id| {
+        Message::error_msg(id, OpCode::Query, ResponseCode::FormErr)
+            .to_vec()
+            .map(Reply::Answer)
+            .unwrap_or(Reply::Drop)
+    };
+    if packet.len() < 12 {
+        return Reply::Drop;
+    }
+    let id = u16::from_be_bytes([packet[0], packet[1]]);
+    let Ok(req) = Message::from_vec(packet) else {
+        return formerr(id);
+    };
+    if req.message_type() != MessageType::Query
+        || req.op_code() != OpCode::Query
+        || req.queries().len() != 1
+    {
+        return formerr(id);
+    }
+    let q = &req.queries()[0];
+    let name = q.name().to_lowercase().to_ascii();
+    let name = name.trim_end_matches('.');
+    let Some(ips) = lookup(state, name, namespace) else {
+        return Reply::Forward;
+    };
+    let mut resp = Message::new();
+    resp.set_id(id)
+        .set_message_type(MessageType::Response)
+        .set_op_code(OpCode::Query)
+        .set_authoritative(true)
+        .set_recursion_desired(req.recursion_desired())
+        .set_recursion_available(true)
+        .set_response_code(ResponseCode::NoError)
+        .add_query(q.clone());
+    for ip in ips {
+        let rdata = match (q.query_type(), ip) {
+            (RecordType::A, IpAddr::V4(v4)) => RData::A(A(v4)),
+            (RecordType::AAAA, IpAddr::V6(v6)) => RData::AAAA(AAAA(v6)),
+            _ => continue,
+        };
+        resp.add_answer(Record::from_rdata(q.name().clone(), TTL, rdata));
+    }
+    resp.to_vec()
+        .map(Reply::Answer)
+        .unwrap_or_else(|_| formerr(id))
+}
+
+/// The DNS proxy of one pod.
+pub struct DnsProxy {
+    pub pod: PodRef,
+    pub state: StateHandle,
+    pub upstreams: Arc<Vec<SocketAddr>>,
+}
+
+impl DnsProxy {
+    async fn resolve(&self, packet: Vec<u8>) -> Option<Vec<u8>> {
+        match reply(&packet, &self.state.load(), &self.pod.namespace) {
+            Reply::Answer(bytes) => Some(bytes),
+            Reply::Drop => None,
+            Reply::Forward => self.forward(&packet).await,
+        }
+    }
+
+    /// Asks each upstream in turn, from the pod's netns with the pod mark.
+    async fn forward(&self, packet: &[u8]) -> Option<Vec<u8>> {
+        for upstream in self.upstreams.iter() {
+            let Ok(sock) = self.pod.sockets.udp(*upstream, true) else {
+                continue;
+            };
+            if sock.send(packet).await.is_err() {
+                continue;
+            }
+            let mut buf = vec![0u8; 65_535];
+            if let Ok(Ok(n)) = tokio::time::timeout(UPSTREAM_TIMEOUT, sock.recv(&mut buf)).await {
+                buf.truncate(n);
+                return Some(buf);
+            }
+            tracing::debug!(upstream = %upstream, "DNS upstream did not answer");
+        }
+        None
+    }
+
+    /// Serves UDP on `sock` until the pod stops.
+    pub async fn serve_udp(self: Arc<Self>, sock: tokio::net::UdpSocket) {
+        let sock = Arc::new(sock);
+        let life = self.pod.life.clone();
+        let mut buf = vec![0u8; 65_535];
+        loop {
+            let got = tokio::select! {
+                r = sock.recv_from(&mut buf) => r,
+                _ = life.stop_listening() => return,
+            };
+            let Ok((n, from)) = got else { continue };
+            let (this, sock, packet) = (self.clone(), sock.clone(), buf[..n].to_vec());
+            life.spawn(async move {
+                if let Some(resp) = this.resolve(packet).await {
+                    let _ = sock.send_to(&resp, from).await;
+                }
+            });
+        }
+    }
+
+    /// Serves TCP (2-byte length prefix per message) on `listener` until the pod stops.
+    pub async fn serve_tcp(self: Arc<Self>, listener: tokio::net::TcpListener) {
+        let life = self.pod.life.clone();
+        loop {
+            let accepted = tokio::select! {
+                a = listener.accept() => a,
+                _ = life.stop_listening() => return,
+            };
+            let Ok((mut stream, _)) = accepted else {
+                continue;
+            };
+            let this = self.clone();
+            life.spawn(async move {
+                loop {
+                    let len = match tokio::time::timeout(Duration::from_secs(10), stream.read_u16())
+                        .await
+                    {
+                        Ok(Ok(len)) => len as usize,
+                        _ => return,
+                    };
+                    let mut packet = vec![0u8; len];
+                    if stream.read_exact(&mut packet).await.is_err() {
+                        return;
+                    }
+                    let Some(resp) = this.resolve(packet).await else {
+                        return;
+                    };
+                    let Ok(len) = u16::try_from(resp.len()) else {
+                        return;
+                    };
+                    if stream.write_u16(len).await.is_err()
+                        || stream.write_all(&resp).await.is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// The node's resolvers from a resolv.conf text.
+pub fn resolv_conf_servers(text: &str) -> Vec<SocketAddr> {
+    text.lines()
+        .filter_map(|l| l.trim().strip_prefix("nameserver"))
+        .filter_map(|ip| ip.trim().parse::<IpAddr>().ok())
+        .map(|ip| SocketAddr::new(ip, 53))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hickory_proto::op::Query;
+    use hickory_proto::rr::Name;
+    use std::path::Path;
+
+    fn state() -> State {
+        crate::xds::local::parse(
+            Path::new("t.yaml"),
+            r#"
+workloads:
+- {name: db-0, namespace: data, workloadIps: [10.0.0.7], protocol: HBONE, services: {"data/db.data.svc.cluster.local": {5432: 5432}}}
+services:
+- {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: ["/10.96.0.10", "/fd00::10"], ports: {80: 8080}}
+- {name: db, namespace: data, hostname: db.data.svc.cluster.local, ports: {5432: 5432}}
+"#,
+        )
+        .unwrap()
+    }
+
+    fn query(name: &str, ty: RecordType) -> Vec<u8> {
+        let mut m = Message::new();
+        m.set_id(4242)
+            .set_recursion_desired(true)
+            .add_query(Query::query(Name::from_ascii(name).unwrap(), ty));
+        m.to_vec().unwrap()
+    }
+
+    fn answers(r: Reply) -> Vec<String> {
+        match r {
+            Reply::Answer(b) => {
+                let m = Message::from_vec(&b).unwrap();
+                assert_eq!(m.id(), 4242);
+                m.answers().iter().map(|a| a.data().to_string()).collect()
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn full_and_short_names_of_mesh_services() {
+        let st = state();
+        assert_eq!(
+            answers(reply(
+                &query("echo.default.svc.cluster.local.", RecordType::A),
+                &st,
+                "default"
+            )),
+            ["10.96.0.10"]
+        );
+        assert_eq!(
+            answers(reply(&query("echo.", RecordType::A), &st, "default")),
+            ["10.96.0.10"],
+            "short name in the pod's namespace"
+        );
+        assert_eq!(
+            answers(reply(
+                &query("echo.default.", RecordType::AAAA),
+                &st,
+                "other"
+            )),
+            ["fd00::10"]
+        );
+        assert_eq!(
+            answers(reply(
+                &query("ECHO.default.svc.cluster.local.", RecordType::A),
+                &st,
+                "x"
+            )),
+            ["10.96.0.10"],
+            "case-insensitive"
+        );
+        assert_eq!(
+            answers(reply(
+                &query("db.data.svc.cluster.local.", RecordType::A),
+                &st,
+                "x"
+            )),
+            ["10.0.0.7"],
+            "headless: endpoints"
+        );
+        assert!(
+            answers(reply(
+                &query("db.data.svc.cluster.local.", RecordType::AAAA),
+                &st,
+                "x"
+            ))
+            .is_empty(),
+            "NODATA, not forwarded"
+        );
+    }
+
+    #[test]
+    fn other_names_are_forwarded_and_garbage_is_refused() {
+        let st = state();
+        assert_eq!(
+            reply(&query("example.com.", RecordType::A), &st, "default"),
+            Reply::Forward
+        );
+        assert_eq!(reply(b"short", &st, "default"), Reply::Drop);
+        let mut junk = query("echo.", RecordType::A);
+        junk.truncate(junk.len() - 3);
+        match reply(&junk, &st, "default") {
+            Reply::Answer(b) => assert_eq!(
+                Message::from_vec(&b).unwrap().response_code(),
+                ResponseCode::FormErr
+            ),
+            other => panic!("{other:?}"),
+        }
+        for seed in 0..2000u64 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let len = rng.usize(0..300);
+            let bytes: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
+            let _ = reply(&bytes, &st, "default"); // never panics
+        }
+    }
+
+    #[test]
+    fn resolv_conf() {
+        let servers = resolv_conf_servers(
+            "# x\nsearch a b\nnameserver 10.0.0.53\nnameserver fd00::53\nnameserver bogus\n",
+        );
+        assert_eq!(
+            servers,
+            vec![
+                "10.0.0.53:53".parse().unwrap(),
+                "[fd00::53]:53".parse().unwrap()
+            ]
+        );
+    }
+}

@@ -1,0 +1,154 @@
+//! End-to-end: DNS of enrolled pods is captured by the in-pod rules and
+//! answered by the proxy (mesh service names) or forwarded from the pod's
+//! netns to the node's resolver (dnsmasq, a real third-party server here).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::time::Duration;
+
+use ambit::lab::node::Node;
+use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
+use hickory_proto::op::{Message, Query};
+use hickory_proto::rr::{Name, RecordType};
+
+fn query(name: &str, id: u16) -> Vec<u8> {
+    let mut m = Message::new();
+    m.set_id(id)
+        .set_recursion_desired(true)
+        .add_query(Query::query(Name::from_ascii(name).unwrap(), RecordType::A));
+    m.to_vec().unwrap()
+}
+
+fn a_records(resp: &[u8]) -> Vec<String> {
+    Message::from_vec(resp)
+        .unwrap()
+        .answers()
+        .iter()
+        .map(|a| a.data().to_string())
+        .collect()
+}
+
+/// A UDP query from inside `pod` to `server` (any address: the rules capture port 53).
+fn ask_udp(pod: &LabPod, server: SocketAddr, packet: Vec<u8>) -> std::io::Result<Vec<u8>> {
+    pod.ns.run(move || {
+        let s = UdpSocket::bind("0.0.0.0:0")?;
+        s.set_read_timeout(Some(Duration::from_secs(3)))?;
+        s.send_to(&packet, server)?;
+        let mut buf = vec![0u8; 4096];
+        let n = s.recv(&mut buf)?;
+        buf.truncate(n);
+        Ok(buf)
+    })?
+}
+
+fn ask_tcp(pod: &LabPod, server: SocketAddr, packet: Vec<u8>) -> std::io::Result<Vec<u8>> {
+    pod.ns.run(move || {
+        let mut s = TcpStream::connect_timeout(&server, Duration::from_secs(3))?;
+        s.set_read_timeout(Some(Duration::from_secs(3)))?;
+        s.write_all(&(packet.len() as u16).to_be_bytes())?;
+        s.write_all(&packet)?;
+        let mut len = [0u8; 2];
+        s.read_exact(&mut len)?;
+        let mut buf = vec![0u8; u16::from_be_bytes(len) as usize];
+        s.read_exact(&mut buf)?;
+        Ok(buf)
+    })?
+}
+
+#[test]
+fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
+    let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.78.0.3\"], protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}\nservices:\n- {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n";
+    let mut node = Node::start_full(
+        env!("CARGO_BIN_EXE_ambit"),
+        "dns",
+        "all",
+        true,
+        "10.78.0",
+        mesh,
+        None,
+    );
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    let _echo = EchoServer::start(&server, 8080).unwrap();
+    // The node's resolver: dnsmasq on the bridge address, knowing one external name and no mesh names.
+    let mut cmd = node.lab.node.command("dnsmasq");
+    cmd.args([
+        "--no-daemon",
+        "--no-resolv",
+        "--no-hosts",
+        "--bind-interfaces",
+        "--listen-address=10.78.0.1",
+        "--port=53",
+    ])
+    .arg("--address=/external.example/192.0.2.7")
+    .arg(format!(
+        "--pid-file={}",
+        node.dir.join("dnsmasq.pid").display()
+    ));
+    node.lab.spawn("dnsmasq", cmd).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let resolver: SocketAddr = (Ipv4Addr::new(10, 78, 0, 1), 53).into();
+
+    // A mesh service name is answered by the proxy (dnsmasq does not know it)...
+    let resp = ask_udp(
+        &client,
+        resolver,
+        query("echo.default.svc.cluster.local.", 1),
+    )
+    .unwrap();
+    assert_eq!(a_records(&resp), ["10.96.0.10"]);
+    let resp = ask_udp(&client, resolver, query("echo.", 2)).unwrap();
+    assert_eq!(
+        a_records(&resp),
+        ["10.96.0.10"],
+        "short name with the pod's search domain"
+    );
+    let resp = ask_tcp(&client, resolver, query("echo.default.", 3)).unwrap();
+    assert_eq!(
+        a_records(&resp),
+        ["10.96.0.10"],
+        "DNS over TCP is captured too"
+    );
+    // ... and the pod connects to what it resolved.
+    let mut c = connect_from(&client, "10.96.0.10:80".parse().unwrap()).unwrap();
+    assert_eq!(echo_roundtrip(&mut c, b"resolved").unwrap(), b"resolved");
+
+    // Other names are forwarded from the pod to the node's resolver.
+    let resp = ask_udp(&client, resolver, query("external.example.", 4)).unwrap();
+    assert_eq!(a_records(&resp), ["192.0.2.7"]);
+
+    // Garbage and truncated packets do not hurt the proxy.
+    let mut rng = fastrand::Rng::with_seed(7);
+    let target = resolver;
+    client
+        .ns
+        .run(move || {
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            for i in 0..300 {
+                let len = if i % 3 == 0 {
+                    rng.usize(0..12)
+                } else {
+                    rng.usize(12..200)
+                };
+                let bytes: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
+                let _ = s.send_to(&bytes, target);
+            }
+            let mut trunc = query("echo.default.svc.cluster.local.", 9);
+            trunc.truncate(20);
+            let _ = s.send_to(&trunc, target);
+        })
+        .unwrap();
+    let resp = ask_udp(
+        &client,
+        resolver,
+        query("echo.default.svc.cluster.local.", 5),
+    )
+    .unwrap();
+    assert_eq!(
+        a_records(&resp),
+        ["10.96.0.10"],
+        "proxy still answers after the garbage:\n{}",
+        node.log()
+    );
+    assert!(!node.log().contains("panicked"), "{}", node.log());
+}
