@@ -28,16 +28,25 @@ fn a_records(resp: &[u8]) -> Vec<String> {
         .collect()
 }
 
-/// A UDP query from inside `pod` to `server` (any address: the rules capture port 53).
+/// A UDP query from inside `pod` to `server` (any address: the rules capture
+/// port 53), retried like a stub resolver does (UDP may drop under a flood).
 fn ask_udp(pod: &LabPod, server: SocketAddr, packet: Vec<u8>) -> std::io::Result<Vec<u8>> {
     pod.ns.run(move || {
         let s = UdpSocket::bind("0.0.0.0:0")?;
-        s.set_read_timeout(Some(Duration::from_secs(3)))?;
-        s.send_to(&packet, server)?;
-        let mut buf = vec![0u8; 4096];
-        let n = s.recv(&mut buf)?;
-        buf.truncate(n);
-        Ok(buf)
+        s.set_read_timeout(Some(Duration::from_secs(1)))?;
+        let mut last = None;
+        for _ in 0..3 {
+            s.send_to(&packet, server)?;
+            let mut buf = vec![0u8; 4096];
+            match s.recv(&mut buf) {
+                Ok(n) => {
+                    buf.truncate(n);
+                    return Ok(buf);
+                }
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("no answer")))
     })?
 }
 

@@ -80,6 +80,8 @@ impl SocketFactory {
         } else {
             s.set_reuse_address(true)?;
             s.set_reuse_port(true)?;
+            // Room for a burst of queries (the default holds ~100 packets).
+            let _ = s.set_recv_buffer_size(1 << 20);
             s.bind(&addr.into())?;
         }
         tokio::net::UdpSocket::from_std(s.into())
