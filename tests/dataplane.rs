@@ -422,3 +422,61 @@ fn a_policy_change_closes_open_connections_it_now_denies() {
     );
     assert!(m.proxy_log(&server).contains("policy=default/close-8080"));
 }
+
+#[test]
+fn policies_by_identity_namespace_and_dry_run() {
+    let mut m = Mesh::new("policy2");
+    let (alice, bob, server) = (m.pod("alice"), m.pod("bob"), m.pod("server"));
+    // bob lives in namespace "blocked"; a namespace-wide DENY and an identity ALLOW on the server.
+    let bob_entry = format!(
+        "- {{uid: bob, name: bob, namespace: blocked, serviceAccount: bob-sa, workloadIps: [\"{}\"], protocol: HBONE}}\n",
+        bob.ip
+    );
+    m.write_config(&format!(
+        "workloads:\n{}{bob_entry}{}policies:\n\
+         - {{name: only-alice, namespace: default, action: Allow, rules: [[[{{principals: [!Exact cluster.local/ns/default/sa/alice-sa, !Prefix cluster.local/ns/blocked/]}}]]]}}\n\
+         - {{name: no-blocked, namespace: default, action: Deny, rules: [[[{{namespaces: [!Exact blocked]}}]]]}}\n\
+         - {{name: would-deny-8081, namespace: default, action: Deny, dryRun: true, rules: [[[{{destinationPorts: [8081]}}]]]}}\n",
+        workload(&alice, "alice-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh(&alice, "alice-sa");
+    m.lab.redirect(&bob).unwrap();
+    let spec = ambit::lab::ProxySpec {
+        config: m.config.clone(),
+        ca_cert: m.ca.0.clone(),
+        ca_key: m.ca.1.clone(),
+        workload_info: "blocked/bob/bob-sa".into(),
+        trust_domain: common::TD.into(),
+        extra_env: vec![],
+    };
+    m.lab.start_proxy(&bob, &spec).unwrap();
+    m.mesh(&server, "server-sa");
+    let app = EchoServer::start(&server, 8080).unwrap();
+    let dry = EchoServer::start(&server, 8081).unwrap();
+
+    let mut c = connect_from(&alice, app.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"hi").unwrap(),
+        b"hi",
+        "allowed by identity"
+    );
+    let mut c = connect_from(&bob, app.addr).unwrap();
+    assert!(
+        echo_roundtrip(&mut c, b"hi").unwrap_or_default().is_empty(),
+        "denied by namespace despite the ALLOW prefix"
+    );
+    let mut c = connect_from(&alice, dry.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"dry").unwrap(),
+        b"dry",
+        "a dry-run DENY only logs"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let log = m.proxy_log(&server);
+    assert!(log.contains("policy=default/no-blocked"), "{log}");
+    assert!(
+        log.contains("dry-run policy matched") && log.contains("policy=default/would-deny-8081"),
+        "{log}"
+    );
+}
