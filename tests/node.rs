@@ -40,9 +40,33 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         "enrolled pods have the in-pod rules"
     );
     let echo = EchoServer::start(&server, 8080).unwrap();
-    let payload = vec![9u8; 500_000];
+    // A capture on the node's bridge proves the pods' traffic is HBONE on the wire.
+    let pcap = node.dir.join("bridge.pcap");
+    let mut cmd = node.lab.node.command("tcpdump");
+    cmd.args(["-i", "cni0", "-U", "-s", "0", "-w"]).arg(&pcap);
+    node.lab.spawn("tcpdump", cmd).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    let payload = b"AMBIT-NODE-PAYLOAD-5e1f".repeat(21_740);
     let mut conn = connect_from(&client, echo.addr).unwrap();
     assert_eq!(echo_roundtrip(&mut conn, &payload).unwrap(), payload);
+    std::thread::sleep(Duration::from_millis(300));
+    node.lab.stop("tcpdump");
+    let raw = std::fs::read(&pcap).unwrap();
+    assert!(raw.len() > payload.len(), "capture holds the transfer");
+    assert!(
+        !raw.windows(23).any(|w| w == b"AMBIT-NODE-PAYLOAD-5e1f"),
+        "payload seen in clear on the bridge"
+    );
+    let tls = Command::new("tcpdump")
+        .args(["-nn", "-r"])
+        .arg(&pcap)
+        .arg("tcp dst port 15008 and tcp[((tcp[12:1] & 0xf0) >> 2):1] = 0x16")
+        .output()
+        .unwrap();
+    assert!(
+        !tls.stdout.is_empty(),
+        "TLS handshake to 15008 on the bridge"
+    );
     std::thread::sleep(Duration::from_millis(200));
     let m = node.metrics();
     let line = m
@@ -54,7 +78,7 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         .unwrap_or_else(|| panic!("no mTLS traffic in metrics:\n{m}\n{}", node.log()));
     assert!(
         line.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
-            && line.ends_with(" 500000"),
+            && line.ends_with(&format!(" {}", payload.len())),
         "{line}"
     );
     let dump = http_get_in(&node.lab.node, "127.0.0.1:15000", "/config_dump")

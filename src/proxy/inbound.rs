@@ -149,14 +149,17 @@ impl Inbound {
             }
         };
         let auth = self.authorized(Some(&peer_id), peer.ip(), target);
-        if let Err(policy) = auth.check(&self.state.load()) {
-            reply(&mut respond, StatusCode::UNAUTHORIZED);
-            labels.response_flags = "DENY";
-            self.metrics.opened(&labels);
-            self.metrics.closed(&labels, Transferred::default());
-            tracing::info!(src.addr = %peer, src.principal = %peer_id, dst.addr = %target, policy = %policy, decision = "deny", "inbound HBONE connection denied by policy");
-            return;
-        }
+        let allowed_by = match auth.check(&self.state.load()) {
+            Ok(p) => p.unwrap_or_else(|| "-".into()),
+            Err(policy) => {
+                reply(&mut respond, StatusCode::UNAUTHORIZED);
+                labels.response_flags = "DENY";
+                self.metrics.opened(&labels);
+                self.metrics.closed(&labels, Transferred::default());
+                tracing::info!(src.addr = %peer, src.principal = %peer_id, dst.addr = %target, policy = %policy, decision = "deny", "inbound HBONE connection denied by policy");
+                return;
+            }
+        };
         let start = Instant::now();
         self.metrics.opened(&labels);
         let mut upstream = match self.pod.sockets.connect(target).await {
@@ -195,7 +198,7 @@ impl Inbound {
         self.metrics.closed(&labels, t);
         tracing::info!(
             src.addr = ?src, src.principal = %peer_id, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
-            duration_ms = start.elapsed().as_millis() as u64, error = res.err().map(|e| e.to_string()), "inbound HBONE connection closed"
+            duration_ms = start.elapsed().as_millis() as u64, policy = %allowed_by, decision = "allow", error = res.err().map(|e| e.to_string()), "inbound HBONE connection closed"
         );
     }
 
@@ -214,13 +217,16 @@ impl Inbound {
         let mut labels = self.labels(Some(peer.ip()), None);
         labels.connection_security_policy = "unknown";
         let auth = self.authorized(None, peer.ip(), target);
-        if let Err(policy) = auth.check(&self.state.load()) {
-            labels.response_flags = "DENY";
-            self.metrics.opened(&labels);
-            self.metrics.closed(&labels, Transferred::default());
-            tracing::info!(src.addr = %peer, dst.addr = %target, policy = %policy, decision = "deny", "inbound plaintext connection denied by policy");
-            return;
-        }
+        let allowed_by = match auth.check(&self.state.load()) {
+            Ok(p) => p.unwrap_or_else(|| "-".into()),
+            Err(policy) => {
+                labels.response_flags = "DENY";
+                self.metrics.opened(&labels);
+                self.metrics.closed(&labels, Transferred::default());
+                tracing::info!(src.addr = %peer, dst.addr = %target, policy = %policy, decision = "deny", "inbound plaintext connection denied by policy");
+                return;
+            }
+        };
         let start = Instant::now();
         self.metrics.opened(&labels);
         let upstream = match self.pod.sockets.connect(target).await {
@@ -247,7 +253,7 @@ impl Inbound {
         self.metrics.closed(&labels, t);
         tracing::info!(
             src.addr = %peer, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
-            duration_ms = start.elapsed().as_millis() as u64, error = res.err().map(|e| e.to_string()), "inbound plaintext connection closed"
+            duration_ms = start.elapsed().as_millis() as u64, policy = %allowed_by, decision = "allow", error = res.err().map(|e| e.to_string()), "inbound plaintext connection closed"
         );
     }
 

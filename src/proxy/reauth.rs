@@ -23,8 +23,9 @@ pub struct Authorized {
 }
 
 impl Authorized {
-    /// Applies the destination's policies; `Err` names the deciding policy.
-    pub fn check(&self, state: &State) -> Result<(), String> {
+    /// Applies the destination's policies: `Ok` with the ALLOW policy that
+    /// matched (`None`: no ALLOW policy exists), `Err` with the deciding one.
+    pub fn check(&self, state: &State) -> Result<Option<String>, String> {
         let selected = state
             .workload_by_addr(&self.network, self.target.ip())
             .map(|w| w.authorization_policies.clone())
@@ -40,7 +41,7 @@ impl Authorized {
             tracing::info!(src.addr = %self.src_ip, dst.addr = %self.target, policy = %policy, would_allow, "dry-run policy matched");
         }
         if verdict.allowed {
-            Ok(())
+            Ok(verdict.policy)
         } else {
             Err(verdict.policy.unwrap_or_default())
         }
@@ -93,7 +94,7 @@ impl Tracker {
         let denied: Vec<u64> = open
             .iter()
             .filter_map(|(id, (auth, _))| match auth.check(state) {
-                Ok(()) => None,
+                Ok(_) => None,
                 Err(policy) => {
                     tracing::info!(src.addr = %auth.src_ip, dst.addr = %auth.target, policy = %policy, decision = "deny", "open connection closed: no longer allowed by policy");
                     Some(*id)
