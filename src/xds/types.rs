@@ -60,7 +60,7 @@ impl fmt::Display for NetworkAddress {
 }
 
 /// A pod (or VM) that can send and receive traffic.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Workload {
     #[serde(default)]
@@ -139,7 +139,7 @@ impl Workload {
 }
 
 /// A service: virtual IPs and ports in front of the workloads that back it.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Service {
     pub name: String,
