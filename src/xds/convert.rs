@@ -41,8 +41,8 @@ fn port(p: u32) -> Result<u16, String> {
 /// A decoded `istio.workload.Address`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AddressResource {
-    Workload(Workload),
-    Service(Service),
+    Workload(Box<Workload>),
+    Service(Box<Service>),
 }
 
 pub fn address_from_proto(a: pb::Address) -> Result<AddressResource, String> {
@@ -50,7 +50,9 @@ pub fn address_from_proto(a: pb::Address) -> Result<AddressResource, String> {
         Some(pb::address::Type::Workload(w)) => {
             workload_from_proto(w).map(AddressResource::Workload)
         }
-        Some(pb::address::Type::Service(s)) => service_from_proto(s).map(AddressResource::Service),
+        Some(pb::address::Type::Service(s)) => {
+            service_from_proto(s).map(|s| AddressResource::Service(Box::new(s)))
+        }
         None => Err("Address without a workload or a service".into()),
     }
 }
@@ -392,7 +394,7 @@ policies:
         .unwrap();
         for w in st.workloads() {
             match address_from_proto(workload_to_proto(w)).unwrap() {
-                AddressResource::Workload(back) => assert_eq!(&back, w.as_ref()),
+                AddressResource::Workload(back) => assert_eq!(back.as_ref(), w.as_ref()),
                 other => panic!("{other:?}"),
             }
         }
