@@ -48,7 +48,7 @@ pub enum AddressResource {
 pub fn address_from_proto(a: pb::Address) -> Result<AddressResource, String> {
     match a.r#type {
         Some(pb::address::Type::Workload(w)) => {
-            workload_from_proto(w).map(AddressResource::Workload)
+            workload_from_proto(w).map(|w| AddressResource::Workload(Box::new(w)))
         }
         Some(pb::address::Type::Service(s)) => {
             service_from_proto(s).map(|s| AddressResource::Service(Box::new(s)))
@@ -401,7 +401,7 @@ policies:
         for s in st.services() {
             assert_eq!(
                 address_from_proto(service_to_proto(s)).unwrap(),
-                AddressResource::Service(s.as_ref().clone())
+                AddressResource::Service(Box::new(s.as_ref().clone()))
             );
         }
         for p in st.policies() {
