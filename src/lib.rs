@@ -8,7 +8,9 @@
 pub mod cni;
 pub mod config;
 pub mod constants;
+pub mod controlplane;
 pub mod demo;
+pub mod grpc;
 pub mod identity;
 pub mod lab;
 pub mod logging;

@@ -9,6 +9,7 @@
 //! given.
 
 pub mod agent;
+pub mod controlplane;
 pub mod proxy;
 
 use std::collections::BTreeMap;

@@ -50,6 +50,21 @@ impl State {
         services: Vec<Service>,
         policies: Vec<Authorization>,
     ) -> Result<State, Vec<ResourceError>> {
+        let (st, errors) = Self::build_lenient(workloads, services, policies);
+        if errors.is_empty() {
+            Ok(st)
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// Builds a state from everything that fits, and names what did not
+    /// (for xDS, where one bad resource rejects only itself).
+    pub fn build_lenient(
+        workloads: Vec<Workload>,
+        services: Vec<Service>,
+        policies: Vec<Authorization>,
+    ) -> (State, Vec<ResourceError>) {
         let mut st = State::default();
         let mut errors = Vec::new();
         for (i, mut w) in workloads.into_iter().enumerate() {
@@ -152,11 +167,7 @@ impl State {
             }
             st.policies.insert(key, p);
         }
-        if errors.is_empty() {
-            Ok(st)
-        } else {
-            Err(errors)
-        }
+        (st, errors)
     }
 
     pub fn workload_by_addr(&self, network: &str, ip: IpAddr) -> Option<&Arc<Workload>> {

@@ -1,0 +1,124 @@
+//! gRPC over TLS for the control-plane links (xDS and the CA), with rustls and
+//! a root CA from a file: a client channel that verifies the server's name,
+//! and a server that serves handshaken TLS streams. Plain `http://` works for
+//! labs that want it. No TLS code of tonic's is used, so there is one rustls
+//! and one crypto provider in the process.
+
+use std::path::Path;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tonic::transport::{Channel, Endpoint, Uri};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GrpcError {
+    #[error("{what} {path}: {reason}")]
+    File { what: &'static str, path: String, reason: String },
+    #[error("address {0:?}: expected http(s)://host:port")]
+    Address(String),
+    #[error("connecting to {addr}: {reason}")]
+    Connect { addr: String, reason: String },
+}
+
+/// Root certificates from a PEM file.
+pub fn roots_from(path: &Path) -> Result<rustls::RootCertStore, GrpcError> {
+    let err = |reason: String| GrpcError::File { what: "root CA", path: path.display().to_string(), reason };
+    let pem = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    let mut store = rustls::RootCertStore::empty();
+    for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+        store.add(cert.map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
+    }
+    if store.is_empty() {
+        return Err(err("no certificate found".into()));
+    }
+    Ok(store)
+}
+
+/// A channel to `addr` (`https://host:port` verified against `roots`, or `http://`).
+pub async fn channel(addr: &str, roots: Option<rustls::RootCertStore>) -> Result<Channel, GrpcError> {
+    let uri: Uri = addr.parse().map_err(|_| GrpcError::Address(addr.into()))?;
+    let host = uri.host().ok_or_else(|| GrpcError::Address(addr.into()))?.trim_matches(['[', ']']).to_string();
+    let endpoint = Endpoint::from_shared(addr.to_string()).map_err(|_| GrpcError::Address(addr.into()))?;
+    let connect_err = |e: tonic::transport::Error| GrpcError::Connect { addr: addr.into(), reason: format!("{e:?}") };
+    if uri.scheme_str() != Some("https") {
+        return endpoint.connect().await.map_err(connect_err);
+    }
+    let roots = roots.unwrap_or_else(|| rustls::RootCertStore::empty());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(crate::identity::tls::provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| GrpcError::Connect { addr: addr.into(), reason: e.to_string() })?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
+    let server_name = rustls::pki_types::ServerName::try_from(host.clone()).map_err(|_| GrpcError::Address(addr.into()))?;
+    endpoint
+        .connect_with_connector(tower::service_fn(move |uri: Uri| {
+            let (connector, name) = (connector.clone(), server_name.clone());
+            async move {
+                let authority = uri.authority().map(|a| a.as_str().to_string()).unwrap_or_default();
+                let tcp = TcpStream::connect(authority).await?;
+                let tls = connector.connect(name, tcp).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(tls))
+            }
+        }))
+        .await
+        .map_err(connect_err)
+}
+
+/// A server-side TLS stream that tonic can serve.
+pub struct ServerTls(tokio_rustls::server::TlsStream<TcpStream>);
+
+impl tonic::transport::server::Connected for ServerTls {
+    type ConnectInfo = Option<std::net::SocketAddr>;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.0.get_ref().0.peer_addr().ok()
+    }
+}
+
+impl AsyncRead for ServerTls {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for ServerTls {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+/// Accepts TCP on `listener`, completes TLS with `cfg`, and yields the streams.
+pub fn tls_incoming(
+    listener: TcpListener,
+    cfg: Arc<rustls::ServerConfig>,
+) -> impl futures_util::Stream<Item = Result<ServerTls, std::io::Error>> {
+    let (tx, rx) = tokio::sync::mpsc::channel::<ServerTls>(64);
+    let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, peer)) = listener.accept().await else { continue };
+            let (acceptor, tx) = (acceptor.clone(), tx.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(ServerTls(tls)).await;
+                    }
+                    Ok(Err(e)) => tracing::warn!(src.addr = %peer, error = %e, "control-plane TLS handshake failed"),
+                    Err(_) => tracing::warn!(src.addr = %peer, "control-plane TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|s| (Ok(s), rx)) })
+}
