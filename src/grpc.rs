@@ -17,7 +17,11 @@ use tonic::transport::{Channel, Endpoint, Uri};
 #[derive(Debug, thiserror::Error)]
 pub enum GrpcError {
     #[error("{what} {path}: {reason}")]
-    File { what: &'static str, path: String, reason: String },
+    File {
+        what: &'static str,
+        path: String,
+        reason: String,
+    },
     #[error("address {0:?}: expected http(s)://host:port")]
     Address(String),
     #[error("connecting to {addr}: {reason}")]
@@ -26,11 +30,17 @@ pub enum GrpcError {
 
 /// Root certificates from a PEM file.
 pub fn roots_from(path: &Path) -> Result<rustls::RootCertStore, GrpcError> {
-    let err = |reason: String| GrpcError::File { what: "root CA", path: path.display().to_string(), reason };
+    let err = |reason: String| GrpcError::File {
+        what: "root CA",
+        path: path.display().to_string(),
+        reason,
+    };
     let pem = std::fs::read(path).map_err(|e| err(e.to_string()))?;
     let mut store = rustls::RootCertStore::empty();
     for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
-        store.add(cert.map_err(|e| err(e.to_string()))?).map_err(|e| err(e.to_string()))?;
+        store
+            .add(cert.map_err(|e| err(e.to_string()))?)
+            .map_err(|e| err(e.to_string()))?;
     }
     if store.is_empty() {
         return Err(err("no certificate found".into()));
@@ -38,30 +48,81 @@ pub fn roots_from(path: &Path) -> Result<rustls::RootCertStore, GrpcError> {
     Ok(store)
 }
 
-/// A channel to `addr` (`https://host:port` verified against `roots`, or `http://`).
-pub async fn channel(addr: &str, roots: Option<rustls::RootCertStore>) -> Result<Channel, GrpcError> {
-    let uri: Uri = addr.parse().map_err(|_| GrpcError::Address(addr.into()))?;
-    let host = uri.host().ok_or_else(|| GrpcError::Address(addr.into()))?.trim_matches(['[', ']']).to_string();
-    let endpoint = Endpoint::from_shared(addr.to_string()).map_err(|_| GrpcError::Address(addr.into()))?;
-    let connect_err = |e: tonic::transport::Error| GrpcError::Connect { addr: addr.into(), reason: format!("{e:?}") };
-    if uri.scheme_str() != Some("https") {
-        return endpoint.connect().await.map_err(connect_err);
+/// Connects a TCP socket carrying `mark` (so a proxy inside a pod's netns is
+/// not captured by that pod's own redirection rules).
+async fn marked_connect(authority: &str, mark: u32) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::other(format!("{authority}: no address"));
+    for addr in tokio::net::lookup_host(authority).await? {
+        let sock = if addr.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket2::SockRef::from(&sock).set_mark(mark)?;
+        match sock.connect(addr).await {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) => last = e,
+        }
     }
-    let roots = roots.unwrap_or_else(|| rustls::RootCertStore::empty());
+    Err(last)
+}
+
+/// A channel to `addr` (`https://host:port` verified against `roots`, or
+/// `http://`), its sockets marked with `mark`.
+pub async fn channel(
+    addr: &str,
+    roots: Option<rustls::RootCertStore>,
+    mark: u32,
+) -> Result<Channel, GrpcError> {
+    let uri: Uri = addr.parse().map_err(|_| GrpcError::Address(addr.into()))?;
+    let host = uri
+        .host()
+        .ok_or_else(|| GrpcError::Address(addr.into()))?
+        .trim_matches(['[', ']'])
+        .to_string();
+    let endpoint =
+        Endpoint::from_shared(addr.to_string()).map_err(|_| GrpcError::Address(addr.into()))?;
+    let connect_err = |e: tonic::transport::Error| GrpcError::Connect {
+        addr: addr.into(),
+        reason: format!("{e:?}"),
+    };
+    if uri.scheme_str() != Some("https") {
+        return endpoint
+            .connect_with_connector(tower::service_fn(move |uri: Uri| async move {
+                let authority = uri
+                    .authority()
+                    .map(|a| a.as_str().to_string())
+                    .unwrap_or_default();
+                Ok::<_, std::io::Error>(TokioIo::new(marked_connect(&authority, mark).await?))
+            }))
+            .await
+            .map_err(connect_err);
+    }
+    let roots = roots.unwrap_or_else(rustls::RootCertStore::empty);
     let mut cfg = rustls::ClientConfig::builder_with_provider(crate::identity::tls::provider())
         .with_safe_default_protocol_versions()
-        .map_err(|e| GrpcError::Connect { addr: addr.into(), reason: e.to_string() })?
+        .map_err(|e| GrpcError::Connect {
+            addr: addr.into(),
+            reason: e.to_string(),
+        })?
         .with_root_certificates(roots)
         .with_no_client_auth();
     cfg.alpn_protocols = vec![b"h2".to_vec()];
     let connector = tokio_rustls::TlsConnector::from(Arc::new(cfg));
-    let server_name = rustls::pki_types::ServerName::try_from(host.clone()).map_err(|_| GrpcError::Address(addr.into()))?;
+    let server_name = rustls::pki_types::ServerName::try_from(host.clone())
+        .map_err(|_| GrpcError::Address(addr.into()))?;
     endpoint
         .connect_with_connector(tower::service_fn(move |uri: Uri| {
             let (connector, name) = (connector.clone(), server_name.clone());
             async move {
-                let authority = uri.authority().map(|a| a.as_str().to_string()).unwrap_or_default();
-                let tcp = TcpStream::connect(authority).await?;
+                let authority = uri
+                    .authority()
+                    .map(|a| a.as_str().to_string())
+                    .unwrap_or_default();
+                let tcp = marked_connect(&authority, mark).await?;
                 let tls = connector.connect(name, tcp).await?;
                 Ok::<_, std::io::Error>(TokioIo::new(tls))
             }
@@ -81,13 +142,21 @@ impl tonic::transport::server::Connected for ServerTls {
 }
 
 impl AsyncRead for ServerTls {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<std::io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.0).poll_read(cx, buf)
     }
 }
 
 impl AsyncWrite for ServerTls {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
         Pin::new(&mut self.0).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
@@ -107,18 +176,29 @@ pub fn tls_incoming(
     let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
     tokio::spawn(async move {
         loop {
-            let Ok((tcp, peer)) = listener.accept().await else { continue };
+            let Ok((tcp, peer)) = listener.accept().await else {
+                continue;
+            };
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
             tokio::spawn(async move {
-                match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp)).await {
+                match tokio::time::timeout(std::time::Duration::from_secs(10), acceptor.accept(tcp))
+                    .await
+                {
                     Ok(Ok(tls)) => {
                         let _ = tx.send(ServerTls(tls)).await;
                     }
-                    Ok(Err(e)) => tracing::warn!(src.addr = %peer, error = %e, "control-plane TLS handshake failed"),
-                    Err(_) => tracing::warn!(src.addr = %peer, "control-plane TLS handshake timed out"),
+                    Ok(Err(e)) => {
+                        tracing::warn!(src.addr = %peer, error = %e, "control-plane TLS handshake failed")
+                    }
+                    Err(_) => {
+                        tracing::warn!(src.addr = %peer, "control-plane TLS handshake timed out")
+                    }
                 }
             });
         }
     });
-    futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|s| (Ok(s), rx)) })
+    futures_util::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|s| (Ok(s), rx)) },
+    )
 }

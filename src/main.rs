@@ -16,6 +16,8 @@ Roles:
   agent     the node agent: CNI events, in-pod rules, ZDS server, plugin install
   node      agent and proxy together, for one host
   cni       the CNI plugin (normally run by the container runtime as ambit-cni)
+  control-plane
+            a small delta-xDS + Istio CA server from a local config (labs, CI; production uses istiod)
   demo      builds a two-pod node in network namespaces on this host and shows traffic
   version   prints the version
 
@@ -84,6 +86,23 @@ fn run(role: &str, args: &[String]) -> anyhow::Result<()> {
             ambit::cni::agent::run(cfg)
         }
         "node" => ambit::node::run(args),
+        "control-plane" => {
+            let cl = CommandLine::parse(args)?;
+            if cl.help {
+                print!(
+                    "ambit control-plane: configuration keys (file < env < flag)\n\n{}",
+                    Layers::help(ambit::config::controlplane::CONTROL_PLANE_KEYS)
+                );
+                return Ok(());
+            }
+            let (cfg, layers) = ambit::config::controlplane::ControlPlaneConfig::load(&cl)?;
+            if cl.print_config {
+                print!("{}", layers.render());
+                return Ok(());
+            }
+            ambit::logging::init(cfg.log_format, &cfg.log_level);
+            ambit::controlplane::run(cfg)
+        }
         "cni" => std::process::exit(ambit::cni::plugin_main::main()),
         "demo" => ambit::demo::run(args),
         "version" | "--version" => {

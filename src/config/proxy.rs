@@ -71,6 +71,54 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "local config YAML (workloads, services, policies), watched for changes",
     },
     Key {
+        name: "xds_address",
+        env: &["XDS_ADDRESS"],
+        default: "",
+        help: "control plane for delta xDS, e.g. https://istiod.istio-system.svc:15012 (unset: local_xds_path)",
+    },
+    Key {
+        name: "ca_address",
+        env: &["CA_ADDRESS"],
+        default: "",
+        help: "Istio CA for workload certificates (unset: the local CA)",
+    },
+    Key {
+        name: "xds_root_ca",
+        env: &["XDS_ROOT_CA"],
+        default: "",
+        help: "PEM root the control plane's TLS certificate must chain to",
+    },
+    Key {
+        name: "ca_root_ca",
+        env: &["CA_ROOT_CA"],
+        default: "",
+        help: "PEM root for the CA's TLS (default: xds_root_ca)",
+    },
+    Key {
+        name: "auth_token",
+        env: &["AUTH_TOKEN"],
+        default: "",
+        help: "file with the bearer token sent to the control plane and CA (re-read per connection)",
+    },
+    Key {
+        name: "pod_name",
+        env: &["POD_NAME"],
+        default: "ambit",
+        help: "this proxy's pod name (xDS node id)",
+    },
+    Key {
+        name: "pod_namespace",
+        env: &["POD_NAMESPACE"],
+        default: "istio-system",
+        help: "this proxy's namespace (xDS node id)",
+    },
+    Key {
+        name: "instance_ip",
+        env: &["INSTANCE_IP"],
+        default: "1.1.1.1",
+        help: "this proxy's IP (xDS node id)",
+    },
+    Key {
         name: "trust_domain",
         env: &["TRUST_DOMAIN"],
         default: "cluster.local",
@@ -222,7 +270,15 @@ pub struct ProxyConfig {
     pub mode: ProxyMode,
     pub zds_path: PathBuf,
     pub workload_info: Option<WorkloadInfo>,
-    pub local_xds_path: PathBuf,
+    pub local_xds_path: Option<PathBuf>,
+    pub xds_address: Option<String>,
+    pub ca_address: Option<String>,
+    pub xds_root_ca: Option<PathBuf>,
+    pub ca_root_ca: Option<PathBuf>,
+    pub auth_token: Option<PathBuf>,
+    pub pod_name: String,
+    pub pod_namespace: String,
+    pub instance_ip: String,
     pub trust_domain: String,
     pub cluster_id: String,
     pub node_name: String,
@@ -276,12 +332,21 @@ impl ProxyConfig {
                 hint: "dedicated mode serves one pod: set PROXY_WORKLOAD_INFO=ns/name/sa",
             });
         }
-        let local_xds_path =
-            l.get("local_xds_path", "a file path", path)?
-                .ok_or(ConfigError::Missing {
-                    key: "local_xds_path",
-                    hint: "no control plane client yet: set LOCAL_XDS_PATH to a local config YAML",
-                })?;
+        let local_xds_path = l.get("local_xds_path", "a file path", path)?;
+        let url = |s: &str| {
+            (s.starts_with("https://") || s.starts_with("http://")).then(|| s.to_string())
+        };
+        let xds_address = l.get(
+            "xds_address",
+            "a URL like https://istiod.istio-system.svc:15012",
+            url,
+        )?;
+        if xds_address.is_none() && local_xds_path.is_none() {
+            return Err(ConfigError::Missing {
+                key: "local_xds_path",
+                hint: "the mesh state comes from a control plane (XDS_ADDRESS) or a local config YAML (LOCAL_XDS_PATH)",
+            });
+        }
         let ca_cert = l.get("ca_cert", "a file path", path)?;
         let ca_key = l.get("ca_key", "a file path", path)?;
         if ca_cert.is_some() != ca_key.is_some() {
@@ -309,6 +374,20 @@ impl ProxyConfig {
             zds_path: l.require("zds_path", "a socket path", path)?,
             workload_info,
             local_xds_path,
+            xds_address,
+            ca_address: l.get(
+                "ca_address",
+                "a URL like https://istiod.istio-system.svc:15012",
+                url,
+            )?,
+            xds_root_ca: l.get("xds_root_ca", "a file path", path)?,
+            ca_root_ca: l.get("ca_root_ca", "a file path", path)?,
+            auth_token: l.get("auth_token", "a file path", path)?,
+            pod_name: l.require("pod_name", "a name", |s| Some(s.to_string()))?,
+            pod_namespace: l.require("pod_namespace", "a name", |s| Some(s.to_string()))?,
+            instance_ip: l.require("instance_ip", "an IP", |s| {
+                s.parse::<std::net::IpAddr>().ok().map(|_| s.to_string())
+            })?,
             trust_domain,
             cluster_id: l.require("cluster_id", "a name", |s| Some(s.to_string()))?,
             node_name: l

@@ -250,9 +250,19 @@ impl LocalCa {
     /// Signs a CSR for one workload identity of `trust_domain` (the SAN must be
     /// exactly that SPIFFE id, and equal `impersonated` when given); returns
     /// the chain as PEM, leaf first, root last.
-    pub fn sign_csr(&self, csr_pem: &str, ttl: Duration, trust_domain: &str, impersonated: Option<&str>) -> Result<Vec<String>, IdentityError> {
-        let err = |reason: String| IdentityError::Sign { identity: impersonated.unwrap_or("CSR").to_string(), reason };
-        let mut csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem).map_err(|e| err(format!("bad CSR: {e}")))?;
+    pub fn sign_csr(
+        &self,
+        csr_pem: &str,
+        ttl: Duration,
+        trust_domain: &str,
+        impersonated: Option<&str>,
+    ) -> Result<Vec<String>, IdentityError> {
+        let err = |reason: String| IdentityError::Sign {
+            identity: impersonated.unwrap_or("CSR").to_string(),
+            reason,
+        };
+        let mut csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem)
+            .map_err(|e| err(format!("bad CSR: {e}")))?;
         let uris: Vec<String> = csr
             .params
             .subject_alt_names
@@ -262,37 +272,66 @@ impl LocalCa {
                 _ => None,
             })
             .collect();
-        let [uri] = uris.as_slice() else { return Err(err(format!("CSR must carry exactly one URI SAN, has {}", uris.len()))) };
-        let id: Identity = uri.parse().map_err(|e: super::spiffe::NotAnIdentity| err(e.to_string()))?;
+        let [uri] = uris.as_slice() else {
+            return Err(err(format!(
+                "CSR must carry exactly one URI SAN, has {}",
+                uris.len()
+            )));
+        };
+        let id: Identity = uri
+            .parse()
+            .map_err(|e: super::spiffe::NotAnIdentity| err(e.to_string()))?;
         if id.trust_domain != trust_domain {
             return Err(err(format!("{id} is not in trust domain {trust_domain}")));
         }
         if let Some(want) = impersonated {
             if want != uri {
-                return Err(err(format!("CSR names {uri} but ImpersonatedIdentity is {want}")));
+                return Err(err(format!(
+                    "CSR names {uri} but ImpersonatedIdentity is {want}"
+                )));
             }
         }
         let now = SystemTime::now();
         csr.params.not_before = (now - (ttl / 10).min(Duration::from_secs(60))).into();
         csr.params.not_after = (now + ttl).into();
         csr.params.is_ca = IsCa::NoCa;
-        csr.params.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
-        csr.params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-        csr.params.serial_number = Some(SerialNumber::from_slice(&fastrand::u128(..).to_be_bytes()));
-        let cert = csr.signed_by(&self.issuer).map_err(|e| err(e.to_string()))?;
+        csr.params.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
+        csr.params.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ServerAuth,
+            ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        csr.params.serial_number =
+            Some(SerialNumber::from_slice(&fastrand::u128(..).to_be_bytes()));
+        let cert = csr
+            .signed_by(&self.issuer)
+            .map_err(|e| err(e.to_string()))?;
         Ok(vec![cert.pem(), self.root_pem.clone()])
     }
 
     /// A server certificate for DNS names / IPs (the control plane's own TLS).
-    pub fn issue_server(&self, sans: &[String], ttl: Duration) -> Result<WorkloadCert, IdentityError> {
-        let sign_err = |reason: String| IdentityError::Sign { identity: sans.join(","), reason };
-        let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(|e| sign_err(e.to_string()))?;
-        let mut params = CertificateParams::new(sans.to_vec()).map_err(|e| sign_err(e.to_string()))?;
+    pub fn issue_server(
+        &self,
+        sans: &[String],
+        ttl: Duration,
+    ) -> Result<WorkloadCert, IdentityError> {
+        let sign_err = |reason: String| IdentityError::Sign {
+            identity: sans.join(","),
+            reason,
+        };
+        let key =
+            KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(|e| sign_err(e.to_string()))?;
+        let mut params =
+            CertificateParams::new(sans.to_vec()).map_err(|e| sign_err(e.to_string()))?;
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let now = SystemTime::now();
         params.not_before = (now - Duration::from_secs(60)).into();
         params.not_after = (now + ttl).into();
-        let cert = params.signed_by(&key, &self.issuer).map_err(|e| sign_err(e.to_string()))?;
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .map_err(|e| sign_err(e.to_string()))?;
         Ok(WorkloadCert {
             identity: Identity::new("", "", ""),
             chain: vec![cert.der().clone()],

@@ -10,6 +10,7 @@ use std::time::{Duration, SystemTime};
 use arc_swap::ArcSwap;
 
 use super::ca::{IdentityError, LocalCa, WorkloadCert};
+use super::caclient::CaClient;
 use super::spiffe::Identity;
 use super::tls;
 
@@ -34,35 +35,69 @@ impl TlsIdentity {
 /// The current TLS material of one identity; swapped on rotation.
 pub type TlsHandle = Arc<ArcSwap<TlsIdentity>>;
 
+/// Where certificates come from.
+pub enum CertSource {
+    /// Signed in-process by the local CA.
+    Local(Box<LocalCa>),
+    /// Asked of an Istio CA (istiod, or `ambit control-plane`).
+    Remote(CaClient),
+}
+
+impl CertSource {
+    async fn issue(&self, id: &Identity, ttl: Duration) -> Result<WorkloadCert, IdentityError> {
+        match self {
+            CertSource::Local(ca) => ca.issue(id, ttl),
+            CertSource::Remote(client) => client.issue(id, ttl).await,
+        }
+    }
+}
+
 /// Issues, caches and rotates workload certificates.
 pub struct CertManager {
-    ca: Arc<LocalCa>,
+    ca: CertSource,
     ttl: Duration,
     held: Mutex<HashMap<Identity, TlsHandle>>,
+    /// One issuance at a time per identity.
+    fetching: tokio::sync::Mutex<()>,
 }
 
 /// Delay before retrying a failed rotation.
 const RETRY: Duration = Duration::from_secs(5);
 
 impl CertManager {
-    pub fn new(ca: LocalCa, ttl: Duration) -> Arc<Self> {
+    pub fn new(ca: CertSource, ttl: Duration) -> Arc<Self> {
         Arc::new(CertManager {
-            ca: Arc::new(ca),
+            ca,
             ttl,
             held: Mutex::new(HashMap::new()),
+            fetching: Default::default(),
         })
     }
 
+    fn held(&self, id: &Identity) -> Option<TlsHandle> {
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(id)
+            .cloned()
+    }
+
     /// The TLS material for `id`, issuing it (and starting its rotation) on first use.
-    pub fn get(self: &Arc<Self>, id: &Identity) -> Result<TlsHandle, IdentityError> {
-        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(h) = held.get(id) {
-            return Ok(h.clone());
+    pub async fn get(self: &Arc<Self>, id: &Identity) -> Result<TlsHandle, IdentityError> {
+        if let Some(h) = self.held(id) {
+            return Ok(h);
         }
-        let current = TlsIdentity::new(self.ca.issue(id, self.ttl)?)?;
+        let _one_at_a_time = self.fetching.lock().await;
+        if let Some(h) = self.held(id) {
+            return Ok(h);
+        }
+        let current = TlsIdentity::new(self.ca.issue(id, self.ttl).await?)?;
         tracing::info!(identity = %id, expires = ?current.cert.not_after, "certificate issued");
         let handle: TlsHandle = Arc::new(ArcSwap::from_pointee(current));
-        held.insert(id.clone(), handle.clone());
+        self.held
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id.clone(), handle.clone());
         tokio::spawn(rotate(self.clone(), id.clone(), handle.clone()));
         Ok(handle)
     }
@@ -81,13 +116,19 @@ async fn rotate(mgr: Arc<CertManager>, id: Identity, handle: TlsHandle) {
         let due = handle.load().cert.refresh_at();
         let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
         tokio::time::sleep(wait).await;
-        match mgr.ca.issue(&id, mgr.ttl).and_then(TlsIdentity::new) {
+        match mgr.ca.issue(&id, mgr.ttl).await.and_then(TlsIdentity::new) {
             Ok(next) => {
                 tracing::info!(identity = %id, expires = ?next.cert.not_after, "certificate rotated");
                 handle.store(Arc::new(next));
             }
             Err(e) => {
-                tracing::warn!(identity = %id, error = %e, "certificate rotation failed; current one keeps serving");
+                let left = handle
+                    .load()
+                    .cert
+                    .not_after
+                    .duration_since(SystemTime::now())
+                    .unwrap_or_default();
+                tracing::warn!(identity = %id, error = %e, expires_in_s = left.as_secs(), "certificate rotation failed; the current one keeps serving");
                 tokio::time::sleep(RETRY).await;
             }
         }
@@ -100,12 +141,15 @@ mod tests {
 
     #[tokio::test]
     async fn rotates_at_half_life() {
-        let mgr = CertManager::new(LocalCa::generate("td").unwrap(), Duration::from_secs(2));
+        let mgr = CertManager::new(
+            CertSource::Local(Box::new(LocalCa::generate("td").unwrap())),
+            Duration::from_secs(2),
+        );
         let id = Identity::new("td", "ns", "sa");
-        let h = mgr.get(&id).unwrap();
+        let h = mgr.get(&id).await.unwrap();
         let first = h.load().cert.chain[0].clone();
         assert!(
-            Arc::ptr_eq(&h, &mgr.get(&id).unwrap()),
+            Arc::ptr_eq(&h, &mgr.get(&id).await.unwrap()),
             "one handle per identity"
         );
         // A 2s certificate (backdated 0.2s) is due at 0.9s.

@@ -2,10 +2,11 @@
 //! rustls configurations HBONE uses. Builds on `config` only.
 
 pub mod ca;
+pub mod caclient;
 pub mod manager;
 pub mod spiffe;
 pub mod tls;
 
 pub use ca::{IdentityError, LocalCa, WorkloadCert};
-pub use manager::{CertManager, TlsHandle, TlsIdentity};
+pub use manager::{CertManager, CertSource, TlsHandle, TlsIdentity};
 pub use spiffe::Identity;

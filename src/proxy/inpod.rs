@@ -172,7 +172,7 @@ impl ZdsClient {
         loop {
             let (bytes, fd) = conn.recv().await?;
             let outcome = match WorkloadRequest::decode(bytes.as_slice()) {
-                Ok(req) => self.handle(&mut session, req, fd),
+                Ok(req) => self.handle(&mut session, req, fd).await,
                 Err(e) => Err(ProtocolError(format!("undecodable request: {e}")).into()),
             };
             let error = match &outcome {
@@ -194,7 +194,7 @@ impl ZdsClient {
         }
     }
 
-    fn handle(
+    async fn handle(
         &self,
         session: &mut Session,
         req: WorkloadRequest,
@@ -243,7 +243,10 @@ impl ZdsClient {
                 let (trigger, drain) = Drain::new();
                 let sockets =
                     SocketFactory::in_pod(self.shared.mark, netns.clone(), self.home.clone());
-                let pod = self.shared.pod(&pod_info, sockets, drain, Some(&netns))?;
+                let pod = self
+                    .shared
+                    .pod(&pod_info, sockets, drain, Some(&netns))
+                    .await?;
                 tracing::info!(pod = %pod.uid, identity = %pod.identity, ips = ?pod.ips, "pod added");
                 self.shared.start(pod)?;
                 self.pods.insert(

@@ -26,7 +26,8 @@ use prometheus_client::registry::Registry;
 
 use crate::config::{ProxyConfig, ProxyMode};
 use crate::constants::{DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
-use crate::identity::{CertManager, Identity, LocalCa};
+use crate::identity::caclient::CaClient;
+use crate::identity::{CertManager, CertSource, Identity, LocalCa};
 use crate::netns::Netns;
 use crate::xds::{self, StateHandle};
 use hbone::H2Settings;
@@ -87,7 +88,7 @@ pub struct PodInfo {
 impl ProxyShared {
     /// Builds a pod: identity and certificate, addresses from the state (or
     /// from the pod's interfaces when the state does not list it).
-    pub fn pod(
+    pub async fn pod(
         &self,
         info: &PodInfo,
         sockets: SocketFactory,
@@ -120,7 +121,7 @@ impl ProxyShared {
                 .map(|w| w.canonical_revision.clone())
                 .filter(|r| !r.is_empty())
                 .unwrap_or_else(|| "latest".into()),
-            tls: self.certs.get(&identity)?,
+            tls: self.certs.get(&identity).await?,
             identity,
             ips,
             sockets,
@@ -205,14 +206,60 @@ impl ProxyShared {
 }
 
 async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
-    let state = StateHandle::new(xds::local::load(&cfg.local_xds_path)?);
-    tokio::spawn(xds::local::watch(cfg.local_xds_path.clone(), state.clone()));
-
-    let ca = match (&cfg.ca_cert, &cfg.ca_key) {
-        (Some(cert), Some(key)) => LocalCa::from_files(cert, key)?,
-        _ => LocalCa::load_or_generate(&cfg.state_dir, &cfg.trust_domain)?,
+    // Mesh state: from the control plane over xDS, or from the local config file.
+    let mut xds_synced = Arc::new(AtomicBool::new(true));
+    let state = match (&cfg.xds_address, &cfg.local_xds_path) {
+        (Some(addr), _) => {
+            let state = StateHandle::default();
+            let client = xds::client::XdsClient::new(
+                xds::client::XdsConfig {
+                    address: addr.clone(),
+                    root_ca: cfg.xds_root_ca.clone(),
+                    token: cfg.auth_token.clone(),
+                    cluster_id: cfg.cluster_id.clone(),
+                    node_id: format!(
+                        "ztunnel~{}~{}.{}~{}.svc.cluster.local",
+                        cfg.instance_ip, cfg.pod_name, cfg.pod_namespace, cfg.pod_namespace
+                    ),
+                    metadata: vec![
+                        ("NAME".into(), cfg.pod_name.clone()),
+                        ("NAMESPACE".into(), cfg.pod_namespace.clone()),
+                        ("NODE_NAME".into(), cfg.node_name.clone()),
+                        ("INSTANCE_IPS".into(), cfg.instance_ip.clone()),
+                    ],
+                    mark: cfg.packet_mark,
+                },
+                state.clone(),
+            );
+            xds_synced.clone_from(&client.synced);
+            tokio::spawn(client.run());
+            state
+        }
+        (None, Some(path)) => {
+            let state = StateHandle::new(xds::local::load(path)?);
+            tokio::spawn(xds::local::watch(path.clone(), state.clone()));
+            state
+        }
+        (None, None) => anyhow::bail!("no mesh state source: set XDS_ADDRESS or LOCAL_XDS_PATH"),
     };
-    let certs = CertManager::new(ca, cfg.cert_ttl);
+
+    let source = match (&cfg.ca_address, &cfg.ca_cert, &cfg.ca_key) {
+        (Some(addr), _, _) => CertSource::Remote(CaClient {
+            address: addr.clone(),
+            root_ca: cfg.ca_root_ca.clone().or_else(|| cfg.xds_root_ca.clone()),
+            token: cfg.auth_token.clone(),
+            cluster_id: cfg.cluster_id.clone(),
+            mark: cfg.packet_mark,
+        }),
+        (None, Some(cert), Some(key)) => {
+            CertSource::Local(Box::new(LocalCa::from_files(cert, key)?))
+        }
+        _ => CertSource::Local(Box::new(LocalCa::load_or_generate(
+            &cfg.state_dir,
+            &cfg.trust_domain,
+        )?)),
+    };
+    let certs = CertManager::new(source, cfg.cert_ttl);
     let metrics = Arc::new(metrics::Metrics::default());
     let mut registry = Registry::default();
     metrics.register(&mut registry);
@@ -256,8 +303,6 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     shared.tracker.spawn_watcher(state.clone());
 
     let ready = Arc::new(AtomicBool::new(false));
-    // Held for the life of the process: dropping it would drain the dedicated pod.
-    let mut _dedicated_drain = None;
     let pods: Arc<inpod::PodTable> = Arc::default();
     match cfg.mode {
         ProxyMode::Dedicated => {
@@ -271,12 +316,34 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                 name: wi.name,
                 service_account: wi.service_account,
             };
-            let (trigger, drain) = Drain::new();
-            let pod = shared.pod(&info, SocketFactory::local(cfg.packet_mark), drain, None)?;
-            tracing::info!(pod = %pod.uid, identity = %pod.identity, ips = ?pod.ips, "serving pod (dedicated mode)");
-            shared.start(pod)?;
-            _dedicated_drain = Some(trigger);
-            ready.store(true, Ordering::Release);
+            // The pod needs its certificate: retry (not ready meanwhile) while the CA is away.
+            let (shared, ready, mark) = (shared.clone(), ready.clone(), cfg.packet_mark);
+            tokio::spawn(async move {
+                let (trigger, drain) = Drain::new();
+                let mut backoff = std::time::Duration::from_millis(100);
+                loop {
+                    match shared
+                        .pod(&info, SocketFactory::local(mark), drain.clone(), None)
+                        .await
+                    {
+                        Ok(pod) => {
+                            tracing::info!(pod = %pod.uid, identity = %pod.identity, ips = ?pod.ips, "serving pod (dedicated mode)");
+                            if let Err(e) = shared.start(pod) {
+                                tracing::error!(error = %e, "cannot open the pod's listeners");
+                                std::process::exit(1);
+                            }
+                            ready.store(true, Ordering::Release);
+                            break;
+                        }
+                        Err(e) => tracing::warn!(error = %e, "pod not served yet; retrying"),
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(std::time::Duration::from_secs(15));
+                }
+                // Held for the life of the process: dropping it would drain the pod.
+                let _keep = trigger;
+                std::future::pending::<()>().await;
+            });
         }
         ProxyMode::Shared => {
             let client = inpod::ZdsClient::new(
@@ -290,17 +357,19 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     }
 
     let quit = Arc::new(tokio::sync::Notify::new());
-    let r = ready.clone();
+    let (r, x) = (ready.clone(), xds_synced.clone());
     admin::serve(
         cfg.readiness_addr,
-        Arc::new(move |_, path| match (path, r.load(Ordering::Acquire)) {
-            ("/healthz/ready", true) => (StatusCode::OK, admin::TEXT, "ready\n".into()),
-            ("/healthz/ready", false) => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                admin::TEXT,
-                "not ready\n".into(),
-            ),
-            _ => (StatusCode::NOT_FOUND, admin::TEXT, "not found\n".into()),
+        Arc::new(move |_, path| {
+            match (path, r.load(Ordering::Acquire) && x.load(Ordering::Acquire)) {
+                ("/healthz/ready", true) => (StatusCode::OK, admin::TEXT, "ready\n".into()),
+                ("/healthz/ready", false) => (
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    admin::TEXT,
+                    "not ready\n".into(),
+                ),
+                _ => (StatusCode::NOT_FOUND, admin::TEXT, "not found\n".into()),
+            }
         }),
     )
     .await

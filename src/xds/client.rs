@@ -33,6 +33,8 @@ pub struct XdsConfig {
     pub cluster_id: String,
     pub node_id: String,
     pub metadata: Vec<(String, String)>,
+    /// `SO_MARK` of the connection (the proxy's own mark, so pod rules let it out).
+    pub mark: u32,
 }
 
 /// The resources held, with their versions.
@@ -45,8 +47,16 @@ pub struct Held {
 impl Held {
     fn versions(&self, type_url: &str) -> HashMap<String, String> {
         match type_url {
-            ADDRESS_TYPE => self.addresses.iter().map(|(n, (v, _))| (n.clone(), v.clone())).collect(),
-            _ => self.policies.iter().map(|(n, (v, _))| (n.clone(), v.clone())).collect(),
+            ADDRESS_TYPE => self
+                .addresses
+                .iter()
+                .map(|(n, (v, _))| (n.clone(), v.clone()))
+                .collect(),
+            _ => self
+                .policies
+                .iter()
+                .map(|(n, (v, _))| (n.clone(), v.clone()))
+                .collect(),
         }
     }
 
@@ -70,14 +80,17 @@ impl Held {
                     .map_err(|e| e.to_string())
                     .and_then(convert::address_from_proto)
                     .map(|a| {
-                        self.addresses.insert(r.name.clone(), (r.version.clone(), a));
+                        self.addresses
+                            .insert(r.name.clone(), (r.version.clone(), a));
                     }),
-                AUTHORIZATION_TYPE => crate::proto::security::Authorization::decode(any.value.as_slice())
-                    .map_err(|e| e.to_string())
-                    .and_then(convert::authorization_from_proto)
-                    .map(|p| {
-                        self.policies.insert(r.name.clone(), (r.version.clone(), p));
-                    }),
+                AUTHORIZATION_TYPE => {
+                    crate::proto::security::Authorization::decode(any.value.as_slice())
+                        .map_err(|e| e.to_string())
+                        .and_then(convert::authorization_from_proto)
+                        .map(|p| {
+                            self.policies.insert(r.name.clone(), (r.version.clone(), p));
+                        })
+                }
                 other => Err(format!("unknown type {other}")),
             };
             if let Err(reason) = outcome {
@@ -99,7 +112,10 @@ impl Held {
         }
         let policies = self.policies.values().map(|(_, p)| p.clone()).collect();
         let (st, errors) = State::build_lenient(workloads, services, policies);
-        (st, errors.into_iter().map(|e| (e.resource, e.reason)).collect())
+        (
+            st,
+            errors.into_iter().map(|e| (e.resource, e.reason)).collect(),
+        )
     }
 }
 
@@ -117,15 +133,36 @@ fn node(cfg: &XdsConfig) -> Node {
     let mut fields: std::collections::BTreeMap<String, Value> = cfg
         .metadata
         .iter()
-        .map(|(k, v)| (k.clone(), Value { kind: Some(Kind::StringValue(v.clone())) }))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                Value {
+                    kind: Some(Kind::StringValue(v.clone())),
+                },
+            )
+        })
         .collect();
-    fields.insert("CLUSTER_ID".into(), Value { kind: Some(Kind::StringValue(cfg.cluster_id.clone())) });
-    Node { id: cfg.node_id.clone(), cluster: cfg.cluster_id.clone(), metadata: Some(Struct { fields }) }
+    fields.insert(
+        "CLUSTER_ID".into(),
+        Value {
+            kind: Some(Kind::StringValue(cfg.cluster_id.clone())),
+        },
+    );
+    Node {
+        id: cfg.node_id.clone(),
+        cluster: cfg.cluster_id.clone(),
+        metadata: Some(Struct { fields }),
+    }
 }
 
 impl XdsClient {
     pub fn new(cfg: XdsConfig, state: StateHandle) -> Arc<Self> {
-        Arc::new(XdsClient { cfg, state, held: Default::default(), synced: Arc::default() })
+        Arc::new(XdsClient {
+            cfg,
+            state,
+            held: Default::default(),
+            synced: Arc::default(),
+        })
     }
 
     /// Connects and reconnects forever (jittered backoff, 10 ms → 15 s).
@@ -134,7 +171,9 @@ impl XdsClient {
         loop {
             match self.session().await {
                 Ok(()) => backoff = Duration::from_millis(10),
-                Err(e) => tracing::warn!(addr = %self.cfg.address, error = %e, "xDS stream ended; the last good state keeps serving"),
+                Err(e) => {
+                    tracing::warn!(addr = %self.cfg.address, error = %e, "xDS stream ended; the last good state keeps serving")
+                }
             }
             let jitter = backoff.mul_f64(0.5 + fastrand::f64());
             tokio::time::sleep(jitter).await;
@@ -143,9 +182,15 @@ impl XdsClient {
     }
 
     async fn session(&self) -> anyhow::Result<()> {
-        let roots = self.cfg.root_ca.as_deref().map(crate::grpc::roots_from).transpose()?;
-        let channel = crate::grpc::channel(&self.cfg.address, roots).await?;
-        let mut client = AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(256 << 20);
+        let roots = self
+            .cfg
+            .root_ca
+            .as_deref()
+            .map(crate::grpc::roots_from)
+            .transpose()?;
+        let channel = crate::grpc::channel(&self.cfg.address, roots, self.cfg.mark).await?;
+        let mut client =
+            AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(256 << 20);
         let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
         {
             let held = self.held.lock().await;
@@ -159,13 +204,20 @@ impl XdsClient {
                 .await?;
             }
         }
-        let outbound = futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|m| (m, rx)) });
+        let outbound =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
         let mut req = tonic::Request::new(outbound);
         if let Some(path) = &self.cfg.token {
-            let token = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("token file {}: {e}", path.display()))?;
-            req.metadata_mut().insert("authorization", format!("Bearer {}", token.trim()).parse()?);
+            let token = std::fs::read_to_string(path)
+                .map_err(|e| anyhow::anyhow!("token file {}: {e}", path.display()))?;
+            req.metadata_mut()
+                .insert("authorization", format!("Bearer {}", token.trim()).parse()?);
         }
-        req.metadata_mut().insert("clusterid", self.cfg.cluster_id.parse()?);
+        req.metadata_mut()
+            .insert("clusterid", self.cfg.cluster_id.parse()?);
         let mut responses = client.delta_aggregated_resources(req).await?.into_inner();
         tracing::info!(addr = %self.cfg.address, "xDS stream open");
         let mut seen: HashSet<String> = HashSet::new();
@@ -188,8 +240,13 @@ impl XdsClient {
                 rpc::Status { code: 3, message, details: vec![] }
             });
             tracing::debug!(type_url = %resp.type_url, resources = resp.resources.len(), removed = resp.removed_resources.len(), "xDS response applied");
-            tx.send(DeltaDiscoveryRequest { type_url: resp.type_url.clone(), response_nonce: resp.nonce.clone(), error_detail, ..Default::default() })
-                .await?;
+            tx.send(DeltaDiscoveryRequest {
+                type_url: resp.type_url.clone(),
+                response_nonce: resp.nonce.clone(),
+                error_detail,
+                ..Default::default()
+            })
+            .await?;
         }
         Ok(())
     }
@@ -205,7 +262,10 @@ mod tests {
         Resource {
             name: name.into(),
             version: "1".into(),
-            resource: Some(prost_types::Any { type_url: ADDRESS_TYPE.into(), value: addr.encode_to_vec() }),
+            resource: Some(prost_types::Any {
+                type_url: ADDRESS_TYPE.into(),
+                value: addr.encode_to_vec(),
+            }),
             aliases: vec![],
         }
     }
@@ -227,7 +287,11 @@ mod tests {
     fn bad_resource_is_named_and_the_rest_applied_then_removed() {
         let mut held = Held::default();
         let bad = pb::Address {
-            r#type: Some(pb::address::Type::Workload(pb::Workload { uid: "bad".into(), addresses: vec![vec![1, 2]], ..Default::default() })),
+            r#type: Some(pb::address::Type::Workload(pb::Workload {
+                uid: "bad".into(),
+                addresses: vec![vec![1, 2]],
+                ..Default::default()
+            })),
         };
         let resp = DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
@@ -240,12 +304,26 @@ mod tests {
         assert_eq!(rejected[0].0, "bad");
         let (st, conflicts) = held.state();
         assert!(conflicts.is_empty());
-        assert!(st.workload_by_addr("", "10.0.0.1".parse().unwrap()).is_some());
-        assert_eq!(held.versions(ADDRESS_TYPE).len(), 1, "only the good one is held");
+        assert!(st
+            .workload_by_addr("", "10.0.0.1".parse().unwrap())
+            .is_some());
+        assert_eq!(
+            held.versions(ADDRESS_TYPE).len(),
+            1,
+            "only the good one is held"
+        );
 
-        let removal = DeltaDiscoveryResponse { type_url: ADDRESS_TYPE.into(), removed_resources: vec!["good".into()], ..Default::default() };
+        let removal = DeltaDiscoveryResponse {
+            type_url: ADDRESS_TYPE.into(),
+            removed_resources: vec!["good".into()],
+            ..Default::default()
+        };
         held.apply(&removal);
-        assert!(held.state().0.workload_by_addr("", "10.0.0.1".parse().unwrap()).is_none());
+        assert!(held
+            .state()
+            .0
+            .workload_by_addr("", "10.0.0.1".parse().unwrap())
+            .is_none());
     }
 
     #[test]
@@ -253,12 +331,21 @@ mod tests {
         let mut held = Held::default();
         let resp = DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
-            resources: vec![res("a", wl("a", [10, 0, 0, 1])), res("b", wl("b", [10, 0, 0, 1]))],
+            resources: vec![
+                res("a", wl("a", [10, 0, 0, 1])),
+                res("b", wl("b", [10, 0, 0, 1])),
+            ],
             ..Default::default()
         };
         assert!(held.apply(&resp).is_empty());
         let (st, conflicts) = held.state();
-        assert_eq!(conflicts.len(), 1, "two workloads on one IP: one is refused");
-        assert!(st.workload_by_addr("", "10.0.0.1".parse().unwrap()).is_some());
+        assert_eq!(
+            conflicts.len(),
+            1,
+            "two workloads on one IP: one is refused"
+        );
+        assert!(st
+            .workload_by_addr("", "10.0.0.1".parse().unwrap())
+            .is_some());
     }
 }

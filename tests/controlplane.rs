@@ -1,0 +1,169 @@
+//! End-to-end: proxies that take their mesh state (delta xDS) and their
+//! certificates (Istio CA API) only from `ambit control-plane`, over TLS with
+//! a bearer token.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use ambit::lab::{connect_from, echo_roundtrip, http_get, EchoServer, LabPod, ProxySpec};
+use common::{workload, Mesh, TD};
+
+const CP: &str = "10.77.0.1:15012";
+
+fn start_cp(m: &Mesh, label: &str) {
+    let mut cmd = m.lab.node.command(env!("CARGO_BIN_EXE_ambit"));
+    cmd.arg("control-plane")
+        .env("LOCAL_XDS_PATH", m.lab.dir.join("cp.yaml"))
+        .env("AMBIT_CA_CERT", &m.ca.0)
+        .env("AMBIT_CA_KEY", &m.ca.1)
+        .env("AMBIT_CP_LISTEN", CP)
+        .env("AMBIT_CP_TLS_SANS", "10.77.0.1")
+        .env("AMBIT_CP_TOKEN_FILE", m.lab.dir.join("token"));
+    m.lab.spawn(label, cmd).unwrap();
+}
+
+fn proxy_via_cp(m: &Mesh, pod: &LabPod, sa: &str, token: &str) {
+    m.lab.redirect(pod).unwrap();
+    let tok = m.lab.dir.join(format!("token-{}", pod.name));
+    std::fs::write(&tok, token).unwrap();
+    let spec = ProxySpec {
+        // The local config and local CA are set too, and must be ignored for the control plane.
+        config: m.lab.dir.join("does-not-exist.yaml"),
+        ca_cert: m.lab.dir.join("nope.pem"),
+        ca_key: m.lab.dir.join("nope.pem"),
+        workload_info: format!("default/{}/{sa}", pod.name),
+        trust_domain: TD.into(),
+        extra_env: vec![
+            ("XDS_ADDRESS".into(), format!("https://{CP}")),
+            ("CA_ADDRESS".into(), format!("https://{CP}")),
+            ("XDS_ROOT_CA".into(), m.ca.0.display().to_string()),
+            ("AUTH_TOKEN".into(), tok.display().to_string()),
+            ("SECRET_TTL".into(), "10s".into()),
+        ],
+    };
+    m.lab.start_proxy(pod, &spec).unwrap();
+}
+
+fn dump(pod: &LabPod) -> String {
+    http_get(pod, "127.0.0.1:15000", "/config_dump")
+        .map(|r| r.1)
+        .unwrap_or_default()
+}
+
+fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < limit, "{what} not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    t.elapsed()
+}
+
+#[test]
+fn proxies_run_from_the_control_plane_alone() {
+    let mut m = Mesh::new("cp");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
+    let workloads = format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    );
+    let cp_yaml = m.lab.dir.join("cp.yaml");
+    std::fs::write(&cp_yaml, &workloads).unwrap();
+    start_cp(&m, "cp");
+    std::thread::sleep(Duration::from_millis(300));
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+
+    // Initial sync, and certificates from the CA service.
+    let mut c = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"via the control plane").unwrap(),
+        b"via the control plane"
+    );
+    let cp_log = std::fs::read_to_string(m.lab.log_path("cp")).unwrap();
+    assert!(
+        cp_log.matches("certificate signed").count() >= 2,
+        "{cp_log}"
+    );
+
+    // An added service reaches the proxy within a second.
+    std::fs::write(
+        &cp_yaml,
+        format!("{workloads}services:\n- {{name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {{80: 8080}}}}\n"),
+    )
+    .unwrap();
+    let took = wait_for(
+        "new service on the client proxy",
+        Duration::from_secs(1),
+        || dump(&client).contains("echo.default.svc.cluster.local"),
+    );
+    eprintln!("service reached the proxy in {took:?}");
+    let _ = workloads.len();
+
+    // A removed workload disappears.
+    std::fs::write(
+        &cp_yaml,
+        format!("workloads:\n{}", workload(&client, "client-sa", "HBONE")),
+    )
+    .unwrap();
+    wait_for("removed workload gone", Duration::from_secs(2), || {
+        !dump(&client).contains("\"name\":\"server\"")
+    });
+
+    // Control plane down: the last good state keeps serving; back up: resync.
+    m.lab.stop("cp");
+    std::fs::write(&cp_yaml, &workloads).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        !dump(&client).contains("\"name\":\"server\""),
+        "nothing changes while the control plane is away"
+    );
+    start_cp(&m, "cp2");
+    wait_for(
+        "resync after the control plane restarts",
+        Duration::from_secs(20),
+        || dump(&client).contains("\"name\":\"server\""),
+    );
+    let mut c = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"after resync").unwrap(),
+        b"after resync"
+    );
+
+    // Short-lived certificates (10s) are rotated at half-life.
+    wait_for("certificate rotation", Duration::from_secs(12), || {
+        m.proxy_log(&client).contains("certificate rotated")
+    });
+
+    // A wrong token is refused: that proxy never becomes ready.
+    let stranger = m.pod("stranger");
+    m.lab.redirect(&stranger).unwrap();
+    let tok = m.lab.dir.join("token-stranger");
+    std::fs::write(&tok, "wrong").unwrap();
+    let mut cmd = stranger.ns.command(env!("CARGO_BIN_EXE_ambit"));
+    cmd.arg("proxy")
+        .env("PROXY_MODE", "dedicated")
+        .env("PROXY_WORKLOAD_INFO", "default/stranger/x")
+        .env("XDS_ADDRESS", format!("https://{CP}"))
+        .env("CA_ADDRESS", format!("https://{CP}"))
+        .env("XDS_ROOT_CA", &m.ca.0)
+        .env("AUTH_TOKEN", &tok);
+    m.lab.spawn("proxy-stranger", cmd).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let ready = http_get(&stranger, "127.0.0.1:15021", "/healthz/ready")
+        .map(|r| r.0)
+        .unwrap_or(0);
+    assert_ne!(
+        ready, 200,
+        "a proxy with a wrong token must not get config or certificates"
+    );
+    let log = std::fs::read_to_string(m.lab.log_path("proxy-stranger")).unwrap_or_default();
+    assert!(
+        log.contains("token") || log.contains("Unauthenticated") || log.contains("unauthenticated"),
+        "{log}"
+    );
+}
