@@ -167,3 +167,100 @@ fn proxies_run_from_the_control_plane_alone() {
         "{log}"
     );
 }
+
+#[test]
+fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
+    use ambit::lab::node::Node;
+    use std::process::Command;
+    let mesh = "workloads:\n- {uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.79.0.2\"], protocol: HBONE}\n";
+    let bin = env!("CARGO_BIN_EXE_ambit");
+    let mut a = Node::prepare(bin, "cpa", "all", "10.78.0", mesh, None);
+    let mut b = Node::prepare(bin, "cpb", "all", "10.79.0", mesh, Some(&a));
+    std::fs::write(a.dir.join("token"), "node-token").unwrap();
+    for n in [&mut a, &mut b] {
+        // The proxies get nothing locally: no local config, no CA key.
+        n.extra_env = vec![
+            ("XDS_ADDRESS".into(), "https://10.99.0.1:15012".into()),
+            ("CA_ADDRESS".into(), "https://10.99.0.1:15012".into()),
+            (
+                "XDS_ROOT_CA".into(),
+                n.dir.join("ca-cert.pem").display().to_string(),
+            ),
+            ("AUTH_TOKEN".into(), a_token_path()),
+            ("AMBIT_CA_KEY".into(), "/nonexistent".into()),
+        ];
+    }
+    std::fs::copy(a.dir.join("token"), a_token_path()).unwrap();
+    let (na, nb) = (a.lab.node_name().to_string(), b.lab.node_name().to_string());
+    let ip = |args: &[&str]| {
+        assert!(
+            Command::new("ip").args(args).status().unwrap().success(),
+            "ip {args:?}"
+        )
+    };
+    ip(&[
+        "-n", &na, "link", "add", "xa", "type", "veth", "peer", "name", "xb", "netns", &nb,
+    ]);
+    ip(&["-n", &na, "addr", "add", "10.99.0.1/30", "dev", "xa"]);
+    ip(&["-n", &nb, "addr", "add", "10.99.0.2/30", "dev", "xb"]);
+    ip(&["-n", &na, "link", "set", "xa", "up"]);
+    ip(&["-n", &nb, "link", "set", "xb", "up"]);
+    for (n, dst, via) in [
+        (&na, "10.79.0.0/24", "10.99.0.2"),
+        (&nb, "10.78.0.0/24", "10.99.0.1"),
+    ] {
+        ip(&["-n", n, "route", "add", dst, "via", via]);
+        assert!(Command::new("ip")
+            .args(["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            .status()
+            .unwrap()
+            .success());
+    }
+    // The control plane runs on node A, reachable from both nodes.
+    let mut cmd = a.lab.node.command(bin);
+    cmd.arg("control-plane")
+        .env("LOCAL_XDS_PATH", a.dir.join("mesh.yaml"))
+        .env("AMBIT_CA_CERT", a.dir.join("ca-cert.pem"))
+        .env("AMBIT_CA_KEY", a.dir.join("ca-key.pem"))
+        .env("AMBIT_CP_LISTEN", "10.99.0.1:15012")
+        .env("AMBIT_CP_TLS_SANS", "10.99.0.1")
+        .env("AMBIT_CP_TOKEN_FILE", a.dir.join("token"));
+    a.lab.spawn("cp", cmd).unwrap();
+    for n in [&a, &b] {
+        n.launch(true);
+        n.wait_ready("127.0.0.1:8000", "/readyz");
+        n.wait_ready("127.0.0.1:15021", "/healthz/ready");
+    }
+    let client = a.add_pod("client", "default").unwrap();
+    let server = b.add_pod("server", "default").unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let payload = vec![5u8; 100_000];
+    let mut conn = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut conn, &payload).unwrap(),
+        payload,
+        "{}\n{}",
+        a.log(),
+        b.log()
+    );
+    let mb = b.metrics();
+    assert!(
+        mb.lines().any(|l| l.contains("reporter=\"destination\"")
+            && l.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
+            && l.contains("mutual_tls")),
+        "{mb}"
+    );
+    let cp = std::fs::read_to_string(a.lab.log_path("cp")).unwrap();
+    assert!(
+        cp.contains("client-sa") && cp.contains("server-sa"),
+        "both nodes' certificates come from the control plane:\n{cp}"
+    );
+    let _ = std::fs::remove_file(a_token_path());
+}
+
+fn a_token_path() -> String {
+    std::env::temp_dir()
+        .join(format!("ambit-cp-token-{}", std::process::id()))
+        .display()
+        .to_string()
+}

@@ -20,6 +20,8 @@ pub struct Node {
     pub enroll: String,
     /// First three octets of the pods' /24 (the bridge holds `.1`).
     pub subnet: String,
+    /// Extra environment for the node's processes (e.g. `XDS_ADDRESS`).
+    pub extra_env: Vec<(String, String)>,
 }
 
 pub const SUBNET: &str = "10.78.0";
@@ -48,6 +50,22 @@ impl Node {
         mesh: &str,
         ca_from: Option<&Node>,
     ) -> Node {
+        let node = Self::prepare(binary, tag, enroll, subnet, mesh, ca_from);
+        node.launch(combined);
+        node.wait_ready("127.0.0.1:8000", "/readyz");
+        node.wait_ready("127.0.0.1:15021", "/healthz/ready");
+        node
+    }
+
+    /// The node's netns, CNI config, CA and local config, with nothing running yet.
+    pub fn prepare(
+        binary: &str,
+        tag: &str,
+        enroll: &str,
+        subnet: &str,
+        mesh: &str,
+        ca_from: Option<&Node>,
+    ) -> Node {
         let lab = Lab::new(tag, binary).unwrap();
         let dir = lab.dir.clone();
         let (bin_dir, conf_dir) = (dir.join("cni-bin"), dir.join("net.d"));
@@ -70,7 +88,7 @@ impl Node {
             }
         }
         std::fs::write(dir.join("mesh.yaml"), mesh).unwrap();
-        let node = Node {
+        Node {
             lab,
             dir,
             bin_dir,
@@ -78,16 +96,18 @@ impl Node {
             pods: Vec::new(),
             enroll: enroll.to_string(),
             subnet: subnet.to_string(),
-        };
-        if combined {
-            node.lab.spawn("node", node.command("node")).unwrap();
-        } else {
-            node.lab.spawn("agent", node.command("agent")).unwrap();
-            node.lab.spawn("proxy", node.command("proxy")).unwrap();
+            extra_env: Vec::new(),
         }
-        node.wait_ready("127.0.0.1:8000", "/readyz");
-        node.wait_ready("127.0.0.1:15021", "/healthz/ready");
-        node
+    }
+
+    /// Starts `ambit node` (`combined`) or `ambit agent` + `ambit proxy`.
+    pub fn launch(&self, combined: bool) {
+        if combined {
+            self.lab.spawn("node", self.command("node")).unwrap();
+        } else {
+            self.lab.spawn("agent", self.command("agent")).unwrap();
+            self.lab.spawn("proxy", self.command("proxy")).unwrap();
+        }
     }
 
     /// `ambit <role>` inside the node netns with this node's environment.
@@ -110,6 +130,9 @@ impl Node {
             .env("AMBIT_STATE_DIR", dir.join("state"))
             // Non-mesh names go to a resolver on the node's bridge address (tests run one there).
             .env("AMBIT_DNS_UPSTREAMS", format!("{}.1:53", self.subnet));
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
         cmd
     }
 

@@ -1,0 +1,190 @@
+//! The xDS client against a scripted delta ADS server (tonic, in this test):
+//! a response with one bad resource is NACKed naming it, the good ones are
+//! applied; a reconnect sends `initial_resource_versions`.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ambit::proto::discovery::aggregated_discovery_service_server::{
+    AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
+};
+use ambit::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
+use ambit::proto::workload as pb;
+use ambit::xds::client::{XdsClient, XdsConfig};
+use ambit::xds::convert::ADDRESS_TYPE;
+use ambit::xds::StateHandle;
+use prost::Message;
+use tonic::{Request, Response, Status, Streaming};
+
+#[derive(Default, Clone)]
+struct Script {
+    seen: Arc<Mutex<Vec<DeltaDiscoveryRequest>>>,
+}
+
+fn workload(uid: &str, ip: Vec<u8>) -> Resource {
+    let a = pb::Address {
+        r#type: Some(pb::address::Type::Workload(pb::Workload {
+            uid: uid.into(),
+            name: uid.into(),
+            namespace: "ns".into(),
+            addresses: vec![ip],
+            tunnel_protocol: 1,
+            ..Default::default()
+        })),
+    };
+    Resource {
+        name: uid.into(),
+        version: "v1".into(),
+        resource: Some(prost_types::Any {
+            type_url: ADDRESS_TYPE.into(),
+            value: a.encode_to_vec(),
+        }),
+        aliases: vec![],
+    }
+}
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Script {
+    type DeltaAggregatedResourcesStream =
+        Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
+
+    async fn delta_aggregated_resources(
+        &self,
+        req: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let mut inbound = req.into_inner();
+        let seen = self.seen.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            let mut sent = false;
+            while let Ok(Some(r)) = inbound.message().await {
+                let first_address_sub = r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty();
+                let nacked = r.response_nonce == "n1";
+                seen.lock().unwrap().push(r);
+                if nacked {
+                    // End this stream after the NACK: the client must reconnect.
+                    break;
+                }
+                if first_address_sub && !sent {
+                    sent = true;
+                    let resp = DeltaDiscoveryResponse {
+                        type_url: ADDRESS_TYPE.into(),
+                        nonce: "n1".into(),
+                        resources: vec![
+                            workload("good", vec![10, 0, 0, 1]),
+                            workload("broken", vec![10, 0]),
+                        ],
+                        ..Default::default()
+                    };
+                    let _ = tx.send(Ok(resp)).await;
+                } else if first_address_sub {
+                    // Second stream: hang up at once, so the client reconnects again.
+                    break;
+                }
+            }
+        });
+        let out =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
+        Ok(Response::new(Box::pin(out)))
+    }
+}
+
+#[tokio::test]
+async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends_versions() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let script = Script::default();
+    let server = tonic::transport::Server::builder()
+        .add_service(AggregatedDiscoveryServiceServer::new(script.clone()));
+    let incoming = futures_util::stream::unfold(listener, |l| async move {
+        Some((l.accept().await.map(|(s, _)| s), l))
+    });
+    tokio::spawn(server.serve_with_incoming(incoming));
+
+    let state = StateHandle::default();
+    let cfg = XdsConfig {
+        address: format!("http://{addr}"),
+        root_ca: None,
+        token: None,
+        cluster_id: "Kubernetes".into(),
+        node_id: "ztunnel~10.0.0.9~ambit.istio-system~istio-system.svc.cluster.local".into(),
+        metadata: vec![],
+        mark: 1337,
+    };
+    let client = XdsClient::new(cfg, state.clone());
+    let task = tokio::spawn(client.run());
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let nack = script
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|r| r.response_nonce == "n1")
+            .cloned();
+        if let Some(nack) = nack {
+            let err = nack.error_detail.expect("a NACK");
+            assert!(
+                err.message.contains("broken") && !err.message.contains("good"),
+                "{}",
+                err.message
+            );
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no NACK");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        state
+            .load()
+            .workload_by_addr("", "10.0.0.1".parse().unwrap())
+            .is_some(),
+        "the good resource is applied"
+    );
+    let first = script.seen.lock().unwrap()[0].clone();
+    assert!(
+        first.node.unwrap().id.starts_with("ztunnel~"),
+        "Istio's node id"
+    );
+
+    // The server ended the stream after the NACK; the client reconnects and says what it holds.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let resub = script
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .skip(1)
+            .find(|r| r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty())
+            .cloned();
+        if let Some(r) = resub {
+            assert_eq!(
+                r.initial_resource_versions.get("good").map(String::as_str),
+                Some("v1"),
+                "{:?}",
+                r.initial_resource_versions
+            );
+            assert!(
+                !r.initial_resource_versions.contains_key("broken"),
+                "rejected resources are not claimed"
+            );
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no reconnect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        state
+            .load()
+            .workload_by_addr("", "10.0.0.1".parse().unwrap())
+            .is_some(),
+        "last good state kept across the outage"
+    );
+    task.abort();
+}
