@@ -138,6 +138,13 @@ fn proxies_run_from_the_control_plane_alone() {
     wait_for("certificate rotation", Duration::from_secs(12), || {
         m.proxy_log(&client).contains("certificate rotated")
     });
+    let metrics = http_get(&client, "127.0.0.1:15020", "/metrics").unwrap().1;
+    let gauge = metrics
+        .lines()
+        .find(|l| l.starts_with("ambit_certificate_expiry_seconds{identity=\"spiffe://cluster.local/ns/default/sa/client-sa\"}"))
+        .unwrap_or_else(|| panic!("certificate expiry gauge missing:\n{metrics}"));
+    let left: i64 = gauge.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!((0..=10).contains(&left), "{gauge}");
 
     // A wrong token is refused: that proxy never becomes ready.
     let stranger = m.pod("stranger");

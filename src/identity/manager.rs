@@ -111,11 +111,48 @@ impl CertManager {
     }
 }
 
+impl CertManager {
+    /// Forgets identities no pod uses any more (only this manager and the
+    /// rotation task hold them); their rotation stops. Returns how many.
+    pub fn release_unused(&self) -> usize {
+        let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let before = held.len();
+        held.retain(|id, h| {
+            let used = Arc::strong_count(h) > 2;
+            if !used {
+                tracing::info!(identity = %id, "certificate dropped: its last pod left");
+            }
+            used
+        });
+        before - held.len()
+    }
+
+    /// Runs [`CertManager::release_unused`] every `every`, for the life of the manager.
+    pub fn spawn_releaser(self: &Arc<Self>, every: Duration) {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                match weak.upgrade() {
+                    Some(mgr) => {
+                        mgr.release_unused();
+                    }
+                    None => return,
+                }
+            }
+        });
+    }
+}
+
 async fn rotate(mgr: Arc<CertManager>, id: Identity, handle: TlsHandle) {
     loop {
         let due = handle.load().cert.refresh_at();
         let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
         tokio::time::sleep(wait).await;
+        if Arc::strong_count(&handle) == 1 {
+            return; // released: no pod uses this identity any more
+        }
         match mgr.ca.issue(&id, mgr.ttl).await.and_then(TlsIdentity::new) {
             Ok(next) => {
                 tracing::info!(identity = %id, expires = ?next.cert.not_after, "certificate rotated");
@@ -138,6 +175,20 @@ async fn rotate(mgr: Arc<CertManager>, id: Identity, handle: TlsHandle) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn identities_are_released_when_no_pod_uses_them() {
+        let mgr = CertManager::new(
+            CertSource::Local(Box::new(LocalCa::generate("td").unwrap())),
+            Duration::from_secs(600),
+        );
+        let id = Identity::new("td", "ns", "sa");
+        let pod_holds = mgr.get(&id).await.unwrap();
+        assert_eq!(mgr.release_unused(), 0, "a pod still uses it");
+        drop(pod_holds);
+        assert_eq!(mgr.release_unused(), 1);
+        assert!(mgr.summary().is_empty());
+    }
 
     #[tokio::test]
     async fn rotates_at_half_life() {

@@ -260,9 +260,20 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         )?)),
     };
     let certs = CertManager::new(source, cfg.cert_ttl);
+    certs.spawn_releaser(std::time::Duration::from_secs(10));
     let metrics = Arc::new(metrics::Metrics::default());
     let mut registry = Registry::default();
     metrics.register(&mut registry);
+    // Seconds until each held workload certificate expires: alert before it happens.
+    let expiry = prometheus_client::metrics::family::Family::<
+        Vec<(String, String)>,
+        prometheus_client::metrics::gauge::Gauge,
+    >::default();
+    registry.register(
+        "ambit_certificate_expiry_seconds",
+        "Seconds until the workload certificate expires",
+        expiry.clone(),
+    );
     let pool = pool::Pool::new(cfg.pool_max_streams, cfg.pool_idle_timeout);
     pool.spawn_evictor();
     let (stop_trigger, stop_accepting) = Drain::new();
@@ -375,10 +386,22 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     .await
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
     let registry = Arc::new(registry);
+    let scrape_certs = certs.clone();
     admin::serve(
         cfg.metrics_addr,
         Arc::new(move |_, path| match path {
             "/metrics" | "/stats/prometheus" => {
+                // Certificate expiry is computed at scrape time, so it is never stale.
+                expiry.clear();
+                for (id, not_after) in scrape_certs.summary() {
+                    let left = not_after
+                        .duration_since(std::time::SystemTime::now())
+                        .map(|d| d.as_secs() as i64)
+                        .unwrap_or(0);
+                    expiry
+                        .get_or_create(&vec![("identity".to_string(), id)])
+                        .set(left);
+                }
                 let mut text = String::new();
                 match prometheus_client::encoding::text::encode(&mut text, &registry) {
                     Ok(()) => (StatusCode::OK, admin::PROMETHEUS, text),
