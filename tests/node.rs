@@ -271,7 +271,7 @@ fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
         let dump = node.dump("127.0.0.1:15000");
         if dump.contains("uid-client")
             && !dump.contains("uid-server")
-            && node.log().contains("ZDS snapshot applied")
+            && node.log().matches("ZDS snapshot applied").count() >= 2
         {
             break;
         }
@@ -296,9 +296,9 @@ fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
 
 #[test]
 fn cross_node_traffic_is_hbone_between_two_nodes() {
-    let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.79.0.2\"], protocol: HBONE}\n";
-    let mut a = Node::start_full(BIN, "twoa", "all", true, "10.78.0", mesh, None);
-    let mut b = Node::start_full(BIN, "twob", "all", true, "10.79.0", mesh, Some(&a));
+    let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.81.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.82.0.2\"], protocol: HBONE}\n";
+    let mut a = Node::start_full(BIN, "twoa", "all", true, "10.81.0", mesh, None);
+    let mut b = Node::start_full(BIN, "twob", "all", true, "10.82.0", mesh, Some(&a));
     // Route the two nodes to each other over a veth pair.
     let (na, nb) = (a.lab.node_name().to_string(), b.lab.node_name().to_string());
     let ip = |args: &[&str]| {
@@ -315,8 +315,8 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
     ip(&["-n", &na, "link", "set", "xa", "up"]);
     ip(&["-n", &nb, "link", "set", "xb", "up"]);
     for (n, dst, via) in [
-        (&na, "10.79.0.0/24", "10.99.0.2"),
-        (&nb, "10.78.0.0/24", "10.99.0.1"),
+        (&na, "10.82.0.0/24", "10.99.0.2"),
+        (&nb, "10.81.0.0/24", "10.99.0.1"),
     ] {
         ip(&["-n", n, "route", "add", dst, "via", via]);
         assert!(Command::new("ip")
@@ -327,7 +327,7 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
     }
     let client = a.add_pod("client", "default").unwrap();
     let server = b.add_pod("server", "default").unwrap();
-    assert_eq!(server.ip.to_string(), "10.79.0.2");
+    assert_eq!(server.ip.to_string(), "10.82.0.2");
     let echo = EchoServer::start(&server, 8080).unwrap();
     let payload = vec![3u8; 200_000];
     let mut conn = connect_from(&client, echo.addr).unwrap();
@@ -351,8 +351,8 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
 
 #[test]
 fn agent_start_enrolls_pods_that_already_exist() {
-    let mesh = "workloads:\n- {name: early, namespace: default, serviceAccount: early-sa, workloadIps: [\"10.78.0.50\"], protocol: HBONE}\n";
-    let mut node = Node::start_full(BIN, "early", "all", false, "10.78.0", mesh, None);
+    let mesh = "workloads:\n- {name: early, namespace: default, serviceAccount: early-sa, workloadIps: [\"10.83.0.50\"], protocol: HBONE}\n";
+    let mut node = Node::start_full(BIN, "early", "all", false, "10.83.0", mesh, None);
     node.lab.stop("agent");
     // A pod that came up while the agent was away (no CNI event will ever come for it).
     let name = format!("{}-early", node.lab.id);
@@ -368,7 +368,7 @@ fn agent_start_enrolls_pods_that_already_exist() {
         &[
             "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
         ],
-        &["addr", "add", "10.78.0.50/24", "dev", "eth0"],
+        &["addr", "add", "10.83.0.50/24", "dev", "eth0"],
         &["link", "set", "eth0", "up"],
     ] {
         assert!(ns.command("ip").args(args).status().unwrap().success());

@@ -24,8 +24,6 @@ pub struct Node {
     pub extra_env: Vec<(String, String)>,
 }
 
-pub const SUBNET: &str = "10.78.0";
-
 impl Node {
     pub fn start(binary: &str, tag: &str, enroll: &str) -> Node {
         Self::start_with(binary, tag, enroll, true)
@@ -34,11 +32,17 @@ impl Node {
     /// `combined`: one `ambit node`; otherwise `ambit agent` and `ambit proxy` as
     /// separate processes ("agent", "proxy") so a test can restart either.
     pub fn start_with(binary: &str, tag: &str, enroll: &str, combined: bool) -> Node {
+        // A subnet of its own: nodes of parallel tests share the host, and an
+        // agent enrolls pods it finds anywhere on it by their IP.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let subnet = format!("10.{}.0", 120 + n % 100);
+        let subnet = subnet.as_str();
         // host-local hands out .2, .3, ... in order: name the pods' service accounts up front.
         let mesh = format!(
-            "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{SUBNET}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{SUBNET}.3\"], protocol: HBONE}}\n"
+            "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
         );
-        Self::start_full(binary, tag, enroll, combined, SUBNET, &mesh, None)
+        Self::start_full(binary, tag, enroll, combined, subnet, &mesh, None)
     }
 
     pub fn start_full(
