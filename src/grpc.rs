@@ -28,8 +28,22 @@ pub enum GrpcError {
     Connect { addr: String, reason: String },
 }
 
-/// Root certificates from a PEM file.
+/// Root certificates from a PEM file, or the system's store for `SYSTEM`
+/// (Istio's convention for `XDS_ROOT_CA`/`CA_ROOT_CA`).
 pub fn roots_from(path: &Path) -> Result<rustls::RootCertStore, GrpcError> {
+    if path.as_os_str() == "SYSTEM" {
+        let found = rustls_native_certs::load_native_certs();
+        let mut store = rustls::RootCertStore::empty();
+        let (added, _) = store.add_parsable_certificates(found.certs);
+        if added == 0 {
+            return Err(GrpcError::File {
+                what: "root CA",
+                path: "SYSTEM".into(),
+                reason: "the system store holds no usable certificate".into(),
+            });
+        }
+        return Ok(store);
+    }
     let err = |reason: String| GrpcError::File {
         what: "root CA",
         path: path.display().to_string(),
@@ -129,6 +143,27 @@ pub async fn channel(
         }))
         .await
         .map_err(connect_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roots_from_a_file_or_the_system() {
+        assert!(!roots_from(Path::new("SYSTEM"))
+            .expect("system roots (ca-certificates)")
+            .is_empty());
+        assert!(roots_from(Path::new("/nonexistent.pem"))
+            .unwrap_err()
+            .to_string()
+            .contains("/nonexistent.pem"));
+        let ca = crate::identity::LocalCa::generate("td").unwrap();
+        let path = std::env::temp_dir().join(format!("ambit-roots-{}.pem", std::process::id()));
+        std::fs::write(&path, ca.root_pem()).unwrap();
+        assert_eq!(roots_from(&path).unwrap().len(), 1);
+        std::fs::remove_file(&path).ok();
+    }
 }
 
 /// A server-side TLS stream that tonic can serve.

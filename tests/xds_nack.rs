@@ -188,3 +188,88 @@ async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends
     );
     task.abort();
 }
+
+/// Serves one response of `n` workloads, each with a long name.
+#[derive(Clone)]
+struct Big {
+    n: usize,
+}
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for Big {
+    type DeltaAggregatedResourcesStream =
+        Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
+
+    async fn delta_aggregated_resources(
+        &self,
+        req: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let mut inbound = req.into_inner();
+        let n = self.n;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            while let Ok(Some(r)) = inbound.message().await {
+                if r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty() {
+                    let resources = (0..n)
+                        .map(|i| {
+                            let ip = (0x0a00_0000u32 + i as u32).to_be_bytes().to_vec();
+                            let mut res = workload(&format!("w{i}-{}", "x".repeat(300)), ip);
+                            res.name = format!("w{i}");
+                            res
+                        })
+                        .collect();
+                    let _ = tx
+                        .send(Ok(DeltaDiscoveryResponse {
+                            type_url: ADDRESS_TYPE.into(),
+                            nonce: "big".into(),
+                            resources,
+                            ..Default::default()
+                        }))
+                        .await;
+                }
+            }
+        });
+        let out =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
+        Ok(Response::new(Box::pin(out)))
+    }
+}
+
+#[tokio::test]
+async fn a_response_of_tens_of_megabytes_is_applied() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let n = 50_000;
+    let server = tonic::transport::Server::builder().add_service(
+        AggregatedDiscoveryServiceServer::new(Big { n }).max_encoding_message_size(256 << 20),
+    );
+    let incoming = futures_util::stream::unfold(listener, |l| async move {
+        Some((l.accept().await.map(|(s, _)| s), l))
+    });
+    tokio::spawn(server.serve_with_incoming(incoming));
+    let state = StateHandle::default();
+    let cfg = XdsConfig {
+        address: format!("http://{addr}"),
+        root_ca: None,
+        token: None,
+        cluster_id: "Kubernetes".into(),
+        node_id: "ztunnel~10.0.0.9~ambit.istio-system~istio-system.svc.cluster.local".into(),
+        metadata: vec![],
+        mark: 1337,
+    };
+    let task = tokio::spawn(XdsClient::new(cfg, state.clone()).run());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while state.load().workloads().count() < n {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "large response not applied"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let size = workload(&format!("w0-{}", "x".repeat(300)), vec![10, 0, 0, 0]).encoded_len() * n;
+    assert!(size > 15 << 20, "the response is tens of MB ({size} bytes)");
+    task.abort();
+}
