@@ -145,27 +145,6 @@ pub async fn channel(
         .map_err(connect_err)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn roots_from_a_file_or_the_system() {
-        assert!(!roots_from(Path::new("SYSTEM"))
-            .expect("system roots (ca-certificates)")
-            .is_empty());
-        assert!(roots_from(Path::new("/nonexistent.pem"))
-            .unwrap_err()
-            .to_string()
-            .contains("/nonexistent.pem"));
-        let ca = crate::identity::LocalCa::generate("td").unwrap();
-        let path = std::env::temp_dir().join(format!("ambit-roots-{}.pem", std::process::id()));
-        std::fs::write(&path, ca.root_pem()).unwrap();
-        assert_eq!(roots_from(&path).unwrap().len(), 1);
-        std::fs::remove_file(&path).ok();
-    }
-}
-
 /// A server-side TLS stream that tonic can serve.
 pub struct ServerTls(tokio_rustls::server::TlsStream<TcpStream>);
 
@@ -236,4 +215,25 @@ pub fn tls_incoming(
         rx,
         |mut rx| async move { rx.recv().await.map(|s| (Ok(s), rx)) },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roots_from_a_file_or_the_system() {
+        assert!(!roots_from(Path::new("SYSTEM"))
+            .expect("system roots (ca-certificates)")
+            .is_empty());
+        assert!(roots_from(Path::new("/nonexistent.pem"))
+            .unwrap_err()
+            .to_string()
+            .contains("/nonexistent.pem"));
+        let ca = crate::identity::LocalCa::generate("td").unwrap();
+        let path = std::env::temp_dir().join(format!("ambit-roots-{}.pem", std::process::id()));
+        std::fs::write(&path, ca.root_pem()).unwrap();
+        assert_eq!(roots_from(&path).unwrap().len(), 1);
+        std::fs::remove_file(&path).ok();
+    }
 }
