@@ -139,8 +139,44 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
 #[test]
 fn agent_down_fails_enrolled_adds_closed_and_garbage_gets_a_cni_error() {
     let mut node = Node::start_with(BIN, "down", "namespaces:default", false);
+    // Another writer (the primary CNI) rewrites the conflist without our entry: repaired.
+    let original = node.conflist();
+    let mut stripped = original.clone();
+    stripped["plugins"]
+        .as_array_mut()
+        .unwrap()
+        .retain(|p| p["type"] != "ambit-cni");
+    std::fs::write(
+        node.conf_dir.join("10-meshnet.conflist"),
+        stripped.to_string(),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while node.conflist()["plugins"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()["type"]
+        != "ambit-cni"
+    {
+        assert!(Instant::now() < deadline, "conflist not repaired");
+        std::thread::sleep(Duration::from_millis(50));
+    }
     node.lab.stop("agent");
-    // The conflist entry is removed on a clean stop; put it back as if the agent had crashed.
+    // A clean stop uninstalls: entry and binary gone.
+    assert!(
+        !node.conflist()["plugins"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["type"] == "ambit-cni"),
+        "entry removed on a clean stop"
+    );
+    assert!(
+        !node.bin_dir.join("ambit-cni").exists(),
+        "binary removed on a clean stop"
+    );
+    // Put them back as if the agent had crashed instead.
     let run_dir = node.dir.join("run");
     let mut conflist = node.conflist();
     conflist["plugins"].as_array_mut().unwrap().push(serde_json::json!({"type": "ambit-cni", "name": "ambit-cni", "cni_agent_run_dir": run_dir, "exclude_namespaces": ["kube-system"]}));
