@@ -25,6 +25,11 @@ fn meshed_pods_talk_over_hbone_by_pod_ip() {
         1,
         "the server app sees exactly one connection"
     );
+    assert_eq!(
+        echo.peers()[0].ip(),
+        std::net::IpAddr::from(client.ip),
+        "the app sees the real client address, not the proxy's"
+    );
 
     std::thread::sleep(Duration::from_millis(200));
     let cm = m.metrics(&client);

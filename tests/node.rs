@@ -49,6 +49,11 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
     let payload = b"AMBIT-NODE-PAYLOAD-5e1f".repeat(21_740);
     let mut conn = connect_from(&client, echo.addr).unwrap();
     assert_eq!(echo_roundtrip(&mut conn, &payload).unwrap(), payload);
+    assert_eq!(
+        echo.peers()[0].ip(),
+        std::net::IpAddr::from(client.ip),
+        "the app sees the real client address"
+    );
     std::thread::sleep(Duration::from_millis(300));
     node.lab.stop("tcpdump");
     let raw = std::fs::read(&pcap).unwrap();

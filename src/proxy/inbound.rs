@@ -162,7 +162,7 @@ impl Inbound {
         };
         let start = Instant::now();
         self.metrics.opened(&labels);
-        let mut upstream = match self.pod.sockets.connect(target).await {
+        let mut upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(src.principal = %peer_id, dst.addr = %target, error = %e, "application not reachable");
@@ -229,7 +229,7 @@ impl Inbound {
         };
         let start = Instant::now();
         self.metrics.opened(&labels);
-        let upstream = match self.pod.sockets.connect(target).await {
+        let upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
             Ok(s) => s,
             Err(e) => {
                 tracing::warn!(src.addr = %peer, dst.addr = %target, error = %e, "application not reachable");

@@ -89,7 +89,64 @@ impl SocketFactory {
 
     /// Connects to `addr` from the pod, within [`CONNECT_TIMEOUT`].
     pub async fn connect(&self, addr: SocketAddr) -> io::Result<TcpStream> {
+        self.connect_with(addr, None).await
+    }
+
+    /// Connects to the pod's application at `addr` with the original client's
+    /// address `src` as source (`IP_TRANSPARENT` + `IP_FREEBIND`), so the
+    /// application sees who really called. The in-pod connmark rules and
+    /// table 100 bring the replies back to this socket. Falls back to the
+    /// pod's own address where spoofing is not possible.
+    pub async fn connect_as(
+        &self,
+        addr: SocketAddr,
+        src: std::net::IpAddr,
+    ) -> io::Result<TcpStream> {
+        let src = super::hbone::canonical(src);
+        if src.is_ipv4() != addr.is_ipv4() || src.is_loopback() {
+            return self.connect(addr).await;
+        }
+        match self.connect_with(addr, Some(src)).await {
+            Ok(s) => Ok(s),
+            Err(e)
+                if e.kind() == io::ErrorKind::PermissionDenied
+                    || e.raw_os_error() == Some(libc::EPERM) =>
+            {
+                tracing::debug!(src = %src, dst.addr = %addr, error = %e, "cannot spoof the source; delivering from the pod's address");
+                self.connect(addr).await
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn connect_with(
+        &self,
+        addr: SocketAddr,
+        src: Option<std::net::IpAddr>,
+    ) -> io::Result<TcpStream> {
         let s = self.socket(&addr)?;
+        if let Some(src) = src {
+            if src.is_ipv4() {
+                s.set_ip_transparent(true)?;
+            } else {
+                let on: libc::c_int = 1;
+                // SAFETY: setsockopt with a valid fd and a c_int option value of the right size.
+                let rc = unsafe {
+                    libc::setsockopt(
+                        std::os::fd::AsRawFd::as_raw_fd(&s),
+                        libc::SOL_IPV6,
+                        libc::IPV6_TRANSPARENT,
+                        &on as *const libc::c_int as *const libc::c_void,
+                        std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+                    )
+                };
+                if rc != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            s.set_freebind(true)?;
+            s.bind(&SocketAddr::new(src, 0).into())?;
+        }
         let sock = TcpSocket::from_std_stream(s.into());
         let stream = tokio::time::timeout(CONNECT_TIMEOUT, sock.connect(addr))
             .await
