@@ -11,6 +11,7 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use ambit::lab::rss_kb;
 use ambit::lab::{connect_from, write_ca, EchoServer, Lab, LabPod, ProxySpec};
 
 fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> f64 {
@@ -47,17 +48,6 @@ fn ping_pong(client: &LabPod, target: SocketAddr, rounds: usize) -> Duration {
         .collect();
     samples.sort();
     samples[samples.len() / 2]
-}
-
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
 }
 
 fn main() {

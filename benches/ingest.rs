@@ -13,14 +13,7 @@ use ambit::xds::types::{NetworkAddress, Protocol, Service, Workload};
 use ambit::xds::State;
 
 fn rss_kb() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
+    ambit::lab::rss_kb(std::process::id())
 }
 
 fn resources(workloads: usize, services: usize) -> (Vec<Workload>, Vec<Service>) {

@@ -9,17 +9,7 @@
 use std::time::{Duration, Instant};
 
 use ambit::lab::node::Node;
-
-fn rss_kb(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        })
-        .unwrap_or(0)
-}
+use ambit::lab::rss_kb;
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {

@@ -178,7 +178,6 @@ fn proxies_run_from_the_control_plane_alone() {
 #[test]
 fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
     use ambit::lab::node::Node;
-    use std::process::Command;
     let mesh = "workloads:\n- {uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.79.0.2\"], protocol: HBONE}\n";
     let bin = env!("CARGO_BIN_EXE_ambit");
     let mut a = Node::prepare(bin, "cpa", "all", "10.78.0", mesh, None);
@@ -198,31 +197,7 @@ fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
         ];
     }
     std::fs::copy(a.dir.join("token"), a_token_path()).unwrap();
-    let (na, nb) = (a.lab.node_name().to_string(), b.lab.node_name().to_string());
-    let ip = |args: &[&str]| {
-        assert!(
-            Command::new("ip").args(args).status().unwrap().success(),
-            "ip {args:?}"
-        )
-    };
-    ip(&[
-        "-n", &na, "link", "add", "xa", "type", "veth", "peer", "name", "xb", "netns", &nb,
-    ]);
-    ip(&["-n", &na, "addr", "add", "10.99.0.1/30", "dev", "xa"]);
-    ip(&["-n", &nb, "addr", "add", "10.99.0.2/30", "dev", "xb"]);
-    ip(&["-n", &na, "link", "set", "xa", "up"]);
-    ip(&["-n", &nb, "link", "set", "xb", "up"]);
-    for (n, dst, via) in [
-        (&na, "10.79.0.0/24", "10.99.0.2"),
-        (&nb, "10.78.0.0/24", "10.99.0.1"),
-    ] {
-        ip(&["-n", n, "route", "add", dst, "via", via]);
-        assert!(Command::new("ip")
-            .args(["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
-            .status()
-            .unwrap()
-            .success());
-    }
+    ambit::lab::node::link(&a, &b);
     // The control plane runs on node A, reachable from both nodes.
     let mut cmd = a.lab.node.command(bin);
     cmd.arg("control-plane")

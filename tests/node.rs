@@ -340,32 +340,7 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
     let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.81.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.82.0.2\"], protocol: HBONE}\n";
     let mut a = Node::start_full(BIN, "twoa", "all", true, "10.81.0", mesh, None);
     let mut b = Node::start_full(BIN, "twob", "all", true, "10.82.0", mesh, Some(&a));
-    // Route the two nodes to each other over a veth pair.
-    let (na, nb) = (a.lab.node_name().to_string(), b.lab.node_name().to_string());
-    let ip = |args: &[&str]| {
-        assert!(
-            Command::new("ip").args(args).status().unwrap().success(),
-            "ip {args:?}"
-        )
-    };
-    ip(&[
-        "-n", &na, "link", "add", "xa", "type", "veth", "peer", "name", "xb", "netns", &nb,
-    ]);
-    ip(&["-n", &na, "addr", "add", "10.99.0.1/30", "dev", "xa"]);
-    ip(&["-n", &nb, "addr", "add", "10.99.0.2/30", "dev", "xb"]);
-    ip(&["-n", &na, "link", "set", "xa", "up"]);
-    ip(&["-n", &nb, "link", "set", "xb", "up"]);
-    for (n, dst, via) in [
-        (&na, "10.82.0.0/24", "10.99.0.2"),
-        (&nb, "10.81.0.0/24", "10.99.0.1"),
-    ] {
-        ip(&["-n", n, "route", "add", dst, "via", via]);
-        assert!(Command::new("ip")
-            .args(["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
-            .status()
-            .unwrap()
-            .success());
-    }
+    ambit::lab::node::link(&a, &b);
     let client = a.add_pod("client", "default").unwrap();
     let server = b.add_pod("server", "default").unwrap();
     assert_eq!(server.ip.to_string(), "10.82.0.2");

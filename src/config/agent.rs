@@ -174,11 +174,7 @@ impl AgentConfig {
             readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:8000", |s| {
                 s.parse().ok()
             })?,
-            log_format: l.require("log_format", "text or json", |s| match s {
-                "text" => Some(LogFormat::Text),
-                "json" => Some(LogFormat::Json),
-                _ => None,
-            })?,
+            log_format: l.require("log_format", "text or json", super::parse_log_format)?,
             log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
         })
     }

@@ -119,11 +119,7 @@ impl ControlPlaneConfig {
                 )
             })?,
             max_cert_ttl: l.require("max_cert_ttl", "a duration like 24h", parse_duration)?,
-            log_format: l.require("log_format", "text or json", |s| match s {
-                "text" => Some(LogFormat::Text),
-                "json" => Some(LogFormat::Json),
-                _ => None,
-            })?,
+            log_format: l.require("log_format", "text or json", super::parse_log_format)?,
             log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
         };
         Ok((cfg, l))

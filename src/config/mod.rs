@@ -334,6 +334,15 @@ pub fn parse_u32(s: &str) -> Option<u32> {
     }
 }
 
+/// Parses `text` or `json`.
+pub fn parse_log_format(s: &str) -> Option<proxy::LogFormat> {
+    match s {
+        "text" => Some(proxy::LogFormat::Text),
+        "json" => Some(proxy::LogFormat::Json),
+        _ => None,
+    }
+}
+
 /// Parses `true`/`false` (and 1/0, yes/no).
 pub fn parse_bool(s: &str) -> Option<bool> {
     match s.to_ascii_lowercase().as_str() {

@@ -446,11 +446,7 @@ impl ProxyConfig {
                     },
                 )?
                 .unwrap_or_default(),
-            log_format: l.require("log_format", "text or json", |s| match s {
-                "text" => Some(LogFormat::Text),
-                "json" => Some(LogFormat::Json),
-                _ => None,
-            })?,
+            log_format: l.require("log_format", "text or json", super::parse_log_format)?,
             log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
         })
     }

@@ -480,3 +480,15 @@ impl CniCall<'_> {
         Ok(prev.unwrap_or(serde_json::Value::Null))
     }
 }
+
+/// Resident memory of a process in kB (`/proc/<pid>/status` VmRSS; 0 if unknown).
+pub fn rss_kb(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}

@@ -243,3 +243,38 @@ impl Drop for Node {
         }
     }
 }
+
+/// Routes two nodes to each other over a veth pair: `a` gets `10.99.0.1/30`,
+/// `b` `10.99.0.2/30`, each routes the other's pod subnet and forwards.
+pub fn link(a: &Node, b: &Node) {
+    let (na, nb) = (a.lab.node_name().to_string(), b.lab.node_name().to_string());
+    let ip = |args: &[&str]| {
+        assert!(
+            Command::new("ip").args(args).status().unwrap().success(),
+            "ip {args:?}"
+        )
+    };
+    ip(&[
+        "-n", &na, "link", "add", "xa", "type", "veth", "peer", "name", "xb", "netns", &nb,
+    ]);
+    ip(&["-n", &na, "addr", "add", "10.99.0.1/30", "dev", "xa"]);
+    ip(&["-n", &nb, "addr", "add", "10.99.0.2/30", "dev", "xb"]);
+    ip(&["-n", &na, "link", "set", "xa", "up"]);
+    ip(&["-n", &nb, "link", "set", "xb", "up"]);
+    for (n, node, via) in [(&na, b, "10.99.0.2"), (&nb, a, "10.99.0.1")] {
+        ip(&[
+            "-n",
+            n,
+            "route",
+            "add",
+            &format!("{}.0/24", node.subnet),
+            "via",
+            via,
+        ]);
+        assert!(Command::new("ip")
+            .args(["netns", "exec", n, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+            .status()
+            .unwrap()
+            .success());
+    }
+}
