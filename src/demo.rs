@@ -99,6 +99,22 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     if nix::unistd::geteuid().as_raw() != 0 {
         anyhow::bail!("the demo creates network namespaces and iptables rules: run it as root");
     }
+    for (tool, hint) in [
+        ("/usr/lib/cni/bridge", "the reference CNI plugins (Debian: containernetworking-plugins)"),
+        ("/usr/lib/cni/host-local", "the reference CNI plugins (Debian: containernetworking-plugins)"),
+    ] {
+        if !std::path::Path::new(tool).exists() {
+            anyhow::bail!("{tool} is missing: install {hint}, or run `bash .ci/install-deps`");
+        }
+    }
+    for tool in ["ip", "iptables-restore", "ip6tables-restore", "ipset"] {
+        let found = std::env::var_os("PATH")
+            .map(|p| std::env::split_paths(&p).any(|d| d.join(tool).exists()))
+            .unwrap_or(false);
+        if !found {
+            anyhow::bail!("`{tool}` is not on PATH: run `bash .ci/install-deps` first");
+        }
+    }
     let bin = std::env::current_exe()?;
     let bin = bin.to_str().context("binary path is not UTF-8")?;
     // The node's processes inherit this: JSON logs, so the table can be read back from them.
