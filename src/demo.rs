@@ -100,8 +100,14 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
         anyhow::bail!("the demo creates network namespaces and iptables rules: run it as root");
     }
     for (tool, hint) in [
-        ("/usr/lib/cni/bridge", "the reference CNI plugins (Debian: containernetworking-plugins)"),
-        ("/usr/lib/cni/host-local", "the reference CNI plugins (Debian: containernetworking-plugins)"),
+        (
+            "/usr/lib/cni/bridge",
+            "the reference CNI plugins (Debian: containernetworking-plugins)",
+        ),
+        (
+            "/usr/lib/cni/host-local",
+            "the reference CNI plugins (Debian: containernetworking-plugins)",
+        ),
     ] {
         if !std::path::Path::new(tool).exists() {
             anyhow::bail!("{tool} is missing: install {hint}, or run `bash .ci/install-deps`");

@@ -485,3 +485,55 @@ fn policies_by_identity_namespace_and_dry_run() {
         "{log}"
     );
 }
+
+#[test]
+fn a_transfer_in_flight_finishes_while_the_proxy_drains() {
+    let (m, client, server, echo) = common::meshed_pair("drain");
+    let target = echo.addr;
+    let c2 = client.clone();
+    let transfer = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        let mut conn = connect_from(&c2, target).unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut reader = conn.try_clone().unwrap();
+        let read = std::thread::spawn(move || {
+            let mut back = Vec::new();
+            reader.read_to_end(&mut back).map(|_| back.len())
+        });
+        let chunk = vec![1u8; 256 * 1024];
+        for _ in 0..80 {
+            conn.write_all(&chunk).unwrap();
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        conn.shutdown(std::net::Shutdown::Write).unwrap();
+        read.join().unwrap()
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    // SIGTERM the server's proxy mid-transfer: it stops accepting, sends GOAWAY, and lets the stream finish.
+    let pid = m.lab.pid("proxy-server").unwrap();
+    // SAFETY: kill(2) on a child process of this test's lab.
+    unsafe {
+        libc::kill(pid as libc::pid_t, libc::SIGTERM);
+    }
+    let started = std::time::Instant::now();
+    let got = transfer
+        .join()
+        .unwrap()
+        .expect("the transfer must complete");
+    assert_eq!(
+        got,
+        80 * 256 * 1024,
+        "every byte of the in-flight transfer came back"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "finished inside the drain deadline"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let log = m.proxy_log(&server);
+    assert!(
+        log.contains("SIGTERM: draining") && log.contains("proxy exiting open=0"),
+        "{log}"
+    );
+}

@@ -251,6 +251,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "on SIGTERM, how long connections in flight may finish after listeners close",
     },
     Key {
+        name: "termination_grace_period",
+        env: &["TERMINATION_GRACE_PERIOD_SECONDS"],
+        default: "",
+        help: "the pod's grace period; unless drain_timeout is set, drain gets it minus 5s (minus 1s if <= 10s)",
+    },
+    Key {
         name: "log_format",
         env: &["LOG_FORMAT"],
         default: "text",
@@ -433,7 +439,20 @@ impl ProxyConfig {
                 s.parse().ok().filter(|n| (1..=256).contains(n))
             })?,
             ipv6: l.require("ipv6", "true or false", parse_bool)?,
-            drain_timeout: l.require("drain_timeout", "a duration like 5s", parse_duration)?,
+            drain_timeout: {
+                let explicit = l
+                    .raw("drain_timeout")
+                    .is_some_and(|(_, o)| *o != super::Origin::Default);
+                let grace = l.get("termination_grace_period", "a number of seconds", |s| {
+                    s.parse::<u64>().ok()
+                })?;
+                match (explicit, grace) {
+                    (false, Some(g)) => {
+                        Duration::from_secs(if g > 10 { g - 5 } else { g.saturating_sub(1) })
+                    }
+                    _ => l.require("drain_timeout", "a duration like 5s", parse_duration)?,
+                }
+            },
             dns_proxy: l.require("dns_proxy", "true or false", parse_bool)?,
             dns_upstreams: l
                 .get(
@@ -484,6 +503,30 @@ mod tests {
         assert_eq!(c.frame_size, 1 << 20);
         assert_eq!(c.pool_max_streams, 100);
         assert_eq!(c.workload_info.unwrap().service_account, "web-sa");
+    }
+
+    #[test]
+    fn drain_follows_the_grace_period_unless_set() {
+        let mut env = BASE.to_vec();
+        env.push(("TERMINATION_GRACE_PERIOD_SECONDS", "30"));
+        assert_eq!(
+            layers(&env, &[]).unwrap().drain_timeout,
+            Duration::from_secs(25)
+        );
+        env.push(("CONNECTION_TERMINATION_DEADLINE", "7s"));
+        assert_eq!(
+            layers(&env, &[]).unwrap().drain_timeout,
+            Duration::from_secs(7)
+        );
+        let short = [BASE, &[("TERMINATION_GRACE_PERIOD_SECONDS", "8")]].concat();
+        assert_eq!(
+            layers(&short, &[]).unwrap().drain_timeout,
+            Duration::from_secs(7)
+        );
+        assert_eq!(
+            layers(BASE, &[]).unwrap().drain_timeout,
+            Duration::from_secs(5)
+        );
     }
 
     #[test]

@@ -111,7 +111,22 @@ impl Inbound {
                 return;
             }
         };
-        while let Some(next) = conn.accept().await {
+        // On proxy exit: GOAWAY (no new streams), but streams in flight go on.
+        let mut goaway_sent = false;
+        loop {
+            let next = if goaway_sent {
+                conn.accept().await
+            } else {
+                tokio::select! {
+                    n = conn.accept() => n,
+                    _ = self.pod.life.stop_accepting.signalled() => {
+                        conn.graceful_shutdown();
+                        goaway_sent = true;
+                        continue;
+                    }
+                }
+            };
+            let Some(next) = next else { break };
             match next {
                 Ok((req, respond)) => {
                     let this = self.clone();
