@@ -219,3 +219,28 @@ fn binary_lists_roles_and_answers_to_its_argv0_names() {
     assert!(String::from_utf8_lossy(&out.stdout).contains("ambit proxy: configuration keys"));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+#[test]
+fn log_level_changes_live_through_the_admin_endpoint() {
+    let mut m = Mesh::new("logging");
+    let pod = m.pod("solo");
+    m.write_config(&format!(
+        "workloads:\n{}",
+        workload(&pod, "solo-sa", "HBONE")
+    ));
+    m.mesh(&pod, "solo-sa");
+    let req = |method: &str, path: &str| {
+        ambit::lab::http_request_in(&pod.ns, method, "127.0.0.1:15000", path).unwrap()
+    };
+    assert_eq!(req("GET", "/logging"), (200, "level=info\n".to_string()));
+    assert_eq!(req("POST", "/logging?level=ambit=debug").0, 200);
+    assert_eq!(req("GET", "/logging").1, "level=ambit=debug\n");
+    let (status, body) = req("POST", "/logging?level=ambit=nonsense");
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(
+        req("GET", "/logging").1,
+        "level=ambit=debug\n",
+        "a bad filter changes nothing"
+    );
+    assert!(m.proxy_log(&pod).contains("log level changed"));
+}

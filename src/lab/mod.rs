@@ -295,12 +295,25 @@ pub fn http_get(pod: &LabPod, addr: &str, path: &str) -> io::Result<(u16, String
 
 /// A one-shot HTTP/1.0 GET from inside `ns`; returns (status, body).
 pub fn http_get_in(ns: &Netns, addr: &str, path: &str) -> io::Result<(u16, String)> {
+    http_request_in(ns, "GET", addr, path)
+}
+
+/// A one-shot HTTP/1.0 request without a body from inside `ns`; returns (status, body).
+pub fn http_request_in(
+    ns: &Netns,
+    method: &str,
+    addr: &str,
+    path: &str,
+) -> io::Result<(u16, String)> {
     let addr: SocketAddr = addr.parse().map_err(io::Error::other)?;
-    let path = path.to_string();
+    let (path, method) = (path.to_string(), method.to_string());
     ns.run(move || -> io::Result<(u16, String)> {
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+        write!(
+            s,
+            "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n"
+        )?;
         let mut resp = String::new();
         s.read_to_string(&mut resp)?;
         let status = resp

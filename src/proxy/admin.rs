@@ -14,7 +14,7 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-/// Answers one admin request.
+/// Answers one admin request, given the method and the path with its query.
 pub type Handler = Arc<dyn Fn(&Method, &str) -> (StatusCode, &'static str, String) + Send + Sync>;
 
 /// Binds `addr` and serves `handler` until the process ends.
@@ -31,7 +31,13 @@ pub async fn serve(
             let handler = handler.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |req: Request<Incoming>| {
-                    let (status, content_type, body) = handler(req.method(), req.uri().path());
+                    let (status, content_type, body) = handler(
+                        req.method(),
+                        req.uri()
+                            .path_and_query()
+                            .map(|p| p.as_str())
+                            .unwrap_or("/"),
+                    );
                     let resp = Response::builder()
                         .status(status)
                         .header("content-type", content_type)

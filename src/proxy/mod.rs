@@ -431,11 +431,33 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                 q.notify_one();
                 (StatusCode::OK, admin::TEXT, "shutting down\n".into())
             }
+            (_, p) if p == "/logging" || p.starts_with("/logging?") => {
+                let level = p
+                    .split_once('?')
+                    .and_then(|(_, q)| q.split('&').find_map(|kv| kv.strip_prefix("level=")));
+                match (method, level) {
+                    (&Method::POST, Some(level)) => match crate::logging::set(level) {
+                        Ok(()) => (StatusCode::OK, admin::TEXT, format!("level={level}\n")),
+                        Err(e) => (StatusCode::BAD_REQUEST, admin::TEXT, format!("{e}\n")),
+                    },
+                    (&Method::POST, None) => (
+                        StatusCode::BAD_REQUEST,
+                        admin::TEXT,
+                        "POST /logging?level=<filter>\n".into(),
+                    ),
+                    _ => (
+                        StatusCode::OK,
+                        admin::TEXT,
+                        format!("level={}\n", crate::logging::current()),
+                    ),
+                }
+            }
             (_, "/config_dump") => (StatusCode::OK, admin::JSON, config_dump(&st, &c, &p, &t)),
             (_, "/") => (
                 StatusCode::OK,
                 admin::TEXT,
-                "/config_dump\n/quitquitquit (POST)\n".into(),
+                "/config_dump\n/logging[?level=<filter>] (POST to change)\n/quitquitquit (POST)\n"
+                    .into(),
             ),
             _ => (StatusCode::NOT_FOUND, admin::TEXT, "not found\n".into()),
         }),
