@@ -145,6 +145,17 @@ fn proxies_run_from_the_control_plane_alone() {
         .unwrap_or_else(|| panic!("certificate expiry gauge missing:\n{metrics}"));
     let left: i64 = gauge.rsplit(' ').next().unwrap().parse().unwrap();
     assert!((0..=10).contains(&left), "{gauge}");
+    assert!(metrics.contains("ambit_xds_connected 1"), "{metrics}");
+    assert!(
+        metrics.contains(
+            "istio_xds_message_total{url=\"type.googleapis.com/istio.workload.Address\"}"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("istio_xds_connection_terminations_total{reason="),
+        "the control-plane restart was counted: {metrics}"
+    );
 
     // A wrong token is refused: that proxy never becomes ready.
     let stranger = m.pod("stranger");

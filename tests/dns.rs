@@ -160,4 +160,20 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
         node.log()
     );
     assert!(!node.log().contains("panicked"), "{}", node.log());
+    let m = node.metrics();
+    let count = |label: &str| -> u64 {
+        m.lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "istio_dns_requests_total{{answered_by=\"{label}\"}}"
+                ))
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    assert!(
+        count("proxy") >= 4 && count("upstream") >= 1,
+        "DNS requests are counted:\n{m}"
+    );
+    assert!(m.contains("workload_manager_active_proxy_count 2"), "{m}");
 }

@@ -126,14 +126,29 @@ pub struct DnsProxy {
     pub pod: PodRef,
     pub state: StateHandle,
     pub upstreams: Arc<Vec<SocketAddr>>,
+    pub metrics: Arc<super::metrics::Metrics>,
 }
 
 impl DnsProxy {
     async fn resolve(&self, packet: Vec<u8>) -> Option<Vec<u8>> {
+        let by = |who| super::metrics::DnsLabels { answered_by: who };
         match reply(&packet, &self.state.load(), &self.pod.namespace) {
-            Reply::Answer(bytes) => Some(bytes),
+            Reply::Answer(bytes) => {
+                self.metrics.dns_requests.get_or_create(&by("proxy")).inc();
+                Some(bytes)
+            }
             Reply::Drop => None,
-            Reply::Forward => self.forward(&packet).await,
+            Reply::Forward => {
+                self.metrics
+                    .dns_requests
+                    .get_or_create(&by("upstream"))
+                    .inc();
+                let answer = self.forward(&packet).await;
+                if answer.is_none() {
+                    self.metrics.dns_upstream_failures.inc();
+                }
+                answer
+            }
         }
     }
 

@@ -59,9 +59,19 @@ impl Default for ConnectionLabels {
     }
 }
 
-/// The four TCP counters.
+/// Label of a DNS request: answered by the proxy or forwarded upstream.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct DnsLabels {
+    pub answered_by: &'static str,
+}
+
+/// The four TCP counters, and the proxy's own counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// `istio_dns_requests_total`.
+    pub dns_requests: Family<DnsLabels, Counter>,
+    /// `istio_dns_upstream_failures_total`.
+    pub dns_upstream_failures: Counter,
     opened: Family<ConnectionLabels, Counter>,
     closed: Family<ConnectionLabels, Counter>,
     sent: Family<ConnectionLabels, Counter>,
@@ -90,6 +100,17 @@ impl Metrics {
             "received_bytes",
             "Bytes sent from destination back to source",
             self.received.clone(),
+        );
+        let dns = registry.sub_registry_with_prefix("istio_dns");
+        dns.register(
+            "requests",
+            "DNS requests served by the proxy",
+            self.dns_requests.clone(),
+        );
+        dns.register(
+            "upstream_failures",
+            "Forwarded DNS requests no upstream answered",
+            self.dns_upstream_failures.clone(),
         );
     }
 

@@ -175,6 +175,7 @@ impl ProxyShared {
         tokio::spawn(inbound.serve_plaintext(plain_l));
         if let Some(upstreams) = &self.dns_upstreams {
             let dns = Arc::new(dns::DnsProxy {
+                metrics: self.metrics.clone(),
                 pod: pod.clone(),
                 state: self.state.clone(),
                 upstreams: upstreams.clone(),
@@ -206,6 +207,7 @@ impl ProxyShared {
 }
 
 async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
+    let mut registry = Registry::default();
     // Mesh state: from the control plane over xDS, or from the local config file.
     let mut xds_synced = Arc::new(AtomicBool::new(true));
     let state = match (&cfg.xds_address, &cfg.local_xds_path) {
@@ -232,6 +234,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                 state.clone(),
             );
             xds_synced.clone_from(&client.synced);
+            client.metrics.register(&mut registry);
             tokio::spawn(client.run());
             state
         }
@@ -262,8 +265,13 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     let certs = CertManager::new(source, cfg.cert_ttl);
     certs.spawn_releaser(std::time::Duration::from_secs(10));
     let metrics = Arc::new(metrics::Metrics::default());
-    let mut registry = Registry::default();
     metrics.register(&mut registry);
+    let active_pods = prometheus_client::metrics::gauge::Gauge::<i64>::default();
+    registry.register(
+        "workload_manager_active_proxy_count",
+        "Pods this proxy serves",
+        active_pods.clone(),
+    );
     // Seconds until each held workload certificate expires: alert before it happens.
     let expiry = prometheus_client::metrics::family::Family::<
         Vec<(String, String)>,
@@ -387,10 +395,17 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
     let registry = Arc::new(registry);
     let scrape_certs = certs.clone();
+    let scrape_pods = pods.clone();
+    let dedicated_pods = i64::from(cfg.mode == ProxyMode::Dedicated);
     admin::serve(
         cfg.metrics_addr,
         Arc::new(move |_, path| match path {
             "/metrics" | "/stats/prometheus" => {
+                active_pods.set(if scrape_pods.uids().is_empty() {
+                    dedicated_pods
+                } else {
+                    scrape_pods.uids().len() as i64
+                });
                 // Certificate expiry is computed at scrape time, so it is never stale.
                 expiry.clear();
                 for (id, not_after) in scrape_certs.summary() {

@@ -119,6 +119,43 @@ impl Held {
     }
 }
 
+/// Counters of the xDS link, registered by whoever exposes metrics.
+#[derive(Debug, Default, Clone)]
+pub struct XdsMetrics {
+    /// `istio_xds_message_total{url}`: responses received, by type.
+    pub messages: prometheus_client::metrics::family::Family<
+        Vec<(String, String)>,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    /// `istio_xds_connection_terminations_total{reason}`.
+    pub terminations: prometheus_client::metrics::family::Family<
+        Vec<(String, String)>,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    /// `ambit_xds_connected`: 1 while a stream is open.
+    pub connected: prometheus_client::metrics::gauge::Gauge,
+}
+
+impl XdsMetrics {
+    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register(
+            "istio_xds_message",
+            "xDS responses received, by type",
+            self.messages.clone(),
+        );
+        registry.register(
+            "istio_xds_connection_terminations",
+            "xDS streams ended, by reason",
+            self.terminations.clone(),
+        );
+        registry.register(
+            "ambit_xds_connected",
+            "1 while an xDS stream is open",
+            self.connected.clone(),
+        );
+    }
+}
+
 /// The running client.
 pub struct XdsClient {
     cfg: XdsConfig,
@@ -126,6 +163,7 @@ pub struct XdsClient {
     held: tokio::sync::Mutex<Held>,
     /// Set once the first response of each type is applied.
     pub synced: Arc<AtomicBool>,
+    pub metrics: XdsMetrics,
 }
 
 fn node(cfg: &XdsConfig) -> Node {
@@ -162,6 +200,7 @@ impl XdsClient {
             state,
             held: Default::default(),
             synced: Arc::default(),
+            metrics: XdsMetrics::default(),
         })
     }
 
@@ -169,7 +208,18 @@ impl XdsClient {
     pub async fn run(self: Arc<Self>) {
         let mut backoff = Duration::from_millis(10);
         loop {
-            match self.session().await {
+            let ended = self.session().await;
+            self.metrics.connected.set(0);
+            let reason = match &ended {
+                Ok(()) => "closed",
+                Err(e) if e.to_string().contains("connecting to") => "connect",
+                Err(_) => "error",
+            };
+            self.metrics
+                .terminations
+                .get_or_create(&vec![("reason".into(), reason.into())])
+                .inc();
+            match ended {
                 Ok(()) => backoff = Duration::from_millis(10),
                 Err(e) => {
                     tracing::warn!(addr = %self.cfg.address, error = %e, "xDS stream ended; the last good state keeps serving")
@@ -220,8 +270,17 @@ impl XdsClient {
             .insert("clusterid", self.cfg.cluster_id.parse()?);
         let mut responses = client.delta_aggregated_resources(req).await?.into_inner();
         tracing::info!(addr = %self.cfg.address, "xDS stream open");
+        self.metrics.connected.set(1);
         let mut seen: HashSet<String> = HashSet::new();
         while let Some(resp) = responses.message().await? {
+            self.metrics
+                .messages
+                .get_or_create(&vec![("url".into(), resp.type_url.clone())])
+                .inc();
+            self.metrics
+                .messages
+                .get_or_create(&vec![("url".into(), resp.type_url.clone())])
+                .inc();
             let rejected = {
                 let mut held = self.held.lock().await;
                 let mut rejected = held.apply(&resp);
