@@ -86,6 +86,18 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
             && line.ends_with(&format!(" {}", payload.len())),
         "{line}"
     );
+    std::thread::sleep(Duration::from_millis(1100));
+    let am = http_get_in(&node.lab.node, "127.0.0.1:15014", "/metrics")
+        .unwrap()
+        .1;
+    for want in [
+        "istio_cni_plugin_requests_total{response_code=\"200\"} 2",
+        "istio_cni_install_ready 1",
+        "ztunnel_connected 1",
+        "nodeagent_reconcile_events_total{type=\"add\"} 2",
+    ] {
+        assert!(am.contains(want), "agent metrics lack {want}:\n{am}");
+    }
     let dump = http_get_in(&node.lab.node, "127.0.0.1:15000", "/config_dump")
         .unwrap()
         .1;

@@ -90,8 +90,61 @@ impl PodStore {
     }
 }
 
+/// The agent's Prometheus metrics (Istio CNI's names).
+#[derive(Default)]
+pub struct AgentMetrics {
+    /// `istio_cni_plugin_requests_total{response_code}`: plugin events by answer.
+    pub plugin_requests: prometheus_client::metrics::family::Family<
+        Vec<(String, String)>,
+        prometheus_client::metrics::counter::Counter,
+    >,
+    /// `istio_cni_install_ready`: 1 while the plugin is installed.
+    pub install_ready: prometheus_client::metrics::gauge::Gauge,
+    /// `ztunnel_connected`: proxies connected over ZDS.
+    pub ztunnel_connected: prometheus_client::metrics::gauge::Gauge,
+    /// `nodeagent_reconcile_events_total{type}`: pods added and removed.
+    pub reconcile_events: prometheus_client::metrics::family::Family<
+        Vec<(String, String)>,
+        prometheus_client::metrics::counter::Counter,
+    >,
+}
+
+impl AgentMetrics {
+    fn registry(&self) -> prometheus_client::registry::Registry {
+        let mut r = prometheus_client::registry::Registry::default();
+        r.register(
+            "istio_cni_plugin_requests",
+            "CNI plugin events by response code",
+            self.plugin_requests.clone(),
+        );
+        r.register(
+            "istio_cni_install_ready",
+            "1 while the CNI plugin is installed",
+            self.install_ready.clone(),
+        );
+        r.register(
+            "ztunnel_connected",
+            "Proxies connected over ZDS",
+            self.ztunnel_connected.clone(),
+        );
+        r.register(
+            "nodeagent_reconcile_events",
+            "Pods enrolled and removed",
+            self.reconcile_events.clone(),
+        );
+        r
+    }
+
+    fn event(&self, kind: &str) {
+        self.reconcile_events
+            .get_or_create(&vec![("type".into(), kind.into())])
+            .inc();
+    }
+}
+
 /// Everything an event handler needs.
 pub struct Agent {
+    metrics: Arc<AgentMetrics>,
     cfg: AgentConfig,
     store: Arc<PodStore>,
     zds: Arc<ZdsServer>,
@@ -234,6 +287,7 @@ impl Agent {
             tracing::warn!(pod = %pod, error = %e, "probe ipset not updated; kubelet probes to this pod may be captured");
         }
         tracing::info!(pod = %pod, uid = %uid, sa = %record.service_account, "pod enrolled");
+        self.metrics.event("add");
         self.store
             .pods
             .lock()
@@ -253,6 +307,7 @@ impl Agent {
             .remove(uid);
         let Some(pod) = removed else { return };
         hostprobe::remove_pod(uid, &pod.record.ip_addrs());
+        self.metrics.event("remove");
         if let Err(e) = self.zds.del(uid).await {
             tracing::warn!(uid, error = %e, "ZDS Del failed");
         }
@@ -441,13 +496,22 @@ async fn handle_event(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Ful
         Ok(ev) => ev,
         Err(e) => return reply(StatusCode::BAD_REQUEST, format!("bad event: {e}\n")),
     };
-    match agent.add(ev).await {
+    let resp = match agent.add(ev).await {
         Ok(()) => reply(StatusCode::OK, "ok\n".into()),
         Err(e) => {
             tracing::warn!(error = %e, "enrollment failed");
             reply(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n"))
         }
-    }
+    };
+    agent
+        .metrics
+        .plugin_requests
+        .get_or_create(&vec![(
+            "response_code".into(),
+            resp.status().as_u16().to_string(),
+        )])
+        .inc();
+    resp
 }
 
 /// Runs the agent until SIGTERM/SIGINT.
@@ -503,7 +567,9 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         bypass_inbound: false,
         ipv6: cfg.ipv6,
     });
+    let metrics = Arc::new(AgentMetrics::default());
     let agent = Arc::new(Agent {
+        metrics: metrics.clone(),
         enroll: enrollment(&cfg.enroll),
         cfg: cfg.clone(),
         store,
@@ -551,6 +617,31 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
     .await
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
 
+    let registry = Arc::new(metrics.registry());
+    crate::proxy::admin::serve(
+        cfg.metrics_addr,
+        Arc::new(move |_, path| match path {
+            "/metrics" => {
+                let mut text = String::new();
+                match prometheus_client::encoding::text::encode(&mut text, &registry) {
+                    Ok(()) => (StatusCode::OK, crate::proxy::admin::PROMETHEUS, text),
+                    Err(e) => (
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        crate::proxy::admin::TEXT,
+                        e.to_string(),
+                    ),
+                }
+            }
+            _ => (
+                StatusCode::NOT_FOUND,
+                crate::proxy::admin::TEXT,
+                "not found\n".into(),
+            ),
+        }),
+    )
+    .await
+    .with_context(|| format!("metrics server on {}", cfg.metrics_addr))?;
+
     // Only now, able to serve events, does the agent put the plugin in place.
     let entry = plugin_entry(&cfg);
     let binary = std::env::current_exe()?;
@@ -581,6 +672,12 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
             );
         }
         agent.reap().await;
+        metrics
+            .install_ready
+            .set(i64::from(ready.load(Ordering::Acquire)));
+        metrics
+            .ztunnel_connected
+            .set(agent.zds.connected().await as i64);
     }
     if cfg.install_cni {
         match install::uninstall(&cfg.cni_bin_dir, &cfg.cni_conf_dir) {

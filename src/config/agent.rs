@@ -89,6 +89,12 @@ pub static AGENT_KEYS: &[Key] = &[
         help: "/healthz and /readyz",
     },
     Key {
+        name: "metrics_addr",
+        env: &["MONITORING_PORT_ADDR", "AMBIT_AGENT_METRICS_ADDR"],
+        default: "0.0.0.0:15014",
+        help: "Prometheus metrics (/metrics)",
+    },
+    Key {
         name: "log_format",
         env: &["LOG_FORMAT"],
         default: "text",
@@ -116,6 +122,7 @@ pub struct AgentConfig {
     pub local_xds_path: Option<PathBuf>,
     pub state_file: PathBuf,
     pub readiness_addr: SocketAddr,
+    pub metrics_addr: SocketAddr,
     pub log_format: LogFormat,
     pub log_level: String,
 }
@@ -172,6 +179,9 @@ impl AgentConfig {
             local_xds_path: l.get("local_xds_path", "a file path", path)?,
             state_file: l.require("state_file", "a file path", path)?,
             readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:8000", |s| {
+                s.parse().ok()
+            })?,
+            metrics_addr: l.require("metrics_addr", "an address like 0.0.0.0:15014", |s| {
                 s.parse().ok()
             })?,
             log_format: l.require("log_format", "text or json", super::parse_log_format)?,
