@@ -151,6 +151,16 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         assert!(Instant::now() < deadline, "deleted pod still served");
         std::thread::sleep(Duration::from_millis(100));
     }
+    let m = node.metrics();
+    assert!(
+        !m.lines().any(|l| l.contains("reporter=\"destination\"")
+            && l.contains("destination_workload=\"server\"")),
+        "a removed pod's series are dropped:\n{m}"
+    );
+    assert!(
+        m.lines().any(|l| l.contains("source_workload=\"client\"")),
+        "the remaining pod's series stay"
+    );
 }
 
 #[test]

@@ -29,6 +29,7 @@ use crate::zds::SeqPacket;
 struct RunningPod {
     netns_id: (u64, u64),
     _drain: DrainTrigger,
+    _metrics: super::metrics::PodMetricsGuard,
 }
 
 /// The pods this proxy serves, by uid. Dropping an entry drains the pod.
@@ -254,6 +255,11 @@ impl ZdsClient {
                     RunningPod {
                         netns_id: id,
                         _drain: trigger,
+                        _metrics: super::metrics::PodMetricsGuard {
+                            metrics: self.shared.metrics.clone(),
+                            namespace: pod_info.namespace.clone(),
+                            name: pod_info.name.clone(),
+                        },
                     },
                 );
                 Ok(())

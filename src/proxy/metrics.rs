@@ -68,6 +68,11 @@ pub struct DnsLabels {
 /// The four TCP counters, and the proxy's own counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// Label sets used, by the pod (namespace, name) they describe, so a
+    /// removed pod's series can be dropped (bounded cardinality).
+    by_pod: std::sync::Mutex<
+        std::collections::HashMap<(String, String), std::collections::HashSet<ConnectionLabels>>,
+    >,
     /// `istio_dns_requests_total`.
     pub dns_requests: Family<DnsLabels, Counter>,
     /// `istio_dns_upstream_failures_total`.
@@ -116,6 +121,37 @@ impl Metrics {
 
     pub fn opened(&self, labels: &ConnectionLabels) {
         self.opened.get_or_create(labels).inc();
+        let pod = if labels.reporter == "source" {
+            (
+                labels.source_workload_namespace.clone(),
+                labels.source_workload.clone(),
+            )
+        } else {
+            (
+                labels.destination_workload_namespace.clone(),
+                labels.destination_workload.clone(),
+            )
+        };
+        let mut by_pod = self.by_pod.lock().unwrap_or_else(|e| e.into_inner());
+        let sets = by_pod.entry(pod).or_default();
+        if !sets.contains(labels) {
+            sets.insert(labels.clone());
+        }
+    }
+
+    /// Drops every series of the pod `namespace/name`.
+    pub fn forget(&self, namespace: &str, name: &str) {
+        let sets = self
+            .by_pod
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&(namespace.to_string(), name.to_string()));
+        for labels in sets.into_iter().flatten() {
+            self.opened.remove(&labels);
+            self.closed.remove(&labels);
+            self.sent.remove(&labels);
+            self.received.remove(&labels);
+        }
     }
 
     /// `t.sent` is source → destination, as seen by the reporter.
@@ -123,6 +159,20 @@ impl Metrics {
         self.closed.get_or_create(labels).inc();
         self.sent.get_or_create(labels).inc_by(t.sent);
         self.received.get_or_create(labels).inc_by(t.received);
+    }
+}
+
+/// Drops a pod's series when the pod is no longer served.
+#[derive(Debug)]
+pub struct PodMetricsGuard {
+    pub metrics: std::sync::Arc<Metrics>,
+    pub namespace: String,
+    pub name: String,
+}
+
+impl Drop for PodMetricsGuard {
+    fn drop(&mut self) {
+        self.metrics.forget(&self.namespace, &self.name);
     }
 }
 
