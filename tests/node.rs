@@ -389,32 +389,45 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
 
 #[test]
 fn agent_start_enrolls_pods_that_already_exist() {
-    let mesh = "workloads:\n- {name: early, namespace: default, serviceAccount: early-sa, workloadIps: [\"10.83.0.50\"], protocol: HBONE}\n";
+    // `early` belongs to this node; `elsewhere` to another node (its IP shows up here only by accident).
+    let mesh = "workloads:\n- {name: early, namespace: default, serviceAccount: early-sa, workloadIps: [\"10.83.0.50\"], protocol: HBONE, node: this-node}\n- {name: elsewhere, namespace: default, workloadIps: [\"10.83.0.60\"], protocol: HBONE, node: other-node}\n";
     let mut node = Node::start_full(BIN, "early", "all", false, "10.83.0", mesh, None);
     node.lab.stop("agent");
-    // A pod that came up while the agent was away (no CNI event will ever come for it).
-    let name = format!("{}-early", node.lab.id);
-    assert!(Command::new("ip")
-        .args(["netns", "add", &name])
-        .status()
-        .unwrap()
-        .success());
-    node.pods.push(name.clone());
-    let ns = ambit::netns::Netns::named(&name).unwrap();
-    for args in [
-        &["link", "set", "lo", "up"][..],
-        &[
-            "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
-        ],
-        &["addr", "add", "10.83.0.50/24", "dev", "eth0"],
-        &["link", "set", "eth0", "up"],
-    ] {
-        assert!(ns.command("ip").args(args).status().unwrap().success());
+    // Pods that came up while the agent was away (no CNI event will ever come for them).
+    let mut netns = Vec::new();
+    for (pod, ip) in [("early", "10.83.0.50/24"), ("elsewhere", "10.83.0.60/24")] {
+        let name = format!("{}-{pod}", node.lab.id);
+        assert!(Command::new("ip")
+            .args(["netns", "add", &name])
+            .status()
+            .unwrap()
+            .success());
+        node.pods.push(name.clone());
+        let ns = ambit::netns::Netns::named(&name).unwrap();
+        for args in [
+            &["link", "set", "lo", "up"][..],
+            &[
+                "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+            ],
+            &["addr", "add", ip, "dev", "eth0"],
+            &["link", "set", "eth0", "up"],
+        ] {
+            assert!(ns.command("ip").args(args).status().unwrap().success());
+        }
+        netns.push(ns);
     }
-    node.lab.spawn("agent", node.command("agent")).unwrap();
+    let ns = netns[0].clone();
+    let mut cmd = node.command("agent");
+    cmd.env("NODE_NAME", "this-node");
+    node.lab.spawn("agent", cmd).unwrap();
     node.wait_ready("127.0.0.1:8000", "/readyz");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !node.dump("127.0.0.1:15000").contains("default/early") {
+    let served = |n: &Node| {
+        serde_json::from_str::<serde_json::Value>(&n.dump("127.0.0.1:15000"))
+            .map(|d| d["pods"].clone())
+            .unwrap_or_default()
+    };
+    while served(&node) != serde_json::json!(["default/early"]) {
         assert!(
             Instant::now() < deadline,
             "pre-existing pod not picked up:\n{}",
@@ -426,4 +439,17 @@ fn agent_start_enrolls_pods_that_already_exist() {
         String::from_utf8_lossy(&ns.command("iptables-save").output().unwrap().stdout).into_owned();
     assert!(rules.contains("--to-ports 15001"), "{rules}");
     assert!(node.log().contains("existing pod found and enrolled"));
+    let other =
+        String::from_utf8_lossy(&netns[1].command("iptables-save").output().unwrap().stdout)
+            .into_owned();
+    assert!(
+        !other.contains("ISTIO"),
+        "a workload of another node is left alone: {other}"
+    );
+    let dump: serde_json::Value = serde_json::from_str(&node.dump("127.0.0.1:15000")).unwrap();
+    assert_eq!(
+        dump["pods"],
+        serde_json::json!(["default/early"]),
+        "only this node's pod is served"
+    );
 }

@@ -417,6 +417,8 @@ fn discover(cfg: &AgentConfig, enroll: &Enrollment, held: &[PodRecord]) -> Vec<(
                 .any(|h| h.uid == w.uid || (h.name == w.name && h.namespace == w.namespace))
         })
         .filter(|w| !w.workload_ips.is_empty())
+        // On a node that knows its name, only its own workloads can be here.
+        .filter(|w| cfg.node_name.is_empty() || w.node.is_empty() || w.node == cfg.node_name)
         .cloned()
         .collect();
     if wanted.is_empty() {

@@ -77,6 +77,13 @@ pub static AGENT_KEYS: &[Key] = &[
         help: "local config; gives enrolled pods their service account",
     },
     Key {
+        name: "node_name",
+        env: &["NODE_NAME"],
+        default: "",
+        help:
+            "this node; when set, only local-config workloads of this node are looked for at start",
+    },
+    Key {
         name: "state_file",
         env: &["AMBIT_AGENT_STATE"],
         default: "/var/lib/ambit/agent-state.json",
@@ -120,6 +127,7 @@ pub struct AgentConfig {
     pub dns_capture: bool,
     pub ipv6: bool,
     pub local_xds_path: Option<PathBuf>,
+    pub node_name: String,
     pub state_file: PathBuf,
     pub readiness_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
@@ -177,6 +185,9 @@ impl AgentConfig {
             dns_capture: l.require("dns_capture", "true or false", parse_bool)?,
             ipv6: l.require("ipv6", "true or false", parse_bool)?,
             local_xds_path: l.get("local_xds_path", "a file path", path)?,
+            node_name: l
+                .get("node_name", "a name", |s| Some(s.to_string()))?
+                .unwrap_or_default(),
             state_file: l.require("state_file", "a file path", path)?,
             readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:8000", |s| {
                 s.parse().ok()
