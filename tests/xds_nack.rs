@@ -93,18 +93,24 @@ impl AggregatedDiscoveryService for Script {
     }
 }
 
-#[tokio::test]
-async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends_versions() {
+/// Serves `svc` on a fresh loopback port and starts an xDS client against it;
+/// returns the client's state and its task.
+async fn serve_and_connect<S>(
+    svc: AggregatedDiscoveryServiceServer<S>,
+) -> (StateHandle, tokio::task::JoinHandle<()>)
+where
+    S: AggregatedDiscoveryService,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let script = Script::default();
-    let server = tonic::transport::Server::builder()
-        .add_service(AggregatedDiscoveryServiceServer::new(script.clone()));
     let incoming = futures_util::stream::unfold(listener, |l| async move {
         Some((l.accept().await.map(|(s, _)| s), l))
     });
-    tokio::spawn(server.serve_with_incoming(incoming));
-
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming(incoming),
+    );
     let state = StateHandle::default();
     let cfg = XdsConfig {
         address: format!("http://{addr}"),
@@ -115,8 +121,15 @@ async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends
         metadata: vec![],
         mark: 1337,
     };
-    let client = XdsClient::new(cfg, state.clone());
-    let task = tokio::spawn(client.run());
+    let task = tokio::spawn(XdsClient::new(cfg, state.clone()).run());
+    (state, task)
+}
+
+#[tokio::test]
+async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends_versions() {
+    let script = Script::default();
+    let (state, task) =
+        serve_and_connect(AggregatedDiscoveryServiceServer::new(script.clone())).await;
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
@@ -240,27 +253,11 @@ impl AggregatedDiscoveryService for Big {
 
 #[tokio::test]
 async fn a_response_of_tens_of_megabytes_is_applied() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let n = 50_000;
-    let server = tonic::transport::Server::builder().add_service(
+    let (state, task) = serve_and_connect(
         AggregatedDiscoveryServiceServer::new(Big { n }).max_encoding_message_size(256 << 20),
-    );
-    let incoming = futures_util::stream::unfold(listener, |l| async move {
-        Some((l.accept().await.map(|(s, _)| s), l))
-    });
-    tokio::spawn(server.serve_with_incoming(incoming));
-    let state = StateHandle::default();
-    let cfg = XdsConfig {
-        address: format!("http://{addr}"),
-        root_ca: None,
-        token: None,
-        cluster_id: "Kubernetes".into(),
-        node_id: "ztunnel~10.0.0.9~ambit.istio-system~istio-system.svc.cluster.local".into(),
-        metadata: vec![],
-        mark: 1337,
-    };
-    let task = tokio::spawn(XdsClient::new(cfg, state.clone()).run());
+    )
+    .await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while state.load().workloads().count() < n {
         assert!(
