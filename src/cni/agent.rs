@@ -27,6 +27,7 @@ use super::zds_server::{PodSource, ZdsPod, ZdsServer};
 use super::{hostprobe, install};
 use crate::config::agent::{AgentConfig, EnrollRule};
 use crate::netns::Netns;
+use crate::xds::{State, StateHandle};
 
 /// File name of the plugin event socket inside the run dir.
 pub const PLUGIN_SOCKET: &str = "pluginevent.sock";
@@ -150,6 +151,8 @@ pub struct Agent {
     zds: Arc<ZdsServer>,
     rules: RedirectRules,
     enroll: Enrollment,
+    /// The local config (workloads' service accounts), loaded once and watched.
+    mesh: Option<StateHandle>,
     /// Serialises enrollments so rules, ZDS and state change in one order.
     ops: tokio::sync::Mutex<()>,
 }
@@ -206,12 +209,10 @@ impl Agent {
 
     /// The service account the local config gives this pod ("default" otherwise).
     fn service_account(&self, ev: &AddEvent) -> String {
-        let Some(path) = &self.cfg.local_xds_path else {
+        let Some(mesh) = &self.mesh else {
             return "default".into();
         };
-        let Ok(state) = crate::xds::local::load(path) else {
-            return "default".into();
-        };
+        let state = mesh.load();
         let by_name = state
             .workload_by_name(&ev.pod_namespace, &ev.pod_name)
             .map(|w| w.service_account.clone());
@@ -399,13 +400,12 @@ fn host_netns(own: (u64, u64)) -> Vec<(PathBuf, Netns)> {
 /// Pods that exist but the agent does not hold (it started after them, or
 /// lost its state): local-config workloads selected by the rule whose IP is on
 /// an interface of some netns on this host.
-fn discover(cfg: &AgentConfig, enroll: &Enrollment, held: &[PodRecord]) -> Vec<(PodRecord, Netns)> {
-    let Some(path) = &cfg.local_xds_path else {
-        return Vec::new();
-    };
-    let Ok(state) = crate::xds::local::load(path) else {
-        return Vec::new();
-    };
+fn discover(
+    cfg: &AgentConfig,
+    state: &State,
+    enroll: &Enrollment,
+    held: &[PodRecord],
+) -> Vec<(PodRecord, Netns)> {
     let wanted: Vec<_> = state
         .workloads()
         .filter(|w| {
@@ -543,7 +543,16 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         bypass_inbound: false,
         ipv6: cfg.ipv6,
     });
-    for (record, netns) in discover(&cfg, &enroll, &store.records()) {
+    let mesh = match &cfg.local_xds_path {
+        Some(path) => {
+            let handle = StateHandle::new(crate::xds::local::load(path)?);
+            tokio::spawn(crate::xds::local::watch(path.clone(), handle.clone()));
+            Some(handle)
+        }
+        None => None,
+    };
+    let known = mesh.as_ref().map(|m| m.load()).unwrap_or_default();
+    for (record, netns) in discover(&cfg, &known, &enroll, &store.records()) {
         match rules.apply(&netns) {
             Ok(()) => {
                 tracing::info!(uid = %record.uid, netns = %record.netns_path.display(), "existing pod found and enrolled");
@@ -572,7 +581,8 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
     let metrics = Arc::new(AgentMetrics::default());
     let agent = Arc::new(Agent {
         metrics: metrics.clone(),
-        enroll: enrollment(&cfg.enroll),
+        enroll,
+        mesh,
         cfg: cfg.clone(),
         store,
         zds,

@@ -26,9 +26,9 @@ impl Authorized {
     /// Applies the destination's policies: `Ok` with the ALLOW policy that
     /// matched (`None`: no ALLOW policy exists), `Err` with the deciding one.
     pub fn check(&self, state: &State) -> Result<Option<String>, String> {
-        let selected = state
+        let selected: &[String] = state
             .workload_by_addr(&self.network, self.target.ip())
-            .map(|w| w.authorization_policies.clone())
+            .map(|w| w.authorization_policies.as_slice())
             .unwrap_or_default();
         let conn = rbac::Connection {
             src_identity: self.peer.as_ref(),
@@ -36,7 +36,7 @@ impl Authorized {
             dst_ip: self.target.ip(),
             dst_port: self.target.port(),
         };
-        let verdict = rbac::evaluate(rbac::applicable(state, &self.namespace, &selected), &conn);
+        let verdict = rbac::evaluate(rbac::applicable(state, &self.namespace, selected), &conn);
         for (policy, would_allow) in &verdict.dry_run {
             tracing::info!(src.addr = %self.src_ip, dst.addr = %self.target, policy = %policy, would_allow, "dry-run policy matched");
         }

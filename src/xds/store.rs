@@ -26,6 +26,8 @@ pub struct Endpoint {
 pub struct State {
     workloads: HashMap<String, Arc<Workload>>,
     by_addr: HashMap<NetworkAddress, Arc<Workload>>,
+    /// (namespace, name) → workload, for finding a pod the agent names.
+    by_name: HashMap<(String, String), Arc<Workload>>,
     services_by_vip: HashMap<NetworkAddress, Arc<Service>>,
     services_by_host: HashMap<String, Arc<Service>>,
     endpoints: HashMap<String, Vec<Endpoint>>,
@@ -122,6 +124,8 @@ impl State {
                     ports: ports.clone(),
                 });
             }
+            st.by_name
+                .insert((w.namespace.clone(), w.name.clone()), w.clone());
             st.workloads.insert(w.uid.clone(), w);
         }
         for (i, s) in services.into_iter().enumerate() {
@@ -178,9 +182,7 @@ impl State {
     }
 
     pub fn workload_by_name(&self, namespace: &str, name: &str) -> Option<&Arc<Workload>> {
-        self.workloads
-            .values()
-            .find(|w| w.namespace == namespace && w.name == name)
+        self.by_name.get(&(namespace.to_string(), name.to_string()))
     }
 
     pub fn service_by_vip(&self, network: &str, ip: IpAddr) -> Option<&Arc<Service>> {
