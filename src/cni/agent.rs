@@ -21,6 +21,7 @@ use hyper_util::rt::TokioIo;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
+use super::kube::{self, Cluster, Wanted};
 use super::plugin::{AddEvent, Enrollment};
 use super::redirect::{RedirectOptions, RedirectRules};
 use super::zds_server::{PodSource, ZdsPod, ZdsServer};
@@ -57,6 +58,21 @@ impl PodRecord {
 struct Enrolled {
     record: PodRecord,
     netns: Netns,
+    /// When this agent process took the pod (restored pods: at start).
+    since: std::time::Instant,
+    /// Whether the Kubernetes watch has shown this pod since.
+    seen: bool,
+}
+
+impl Enrolled {
+    fn new(record: PodRecord, netns: Netns) -> Self {
+        Enrolled {
+            record,
+            netns,
+            since: std::time::Instant::now(),
+            seen: false,
+        }
+    }
 }
 
 /// The agent's pods; the ZDS snapshot is read from here.
@@ -88,6 +104,32 @@ impl PodStore {
             .values()
             .map(|p| p.record.clone())
             .collect()
+    }
+
+    fn insert(&self, record: PodRecord, netns: Netns) {
+        self.pods
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(record.uid.clone(), Enrolled::new(record, netns));
+    }
+
+    /// How long the agent has held the pod `uid`.
+    fn held_for(&self, uid: &str) -> Option<Duration> {
+        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.get(uid).map(|p| p.since.elapsed())
+    }
+
+    /// Notes that the watch shows the pod `uid`.
+    fn mark_seen(&self, uid: &str) {
+        let mut pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = pods.get_mut(uid) {
+            p.seen = true;
+        }
+    }
+
+    fn was_seen(&self, uid: &str) -> bool {
+        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        pods.get(uid).is_some_and(|p| p.seen)
     }
 }
 
@@ -153,6 +195,10 @@ pub struct Agent {
     enroll: Enrollment,
     /// The local config (workloads' service accounts), loaded once and watched.
     mesh: Option<StateHandle>,
+    /// With `enroll: kubernetes`: the node's pods and all namespaces.
+    cluster: Option<Arc<Cluster>>,
+    /// Pods the API wants enrolled whose netns was not found yet: next try, delay.
+    retry: Mutex<BTreeMap<String, (std::time::Instant, Duration)>>,
     /// Serialises enrollments so rules, ZDS and state change in one order.
     ops: tokio::sync::Mutex<()>,
 }
@@ -170,14 +216,28 @@ pub enum EnrollError {
     Rules { pod: String, reason: String },
     #[error("pod {pod}: proxy did not take the pod: {reason}")]
     Zds { pod: String, reason: String },
+    #[error("pod {pod}: Kubernetes API: {reason}")]
+    Kube { pod: String, reason: String },
 }
 
-pub fn enrollment(rule: &EnrollRule) -> Enrollment {
-    match rule {
+/// The agent's own DaemonSet pods are named `<daemonset>-<suffix>`; this is `<daemonset>-`.
+pub fn own_pod_prefix(pod_name: &str) -> String {
+    match pod_name.rsplit_once('-') {
+        Some((base, _)) if !base.is_empty() => format!("{base}-"),
+        _ => String::new(),
+    }
+}
+
+pub fn enrollment(cfg: &AgentConfig) -> Enrollment {
+    match &cfg.enroll {
         EnrollRule::All => Enrollment::All,
         EnrollRule::None => Enrollment::None,
         EnrollRule::Namespaces(n) => Enrollment::Namespaces(n.clone()),
         EnrollRule::PodPattern(p) => Enrollment::PodPattern(p.clone()),
+        EnrollRule::Kubernetes => Enrollment::Kubernetes {
+            agent_namespace: cfg.pod_namespace.clone(),
+            agent_pod_prefix: own_pod_prefix(&cfg.pod_name),
+        },
     }
 }
 
@@ -188,6 +248,11 @@ pub fn plugin_entry(cfg: &AgentConfig) -> serde_json::Value {
         EnrollRule::None => json!({"mode": "none"}),
         EnrollRule::Namespaces(n) => json!({"mode": "namespaces", "namespaces": n}),
         EnrollRule::PodPattern(p) => json!({"mode": "pod_pattern", "pod_pattern": p}),
+        EnrollRule::Kubernetes => json!({
+            "mode": "kubernetes",
+            "agent_namespace": cfg.pod_namespace,
+            "agent_pod_prefix": own_pod_prefix(&cfg.pod_name),
+        }),
     };
     json!({
         "type": install::PLUGIN_TYPE,
@@ -227,7 +292,7 @@ impl Agent {
         by_name.or_else(by_ip).unwrap_or_else(|| "default".into())
     }
 
-    /// CNI ADD for an enrolled pod: rules, then ZDS Add (waiting for the Ack), then state.
+    /// CNI ADD: decides whether the pod is enrolled, then enrolls it.
     pub async fn add(&self, ev: AddEvent) -> Result<(), EnrollError> {
         let pod = format!("{}/{}", ev.pod_namespace, ev.pod_name);
         if self.cfg.exclude_namespaces.contains(&ev.pod_namespace)
@@ -235,6 +300,33 @@ impl Agent {
         {
             tracing::info!(pod = %pod, "not enrolled by this node's rule; leaving it alone");
             return Ok(());
+        }
+        let mut uid = Self::uid_of(&ev);
+        let mut service_account = self.service_account(&ev);
+        if let Some(cluster) = &self.cluster {
+            let kube_err = |reason: String| EnrollError::Kube {
+                pod: pod.clone(),
+                reason,
+            };
+            match cluster
+                .lookup(
+                    &ev.pod_namespace,
+                    &ev.pod_name,
+                    &self.cfg.exclude_namespaces,
+                )
+                .await
+            {
+                Err(e) => return Err(kube_err(e.to_string())),
+                Ok(None) => return Err(kube_err("no such pod".into())),
+                Ok(Some((_, false))) => {
+                    tracing::info!(pod = %pod, "not enrolled: its labels do not select it");
+                    return Ok(());
+                }
+                Ok(Some((p, true))) => {
+                    let w = kube::wanted(&p);
+                    (uid, service_account) = (w.uid, w.service_account);
+                }
+            }
         }
         let _guard = self.ops.lock().await;
         let netns = Netns::open(&ev.netns).map_err(|e| EnrollError::Netns {
@@ -247,16 +339,32 @@ impl Agent {
             path: ev.netns.clone(),
             reason: e.to_string(),
         })?;
-        let uid = Self::uid_of(&ev);
         let record = PodRecord {
-            uid: uid.clone(),
+            uid,
             name: ev.pod_name.clone(),
             namespace: ev.pod_namespace.clone(),
-            service_account: self.service_account(&ev),
+            service_account,
             netns_path: PathBuf::from(&ev.netns),
             netns_id,
             ips: ev.ips.iter().map(|i| i.address.clone()).collect(),
         };
+        self.enroll_pod(record, netns).await?;
+        if let Some(cluster) = &self.cluster {
+            if let Err(e) = cluster
+                .annotate(&ev.pod_namespace, &ev.pod_name, Some("enabled"))
+                .await
+            {
+                tracing::warn!(pod = %pod, error = %e, "redirection annotation not set yet; will retry");
+            }
+        }
+        Ok(())
+    }
+
+    /// Enrolls a pod whose netns is open: rules, then ZDS Add (waiting for
+    /// the Ack), then the probe ipset and the state file. Callers hold `ops`.
+    async fn enroll_pod(&self, record: PodRecord, netns: Netns) -> Result<(), EnrollError> {
+        let pod = format!("{}/{}", record.namespace, record.name);
+        let uid = record.uid.clone();
         let rules = self.rules;
         let ns = netns.clone();
         tokio::task::spawn_blocking(move || rules.apply(&ns))
@@ -289,11 +397,7 @@ impl Agent {
         }
         tracing::info!(pod = %pod, uid = %uid, sa = %record.service_account, "pod enrolled");
         self.metrics.event("add");
-        self.store
-            .pods
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(uid, Enrolled { record, netns });
+        self.store.insert(record, netns);
         self.save();
         Ok(())
     }
@@ -340,6 +444,123 @@ impl Agent {
                 .unwrap_or(false);
             if !alive {
                 self.remove(&rec.uid, false).await;
+            }
+        }
+    }
+}
+
+/// How long a pod the agent took must be missing from the watch before it
+/// counts as deleted (the watch can lag a CNI ADD that looked the pod up).
+const WATCH_LAG: Duration = Duration::from_secs(10);
+/// Longest wait between looks for the netns of a pod the API wants enrolled.
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+impl Agent {
+    /// Brings the held pods in line with the API (label flips, deletions,
+    /// pods that started without a CNI ADD) and the redirection annotations
+    /// in line with the held pods. Level-triggered: run after every watch
+    /// event and every tick, so failures are retried.
+    async fn reconcile(&self) {
+        let Some(cluster) = &self.cluster else { return };
+        let excluded = &self.cfg.exclude_namespaces;
+        let watched = cluster.pods();
+        // Held pods the API no longer wants: relabelled, finished or deleted.
+        for rec in self.store.records() {
+            let pod = watched
+                .iter()
+                .find(|p| p.metadata.uid.as_deref() == Some(rec.uid.as_str()));
+            let drop = match pod {
+                Some(p) => {
+                    self.store.mark_seen(&rec.uid);
+                    !cluster.should_enroll(p, excluded)
+                }
+                // Deleted: gone from the watch that showed it, or never shown
+                // (the watch can lag a CNI ADD that looked the pod up).
+                None => {
+                    self.store.was_seen(&rec.uid)
+                        || self.store.held_for(&rec.uid).unwrap_or_default() > WATCH_LAG
+                }
+            };
+            if !drop {
+                continue;
+            }
+            let alive = Netns::open(&rec.netns_path)
+                .and_then(|n| n.id())
+                .is_ok_and(|id| id == rec.netns_id);
+            let _guard = self.ops.lock().await;
+            self.remove(&rec.uid, alive).await;
+            if pod.is_some() {
+                if let Err(e) = cluster.annotate(&rec.namespace, &rec.name, None).await {
+                    tracing::warn!(uid = %rec.uid, error = %e, "redirection annotation not removed yet; will retry");
+                }
+            }
+        }
+        // Pods the API wants that the agent does not hold (no CNI ADD reached
+        // it: they predate it, or a label flipped on a running pod).
+        let held = self.store.records();
+        let now = std::time::Instant::now();
+        let missing: Vec<Wanted> = {
+            let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
+            let missing: Vec<Wanted> = watched
+                .iter()
+                .filter(|p| cluster.should_enroll(p, excluded))
+                .map(|p| kube::wanted(p))
+                .filter(|w| !w.ips.is_empty() && !held.iter().any(|h| h.uid == w.uid))
+                .collect();
+            retry.retain(|uid, _| missing.iter().any(|w| &w.uid == uid));
+            missing
+                .into_iter()
+                .filter(|w| retry.get(&w.uid).is_none_or(|(at, _)| *at <= now))
+                .collect()
+        };
+        if !missing.is_empty() {
+            let look = missing.clone();
+            let found = tokio::task::spawn_blocking(move || find_netns(&look))
+                .await
+                .unwrap_or_default();
+            for w in &missing {
+                if found.iter().any(|(r, _)| r.uid == w.uid) {
+                    continue;
+                }
+                let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
+                let delay = retry
+                    .get(&w.uid)
+                    .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_RETRY));
+                tracing::debug!(pod = %format!("{}/{}", w.namespace, w.name), ?delay, "netns not found on this host yet");
+                retry.insert(w.uid.clone(), (now + delay, delay));
+            }
+            for (record, netns) in found {
+                let _guard = self.ops.lock().await;
+                if self.store.held_for(&record.uid).is_some() {
+                    continue;
+                }
+                let pod = format!("{}/{}", record.namespace, record.name);
+                match self.enroll_pod(record, netns).await {
+                    Ok(()) => {
+                        tracing::info!(pod = %pod, "running pod enrolled after its labels selected it")
+                    }
+                    Err(e) => {
+                        tracing::warn!(pod = %pod, error = %e, "running pod not enrolled; will retry")
+                    }
+                }
+            }
+        }
+        // Annotations follow what the agent holds.
+        let held = self.store.records();
+        for p in &watched {
+            let uid = p.metadata.uid.as_deref().unwrap_or_default();
+            let is_held = held.iter().any(|h| h.uid == uid);
+            let want = is_held.then_some("enabled");
+            let has = kube::redirection(p);
+            if has == want || (!is_held && has.is_none()) {
+                continue;
+            }
+            let (ns, name) = (
+                p.metadata.namespace.as_deref().unwrap_or("default"),
+                p.metadata.name.as_deref().unwrap_or_default(),
+            );
+            if let Err(e) = cluster.annotate(ns, name, want).await {
+                tracing::warn!(pod = %format!("{ns}/{name}"), error = %e, "redirection annotation not updated; will retry");
             }
         }
     }
@@ -398,15 +619,14 @@ fn host_netns(own: (u64, u64)) -> Vec<(PathBuf, Netns)> {
 }
 
 /// Pods that exist but the agent does not hold (it started after them, or
-/// lost its state): local-config workloads selected by the rule whose IP is on
-/// an interface of some netns on this host.
+/// lost its state): local-config workloads selected by the rule.
 fn discover(
     cfg: &AgentConfig,
     state: &State,
     enroll: &Enrollment,
     held: &[PodRecord],
 ) -> Vec<(PodRecord, Netns)> {
-    let wanted: Vec<_> = state
+    let wanted: Vec<Wanted> = state
         .workloads()
         .filter(|w| {
             !cfg.exclude_namespaces.contains(&w.namespace) && enroll.selects(&w.namespace, &w.name)
@@ -416,11 +636,23 @@ fn discover(
                 .iter()
                 .any(|h| h.uid == w.uid || (h.name == w.name && h.namespace == w.namespace))
         })
-        .filter(|w| !w.workload_ips.is_empty())
         // On a node that knows its name, only its own workloads can be here.
         .filter(|w| cfg.node_name.is_empty() || w.node.is_empty() || w.node == cfg.node_name)
-        .cloned()
+        .map(|w| Wanted {
+            uid: w.uid.clone(),
+            name: w.name.clone(),
+            namespace: w.namespace.clone(),
+            service_account: w.service_account.clone(),
+            ips: w.workload_ips.clone(),
+        })
         .collect();
+    find_netns(&wanted)
+}
+
+/// Finds the netns of each wanted pod: one on this host with an interface
+/// holding one of the pod's IPs.
+fn find_netns(wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
+    let wanted: Vec<&Wanted> = wanted.iter().filter(|w| !w.ips.is_empty()).collect();
     if wanted.is_empty() {
         return Vec::new();
     }
@@ -442,22 +674,29 @@ fn discover(
                     .or_else(|| s.as_sockaddr_in6().map(|v| v.ip().into()))
             })
             .collect();
-        if let Some(w) = wanted
+        let Some(w) = wanted
             .iter()
-            .find(|w| w.workload_ips.iter().any(|ip| ips.contains(ip)))
+            .find(|w| w.ips.iter().any(|ip| ips.contains(ip)))
+        else {
+            continue;
+        };
+        if found
+            .iter()
+            .any(|(r, _): &(PodRecord, Netns)| r.uid == w.uid)
         {
-            let Ok(netns_id) = ns.id() else { continue };
-            let record = PodRecord {
-                uid: w.uid.clone(),
-                name: w.name.clone(),
-                namespace: w.namespace.clone(),
-                service_account: w.service_account.clone(),
-                netns_path: path,
-                netns_id,
-                ips: w.workload_ips.iter().map(|i| i.to_string()).collect(),
-            };
-            found.push((record, ns));
+            continue;
         }
+        let Ok(netns_id) = ns.id() else { continue };
+        let record = PodRecord {
+            uid: w.uid.clone(),
+            name: w.name.clone(),
+            namespace: w.namespace.clone(),
+            service_account: w.service_account.clone(),
+            netns_path: path,
+            netns_id,
+            ips: w.ips.iter().map(|i| i.to_string()).collect(),
+        };
+        found.push((record, ns));
     }
     found
 }
@@ -530,14 +769,14 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
     let store = Arc::new(PodStore::default());
     for (record, netns) in load_state(&cfg.state_file) {
         tracing::info!(uid = %record.uid, "pod restored from agent state");
-        store
-            .pods
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(record.uid.clone(), Enrolled { record, netns });
+        store.insert(record, netns);
     }
     // Pods that predate the agent: put them under redirection before the proxy gets the snapshot.
-    let enroll = enrollment(&cfg.enroll);
+    let enroll = enrollment(&cfg);
+    let cluster = match cfg.enroll {
+        EnrollRule::Kubernetes => Some(Cluster::start(&cfg.node_name).await?),
+        _ => None,
+    };
     let rules = RedirectRules::new(RedirectOptions {
         dns_capture: cfg.dns_capture,
         bypass_inbound: false,
@@ -552,15 +791,25 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         None => None,
     };
     let known = mesh.as_ref().map(|m| m.load()).unwrap_or_default();
-    for (record, netns) in discover(&cfg, &known, &enroll, &store.records()) {
+    let existing = match &cluster {
+        Some(c) => {
+            let held = store.records();
+            let wanted: Vec<Wanted> = c
+                .pods()
+                .iter()
+                .filter(|p| c.should_enroll(p, &cfg.exclude_namespaces))
+                .map(|p| kube::wanted(p))
+                .filter(|w| !held.iter().any(|h| h.uid == w.uid))
+                .collect();
+            find_netns(&wanted)
+        }
+        None => discover(&cfg, &known, &enroll, &store.records()),
+    };
+    for (record, netns) in existing {
         match rules.apply(&netns) {
             Ok(()) => {
                 tracing::info!(uid = %record.uid, netns = %record.netns_path.display(), "existing pod found and enrolled");
-                store
-                    .pods
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(record.uid.clone(), Enrolled { record, netns });
+                store.insert(record, netns);
             }
             Err(e) => {
                 tracing::warn!(uid = %record.uid, error = %e, "existing pod found but its rules failed")
@@ -583,6 +832,8 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         metrics: metrics.clone(),
         enroll,
         mesh,
+        cluster: cluster.clone(),
+        retry: Default::default(),
         cfg: cfg.clone(),
         store,
         zds,
@@ -590,6 +841,20 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         ops: Default::default(),
     });
     agent.save();
+    if let Some(cluster) = cluster {
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            loop {
+                agent.reconcile().await;
+                tokio::select! {
+                    _ = cluster.changed.notified() => {}
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+                // Let a burst of watch events settle into one pass.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+    }
 
     {
         use std::os::unix::fs::{DirBuilderExt, PermissionsExt};

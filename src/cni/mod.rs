@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod hostprobe;
 pub mod install;
+pub mod kube;
 pub mod plugin;
 pub mod plugin_main;
 pub mod redirect;

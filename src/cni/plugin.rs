@@ -134,6 +134,13 @@ pub enum Enrollment {
     /// `{"mode": "pod_pattern", "pod_pattern": "web-*"}`: pods whose name matches the glob,
     /// where `*` matches any run of characters and every other character matches itself.
     PodPattern(String),
+    /// `{"mode": "kubernetes", "agent_namespace": "istio-system", "agent_pod_prefix": "ambit-"}`:
+    /// the agent decides from the pod's and its namespace's labels; the plugin
+    /// only lets the agent's own pods through without asking.
+    Kubernetes {
+        agent_namespace: String,
+        agent_pod_prefix: String,
+    },
 }
 
 impl Enrollment {
@@ -144,6 +151,22 @@ impl Enrollment {
             Enrollment::None => false,
             Enrollment::Namespaces(list) => list.iter().any(|n| n == namespace),
             Enrollment::PodPattern(pattern) => glob_match(pattern, pod_name),
+            Enrollment::Kubernetes { .. } => true,
+        }
+    }
+
+    /// Whether the pod is one of the agent's own (decided without asking anyone).
+    pub fn is_agent_pod(&self, namespace: &str, pod_name: &str) -> bool {
+        match self {
+            Enrollment::Kubernetes {
+                agent_namespace,
+                agent_pod_prefix,
+            } => {
+                !agent_pod_prefix.is_empty()
+                    && namespace == agent_namespace
+                    && pod_name.starts_with(agent_pod_prefix.as_str())
+            }
+            _ => false,
         }
     }
 
@@ -152,6 +175,10 @@ impl Enrollment {
             "all" => Ok(Enrollment::All),
             "none" => Ok(Enrollment::None),
             "namespaces" => Ok(Enrollment::Namespaces(raw.namespaces)),
+            "kubernetes" => Ok(Enrollment::Kubernetes {
+                agent_namespace: raw.agent_namespace.unwrap_or_default(),
+                agent_pod_prefix: raw.agent_pod_prefix.unwrap_or_default(),
+            }),
             "pod_pattern" => match raw.pod_pattern {
                 Some(p) if !p.is_empty() => Ok(Enrollment::PodPattern(p)),
                 _ => Err(CniError::invalid_config(
@@ -159,7 +186,7 @@ impl Enrollment {
                 )),
             },
             other => Err(CniError::invalid_config(format!(
-                "unknown enroll.mode {other:?} (expected all, none, namespaces or pod_pattern)"
+                "unknown enroll.mode {other:?} (expected all, none, namespaces, pod_pattern or kubernetes)"
             ))),
         }
     }
@@ -202,6 +229,8 @@ struct RawEnroll {
     #[serde(default)]
     namespaces: Vec<String>,
     pod_pattern: Option<String>,
+    agent_namespace: Option<String>,
+    agent_pod_prefix: Option<String>,
 }
 
 fn default_enroll_mode() -> String {
@@ -397,6 +426,9 @@ pub fn decide(cfg: &PluginConfig, env: &CniEnv, pod: &PodArgs) -> Decision {
     let namespace = pod.namespace.as_deref().unwrap_or("default");
     if cfg.exclude_namespaces.iter().any(|n| n == namespace) {
         return Decision::PassThrough("namespace excluded");
+    }
+    if cfg.enroll.is_agent_pod(namespace, name) {
+        return Decision::PassThrough("the agent's own pod");
     }
     if !cfg.enroll.selects(namespace, name) {
         return Decision::PassThrough("not selected by the enrollment rule");

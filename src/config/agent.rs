@@ -6,13 +6,15 @@ use std::path::PathBuf;
 use super::proxy::LogFormat;
 use super::{parse_bool, CommandLine, ConfigError, Key, Layers};
 
-/// Which pods the agent puts in the mesh (the embedded rule; no Kubernetes).
+/// Which pods the agent puts in the mesh.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EnrollRule {
     All,
     None,
     Namespaces(Vec<String>),
     PodPattern(String),
+    /// Istio ambient's labels, read from the Kubernetes API.
+    Kubernetes,
 }
 
 pub static AGENT_KEYS: &[Key] = &[
@@ -50,7 +52,7 @@ pub static AGENT_KEYS: &[Key] = &[
         name: "enroll",
         env: &["AMBIT_ENROLL"],
         default: "all",
-        help: "all | none | namespaces:ns1,ns2 | pods:<glob on pod name>",
+        help: "kubernetes (Istio's labels) | all | none | namespaces:ns1,ns2 | pods:<glob on pod name>",
     },
     Key {
         name: "exclude_namespaces",
@@ -82,6 +84,18 @@ pub static AGENT_KEYS: &[Key] = &[
         default: "",
         help:
             "this node; when set, only local-config workloads of this node are looked for at start",
+    },
+    Key {
+        name: "pod_namespace",
+        env: &["POD_NAMESPACE"],
+        default: "istio-system",
+        help: "the agent's own namespace; with pod_name, its own pods are never enrolled",
+    },
+    Key {
+        name: "pod_name",
+        env: &["POD_NAME"],
+        default: "",
+        help: "the agent's own pod (a DaemonSet pod: <name>-<suffix>)",
     },
     Key {
         name: "state_file",
@@ -128,6 +142,8 @@ pub struct AgentConfig {
     pub ipv6: bool,
     pub local_xds_path: Option<PathBuf>,
     pub node_name: String,
+    pub pod_namespace: String,
+    pub pod_name: String,
     pub state_file: PathBuf,
     pub readiness_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
@@ -148,6 +164,7 @@ pub fn parse_enroll(s: &str) -> Option<EnrollRule> {
         None if s == "none" => Some(EnrollRule::None),
         Some(("namespaces", v)) if !list(v).is_empty() => Some(EnrollRule::Namespaces(list(v))),
         Some(("pods", v)) if !v.is_empty() => Some(EnrollRule::PodPattern(v.to_string())),
+        None if s == "kubernetes" => Some(EnrollRule::Kubernetes),
         _ => None,
     }
 }
@@ -168,7 +185,7 @@ impl AgentConfig {
             install_cni: l.require("install_cni", "true or false", parse_bool)?,
             enroll: l.require(
                 "enroll",
-                "all, none, namespaces:a,b or pods:<glob>",
+                "kubernetes, all, none, namespaces:a,b or pods:<glob>",
                 parse_enroll,
             )?,
             exclude_namespaces: l
@@ -187,6 +204,10 @@ impl AgentConfig {
             local_xds_path: l.get("local_xds_path", "a file path", path)?,
             node_name: l
                 .get("node_name", "a name", |s| Some(s.to_string()))?
+                .unwrap_or_default(),
+            pod_namespace: l.require("pod_namespace", "a namespace", |s| Some(s.to_string()))?,
+            pod_name: l
+                .get("pod_name", "a pod name", |s| Some(s.to_string()))?
                 .unwrap_or_default(),
             state_file: l.require("state_file", "a file path", path)?,
             readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:8000", |s| {
@@ -208,6 +229,7 @@ mod tests {
     #[test]
     fn enrollment_rules_parse() {
         assert_eq!(parse_enroll("all"), Some(EnrollRule::All));
+        assert_eq!(parse_enroll("kubernetes"), Some(EnrollRule::Kubernetes));
         assert_eq!(
             parse_enroll("namespaces:a, b"),
             Some(EnrollRule::Namespaces(vec!["a".into(), "b".into()]))

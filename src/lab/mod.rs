@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crate::cni::redirect::{RedirectOptions, RedirectRules};
 use crate::netns::Netns;
 
+pub mod kubeapi;
 pub mod node;
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);

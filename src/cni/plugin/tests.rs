@@ -267,6 +267,38 @@ fn enrollment_rules_select_pods() {
 }
 
 #[test]
+fn kubernetes_mode_asks_the_agent_except_for_its_own_pods() {
+    let stdin = config(
+        "1.0.0",
+        &format!(
+            r#","enroll":{{"mode":"kubernetes","agent_namespace":"istio-system","agent_pod_prefix":"ambit-"}},"prevResult":{PREV_V1}"#
+        ),
+    );
+    let cfg = parse_config(&stdin).expect("valid");
+    let (e, pod) = (env("ADD", ""), parse_cni_args(POD));
+    assert!(matches!(decide(&cfg, &e, &pod), Decision::Enroll(_)));
+    let own = parse_cni_args("K8S_POD_NAMESPACE=istio-system;K8S_POD_NAME=ambit-x7k2p");
+    assert_eq!(
+        decide(&cfg, &e, &own),
+        Decision::PassThrough("the agent's own pod")
+    );
+    let (out, posted) = run(
+        &env(
+            "ADD",
+            "K8S_POD_NAMESPACE=istio-system;K8S_POD_NAME=ambit-x7k2p",
+        ),
+        &stdin,
+        Err("must not be called".into()),
+    );
+    assert!(
+        out.is_ok() && posted.is_empty(),
+        "no call for the agent's own pod"
+    );
+    let other = parse_cni_args("K8S_POD_NAMESPACE=istio-system;K8S_POD_NAME=istiod-1");
+    assert!(matches!(decide(&cfg, &e, &other), Decision::Enroll(_)));
+}
+
+#[test]
 fn excluded_namespace_passes_through_without_posting() {
     let stdin = config(
         "1.0.0",

@@ -1,0 +1,381 @@
+//! Kubernetes enrollment: the agent watches its node's pods and every
+//! namespace, decides enrollment from labels the way Istio ambient does, and
+//! marks captured pods with the `ambient.istio.io/redirection` annotation.
+//!
+//! The decision itself ([`should_enroll`]) is pure; [`Cluster`] keeps the
+//! watched objects in memory (kube-runtime reflectors, which relist on 410
+//! Gone) and wakes the agent on every change.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use futures_util::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{watcher, WatchStreamExt};
+use kube::Client;
+use serde_json::json;
+
+/// Label on a namespace or pod: `ambient` enrolls, `none` (on a pod) opts out.
+pub const DATAPLANE_MODE: &str = "istio.io/dataplane-mode";
+/// Annotation the agent sets (via `pods/status`) on the pods it captured.
+pub const REDIRECTION: &str = "ambient.istio.io/redirection";
+/// Annotation of a pod that has an Istio sidecar; such pods are never enrolled.
+pub const SIDECAR_STATUS: &str = "sidecar.istio.io/status";
+
+/// A pod the agent should hold, as the API describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Wanted {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub service_account: String,
+    pub ips: Vec<IpAddr>,
+}
+
+fn label<'a>(labels: &'a Option<BTreeMap<String, String>>, key: &str) -> Option<&'a str> {
+    labels.as_ref()?.get(key).map(String::as_str)
+}
+
+/// Istio ambient's default selector: the pod labelled `ambient`, or its
+/// namespace labelled `ambient` and the pod not labelled `none`. Pods on the
+/// host network or with a sidecar never match.
+pub fn selected(pod: &Pod, namespace: Option<&Namespace>) -> bool {
+    if pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.host_network)
+        .unwrap_or(false)
+    {
+        return false;
+    }
+    let annotated = pod.metadata.annotations.as_ref();
+    if annotated.is_some_and(|a| a.contains_key(SIDECAR_STATUS)) {
+        return false;
+    }
+    match label(&pod.metadata.labels, DATAPLANE_MODE) {
+        Some("ambient") => true,
+        Some("none") => false,
+        _ => {
+            namespace.is_some_and(|n| label(&n.metadata.labels, DATAPLANE_MODE) == Some("ambient"))
+        }
+    }
+}
+
+/// Whether the pod has finished for good (its netns is about to go).
+pub fn terminal(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
+/// The whole rule: not in an excluded namespace, not finished, selected.
+pub fn should_enroll(pod: &Pod, namespace: Option<&Namespace>, excluded: &[String]) -> bool {
+    let ns = pod.metadata.namespace.as_deref().unwrap_or("default");
+    !excluded.iter().any(|e| e == ns) && !terminal(pod) && selected(pod, namespace)
+}
+
+/// The pod's IPs from its status (`podIPs`, else `podIP`).
+pub fn pod_ips(pod: &Pod) -> Vec<IpAddr> {
+    let Some(status) = &pod.status else {
+        return Vec::new();
+    };
+    let listed = status
+        .pod_ips
+        .iter()
+        .flatten()
+        .filter_map(|p| p.ip.parse().ok());
+    let single = status.pod_ip.iter().filter_map(|p| p.parse().ok());
+    let mut ips: Vec<IpAddr> = Vec::new();
+    for ip in listed.chain(single) {
+        if !ips.contains(&ip) {
+            ips.push(ip);
+        }
+    }
+    ips
+}
+
+/// The pod as the agent records it.
+pub fn wanted(pod: &Pod) -> Wanted {
+    let m = &pod.metadata;
+    Wanted {
+        uid: m.uid.clone().unwrap_or_default(),
+        name: m.name.clone().unwrap_or_default(),
+        namespace: m.namespace.clone().unwrap_or_else(|| "default".into()),
+        service_account: pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.service_account_name.clone())
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| "default".into()),
+        ips: pod_ips(pod),
+    }
+}
+
+/// The value of the pod's redirection annotation, if any.
+pub fn redirection(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .annotations
+        .as_ref()?
+        .get(REDIRECTION)
+        .map(String::as_str)
+}
+
+/// The node's pods and all namespaces, kept current by watches.
+pub struct Cluster {
+    client: Client,
+    pods: Store<Pod>,
+    namespaces: Store<Namespace>,
+    /// Notified on every watch event; the agent reconciles after it.
+    pub changed: Arc<tokio::sync::Notify>,
+}
+
+impl Cluster {
+    /// Connects (KUBECONFIG or the in-cluster service account), starts the
+    /// watches and waits until both have listed once.
+    pub async fn start(node: &str) -> anyhow::Result<Arc<Cluster>> {
+        anyhow::ensure!(
+            !node.is_empty(),
+            "node_name (NODE_NAME) must be set to enroll pods from Kubernetes"
+        );
+        let client = Client::try_default()
+            .await
+            .context("Kubernetes client (from KUBECONFIG or the in-cluster service account)")?;
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let (pods, writer) = reflector::store();
+        let on_node = watcher::Config::default().fields(&format!("spec.nodeName={node}"));
+        let stream = reflector::reflector(
+            writer,
+            watcher(Api::<Pod>::all(client.clone()), on_node).default_backoff(),
+        );
+        tokio::spawn(follow(stream, changed.clone(), "pods"));
+        let (namespaces, writer) = reflector::store();
+        let stream = reflector::reflector(
+            writer,
+            watcher(Api::<Namespace>::all(client.clone()), Default::default()).default_backoff(),
+        );
+        tokio::spawn(follow(stream, changed.clone(), "namespaces"));
+        let synced = async {
+            pods.wait_until_ready().await?;
+            namespaces.wait_until_ready().await
+        };
+        tokio::select! {
+            r = synced => r.context("watch ended before its first list")?,
+            _ = async {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                    tracing::warn!("still waiting for the first list of pods and namespaces from the API server");
+                }
+            } => {}
+        }
+        tracing::info!(
+            node,
+            pods = pods.state().len(),
+            "Kubernetes pods and namespaces synced"
+        );
+        Ok(Arc::new(Cluster {
+            client,
+            pods,
+            namespaces,
+            changed,
+        }))
+    }
+
+    fn namespace(&self, name: &str) -> Option<Arc<Namespace>> {
+        self.namespaces.get(&ObjectRef::new(name))
+    }
+
+    /// The watched pod `namespace/name`.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<Arc<Pod>> {
+        self.pods.get(&ObjectRef::new(name).within(namespace))
+    }
+
+    /// Every watched pod.
+    pub fn pods(&self) -> Vec<Arc<Pod>> {
+        self.pods.state()
+    }
+
+    /// Whether the watched pod should be enrolled.
+    pub fn should_enroll(&self, pod: &Pod, excluded: &[String]) -> bool {
+        let ns = pod.metadata.namespace.as_deref().unwrap_or("default");
+        should_enroll(pod, self.namespace(ns).as_deref(), excluded)
+    }
+
+    /// The pod a CNI ADD names, with whether it should be enrolled. The
+    /// watch usually has it already (the pod is bound to the node before its
+    /// sandbox is made); otherwise the API is asked directly.
+    pub async fn lookup(
+        &self,
+        namespace: &str,
+        name: &str,
+        excluded: &[String],
+    ) -> Result<Option<(Pod, bool)>, kube::Error> {
+        for _ in 0..10 {
+            if let Some(pod) = self.pod(namespace, name) {
+                let enroll = self.should_enroll(&pod, excluded);
+                return Ok(Some(((*pod).clone(), enroll)));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let Some(pod) = Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .get_opt(name)
+            .await?
+        else {
+            return Ok(None);
+        };
+        let ns = match self.namespace(namespace) {
+            Some(ns) => Some((*ns).clone()),
+            None => {
+                Api::<Namespace>::all(self.client.clone())
+                    .get_opt(namespace)
+                    .await?
+            }
+        };
+        let enroll = should_enroll(&pod, ns.as_ref(), excluded);
+        Ok(Some((pod, enroll)))
+    }
+
+    /// Sets (`Some`) or removes (`None`) the redirection annotation with a
+    /// merge patch on `pods/status`. A pod that is gone is not an error.
+    pub async fn annotate(
+        &self,
+        namespace: &str,
+        name: &str,
+        value: Option<&str>,
+    ) -> Result<(), kube::Error> {
+        let patch = json!({"metadata": {"annotations": {REDIRECTION: value}}});
+        let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
+        match api
+            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+async fn follow<S, K>(stream: S, changed: Arc<tokio::sync::Notify>, what: &'static str)
+where
+    S: futures_util::Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+{
+    let mut stream = std::pin::pin!(stream);
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(watcher::Event::Init) => tracing::debug!(what, "listing"),
+            Ok(_) => changed.notify_one(),
+            Err(e) => tracing::warn!(what, error = %e, "watch failed; retrying with backoff"),
+        }
+    }
+    tracing::error!(what, "watch stream ended");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(labels: &[(&str, &str)], annotations: &[(&str, &str)], host_network: bool) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {
+                "name": "web-1", "namespace": "shop", "uid": "u1",
+                "labels": labels.iter().cloned().collect::<BTreeMap<_, _>>(),
+                "annotations": annotations.iter().cloned().collect::<BTreeMap<_, _>>(),
+            },
+            "spec": {"containers": [], "hostNetwork": host_network, "serviceAccountName": "web"},
+            "status": {"phase": "Running", "podIP": "10.0.0.5", "podIPs": [{"ip": "10.0.0.5"}, {"ip": "fd00::5"}]},
+        }))
+        .expect("pod")
+    }
+
+    fn ns(labels: &[(&str, &str)]) -> Namespace {
+        serde_json::from_value(json!({"metadata": {
+            "name": "shop",
+            "labels": labels.iter().cloned().collect::<BTreeMap<_, _>>(),
+        }}))
+        .expect("namespace")
+    }
+
+    #[test]
+    fn labels_decide_enrollment_as_istio_ambient_does() {
+        let ambient = ns(&[(DATAPLANE_MODE, "ambient")]);
+        let plain = ns(&[]);
+        let cases = [
+            (pod(&[], &[], false), Some(&ambient), true),
+            (pod(&[], &[], false), Some(&plain), false),
+            (pod(&[], &[], false), None, false),
+            (
+                pod(&[(DATAPLANE_MODE, "none")], &[], false),
+                Some(&ambient),
+                false,
+            ),
+            (
+                pod(&[(DATAPLANE_MODE, "ambient")], &[], false),
+                Some(&plain),
+                true,
+            ),
+            (
+                pod(&[(DATAPLANE_MODE, "other")], &[], false),
+                Some(&ambient),
+                true,
+            ),
+            (
+                pod(&[(DATAPLANE_MODE, "ambient")], &[], true),
+                Some(&ambient),
+                false,
+            ),
+            (
+                pod(
+                    &[(DATAPLANE_MODE, "ambient")],
+                    &[(SIDECAR_STATUS, "{}")],
+                    false,
+                ),
+                Some(&ambient),
+                false,
+            ),
+        ];
+        for (i, (p, n, want)) in cases.iter().enumerate() {
+            assert_eq!(selected(p, *n), *want, "case {i}");
+        }
+    }
+
+    #[test]
+    fn excluded_and_finished_pods_are_never_enrolled() {
+        let ambient = ns(&[(DATAPLANE_MODE, "ambient")]);
+        let p = pod(&[], &[], false);
+        assert!(should_enroll(&p, Some(&ambient), &["kube-system".into()]));
+        assert!(!should_enroll(&p, Some(&ambient), &["shop".into()]));
+        let mut done = p.clone();
+        done.status.as_mut().expect("status").phase = Some("Succeeded".into());
+        assert!(!should_enroll(&done, Some(&ambient), &[]));
+    }
+
+    #[test]
+    fn wanted_takes_identity_and_addresses_from_the_pod() {
+        let w = wanted(&pod(&[], &[(REDIRECTION, "enabled")], false));
+        assert_eq!(
+            (
+                w.uid.as_str(),
+                w.namespace.as_str(),
+                w.service_account.as_str()
+            ),
+            ("u1", "shop", "web")
+        );
+        assert_eq!(
+            w.ips,
+            vec![
+                "10.0.0.5".parse::<IpAddr>().expect("ip"),
+                "fd00::5".parse().expect("ip")
+            ]
+        );
+        assert_eq!(
+            redirection(&pod(&[], &[(REDIRECTION, "enabled")], false)),
+            Some("enabled")
+        );
+    }
+}

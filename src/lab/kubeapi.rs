@@ -1,0 +1,421 @@
+//! A small in-process stand-in for the Kubernetes API server, for tests: it
+//! serves list and watch of pods and namespaces (with resourceVersions and a
+//! replayable history), single GETs, and merge patches on `pods/status`,
+//! which it records. [`FakeApi::expire_watches`] ends every open watch with
+//! `410 Gone`, as an API server does when its watch cache has moved on.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::netns::Netns;
+
+/// The two kinds the fake serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    Pod,
+    Namespace,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Pod => "Pod",
+            Kind::Namespace => "Namespace",
+        }
+    }
+}
+
+type Key = (Kind, String, String);
+
+struct Watch {
+    kind: Kind,
+    node: Option<String>,
+    tx: mpsc::UnboundedSender<Bytes>,
+}
+
+#[derive(Default)]
+struct Inner {
+    rv: u64,
+    /// Watches from before this resourceVersion get 410 Gone.
+    oldest: u64,
+    objects: BTreeMap<Key, Value>,
+    history: Vec<(u64, Kind, &'static str, Value)>,
+    watches: Vec<Watch>,
+    patches: Vec<(String, Value)>,
+    requests: Vec<String>,
+}
+
+/// A running fake API server (plain HTTP on 127.0.0.1 inside a netns).
+pub struct FakeApi {
+    pub addr: SocketAddr,
+    inner: Arc<Mutex<Inner>>,
+}
+
+fn key_of(kind: Kind, obj: &Value) -> Key {
+    let m = &obj["metadata"];
+    let ns = match kind {
+        Kind::Pod => m["namespace"].as_str().unwrap_or("default").to_string(),
+        Kind::Namespace => String::new(),
+    };
+    (kind, ns, m["name"].as_str().unwrap_or_default().to_string())
+}
+
+fn node_of(obj: &Value) -> Option<&str> {
+    obj["spec"]["nodeName"].as_str()
+}
+
+/// RFC 7386 JSON merge patch.
+pub fn merge_patch(target: &mut Value, patch: &Value) {
+    let Some(fields) = patch.as_object() else {
+        *target = patch.clone();
+        return;
+    };
+    if !target.is_object() {
+        *target = json!({});
+    }
+    for (k, v) in fields {
+        if v.is_null() {
+            if let Some(t) = target.as_object_mut() {
+                t.remove(k);
+            }
+        } else {
+            merge_patch(&mut target[k.as_str()], v);
+        }
+    }
+}
+
+impl Inner {
+    fn matches(w: &Watch, kind: Kind, obj: &Value) -> bool {
+        w.kind == kind && w.node.as_deref().is_none_or(|n| node_of(obj) == Some(n))
+    }
+
+    fn event(&mut self, kind: Kind, typ: &'static str, obj: Value) {
+        let line = Bytes::from(json!({"type": typ, "object": obj}).to_string() + "\n");
+        self.watches
+            .retain(|w| !Self::matches(w, kind, &obj) || w.tx.send(line.clone()).is_ok());
+        self.history.push((self.rv, kind, typ, obj));
+    }
+
+    fn put(&mut self, kind: Kind, mut obj: Value) {
+        self.rv += 1;
+        obj["apiVersion"] = json!("v1");
+        obj["kind"] = json!(kind.name());
+        obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        let key = key_of(kind, &obj);
+        let typ = if self.objects.contains_key(&key) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        self.objects.insert(key, obj.clone());
+        self.event(kind, typ, obj);
+    }
+}
+
+fn status(code: StatusCode, reason: &str, message: &str) -> Value {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+           "message": message, "reason": reason, "code": code.as_u16()})
+}
+
+fn query(uri: &http::Uri) -> BTreeMap<String, String> {
+    let decode = |s: &str| {
+        let b = s.as_bytes();
+        let mut out = Vec::with_capacity(b.len());
+        let mut i = 0;
+        while i < b.len() {
+            match b[i] {
+                b'%' if i + 2 < b.len() => {
+                    let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("");
+                    match u8::from_str_radix(hex, 16) {
+                        Ok(v) => {
+                            out.push(v);
+                            i += 3;
+                            continue;
+                        }
+                        Err(_) => out.push(b'%'),
+                    }
+                }
+                b'+' => out.push(b' '),
+                c => out.push(c),
+            }
+            i += 1;
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    };
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (decode(k), decode(v)))
+        .collect()
+}
+
+type Body = BoxBody<Bytes, Infallible>;
+
+fn reply(code: StatusCode, v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(v.to_string())).boxed())
+        .unwrap_or_default()
+}
+
+impl FakeApi {
+    /// Starts the server on 127.0.0.1 inside `ns` (where the agent runs).
+    pub fn start(ns: &Netns) -> std::io::Result<FakeApi> {
+        let listener = ns.run(|| std::net::TcpListener::bind("127.0.0.1:0"))??;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let inner = Arc::new(Mutex::new(Inner::default()));
+        let state = inner.clone();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+                loop {
+                    let Ok((stream, _)) = listener.accept().await else {
+                        continue;
+                    };
+                    let state = state.clone();
+                    tokio::spawn(async move {
+                        let svc = service_fn(move |req| {
+                            let state = state.clone();
+                            async move { Ok::<_, Infallible>(serve(&state, req).await) }
+                        });
+                        let _ = hyper::server::conn::http1::Builder::new()
+                            .serve_connection(TokioIo::new(stream), svc)
+                            .await;
+                    });
+                }
+            });
+        });
+        Ok(FakeApi { addr, inner })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A kubeconfig pointing at this server (with a token, as in a cluster).
+    pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{}\nusers:\n- name: agent\n  user:\n    token: fake-token\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: agent\ncurrent-context: fake\n",
+            self.addr
+        );
+        std::fs::write(path, text)
+    }
+
+    /// Creates or replaces an object; watchers see ADDED or MODIFIED.
+    pub fn put(&self, kind: Kind, obj: Value) {
+        self.lock().put(kind, obj);
+    }
+
+    /// Changes a stored object in place (e.g. a label or the pod IP).
+    pub fn update(&self, kind: Kind, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) {
+        let mut inner = self.lock();
+        let ns = if kind == Kind::Pod { namespace } else { "" };
+        let key = (kind, ns.to_string(), name.to_string());
+        let Some(mut obj) = inner.objects.get(&key).cloned() else {
+            panic!("no {kind:?} {namespace}/{name}");
+        };
+        f(&mut obj);
+        inner.put(kind, obj);
+    }
+
+    /// Deletes a pod; watchers see DELETED.
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        let mut inner = self.lock();
+        let key = (Kind::Pod, namespace.to_string(), name.to_string());
+        if let Some(obj) = inner.objects.remove(&key) {
+            inner.rv += 1;
+            inner.event(Kind::Pod, "DELETED", obj);
+        }
+    }
+
+    /// The stored object.
+    pub fn get(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
+        let ns = if kind == Kind::Pod { namespace } else { "" };
+        self.lock()
+            .objects
+            .get(&(kind, ns.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    /// Every `pods/status` patch so far: (`namespace/name`, body).
+    pub fn patches(&self) -> Vec<(String, Value)> {
+        self.lock().patches.clone()
+    }
+
+    /// Every request so far, as `VERB path` (LIST, WATCH, GET, PATCH).
+    pub fn requests(&self) -> Vec<String> {
+        self.lock().requests.clone()
+    }
+
+    /// Ends every open watch with 410 Gone, and refuses watches from any
+    /// resourceVersion before now, so clients must list again.
+    pub fn expire_watches(&self) {
+        let mut inner = self.lock();
+        inner.oldest = inner.rv;
+        let gone = Bytes::from(
+            json!({"type": "ERROR", "object": status(StatusCode::GONE, "Expired", "too old resource version")})
+                .to_string()
+                + "\n",
+        );
+        for w in inner.watches.drain(..) {
+            let _ = w.tx.send(gone.clone());
+        }
+    }
+}
+
+async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
+    let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
+    let path = req.uri().path().to_string();
+    let q = query(req.uri());
+    let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    let watch = q.get("watch").is_some_and(|v| v == "true" || v == "1");
+    let kind = match parts.as_slice() {
+        ["api", "v1", "pods"] => Some(Kind::Pod),
+        ["api", "v1", "namespaces"] => Some(Kind::Namespace),
+        _ => None,
+    };
+    if let (Some(kind), &Method::GET) = (kind, req.method()) {
+        let node = q
+            .get("fieldSelector")
+            .and_then(|f| f.strip_prefix("spec.nodeName="))
+            .map(String::from);
+        let mut inner = lock();
+        let verb = if watch { "WATCH" } else { "LIST" };
+        inner.requests.push(format!("{verb} {path}"));
+        if !watch {
+            let items: Vec<Value> = inner
+                .objects
+                .iter()
+                .filter(|((k, _, _), o)| {
+                    *k == kind && node.as_deref().is_none_or(|n| node_of(o) == Some(n))
+                })
+                .map(|(_, o)| o.clone())
+                .collect();
+            let list = json!({"kind": format!("{}List", kind.name()), "apiVersion": "v1",
+                              "metadata": {"resourceVersion": inner.rv.to_string()}, "items": items});
+            return reply(StatusCode::OK, &list);
+        }
+        let from: u64 = q
+            .get("resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let (tx, rx) = mpsc::unbounded_channel();
+        if from < inner.oldest {
+            let gone = status(StatusCode::GONE, "Expired", "too old resource version");
+            let _ = tx.send(Bytes::from(
+                json!({"type": "ERROR", "object": gone}).to_string() + "\n",
+            ));
+        } else {
+            let w = Watch { kind, node, tx };
+            for (rv, k, typ, obj) in &inner.history {
+                if *rv > from && Inner::matches(&w, *k, obj) {
+                    let _ = w.tx.send(Bytes::from(
+                        json!({"type": typ, "object": obj}).to_string() + "\n",
+                    ));
+                }
+            }
+            inner.watches.push(w);
+        }
+        drop(inner);
+        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+            rx.recv()
+                .await
+                .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+        });
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(BodyExt::boxed(StreamBody::new(stream)))
+            .unwrap_or_default();
+    }
+    let key = match parts.as_slice() {
+        ["api", "v1", "namespaces", ns] => Some((Kind::Namespace, String::new(), ns.to_string())),
+        ["api", "v1", "namespaces", ns, "pods", name]
+        | ["api", "v1", "namespaces", ns, "pods", name, "status"] => {
+            Some((Kind::Pod, ns.to_string(), name.to_string()))
+        }
+        _ => None,
+    };
+    let Some(key) = key else {
+        return reply(
+            StatusCode::NOT_FOUND,
+            &status(StatusCode::NOT_FOUND, "NotFound", "no such path"),
+        );
+    };
+    let method = req.method().clone();
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => Bytes::new(),
+    };
+    let mut inner = lock();
+    inner.requests.push(format!("{method} {path}"));
+    let Some(obj) = inner.objects.get(&key).cloned() else {
+        return reply(
+            StatusCode::NOT_FOUND,
+            &status(StatusCode::NOT_FOUND, "NotFound", "not found"),
+        );
+    };
+    match method {
+        Method::GET => reply(StatusCode::OK, &obj),
+        Method::PATCH if path.ends_with("/status") => {
+            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
+                return reply(
+                    StatusCode::BAD_REQUEST,
+                    &status(StatusCode::BAD_REQUEST, "BadRequest", "patch is not JSON"),
+                );
+            };
+            inner
+                .patches
+                .push((format!("{}/{}", key.1, key.2), patch.clone()));
+            let mut updated = obj;
+            merge_patch(&mut updated, &patch);
+            inner.put(Kind::Pod, updated.clone());
+            reply(StatusCode::OK, &updated)
+        }
+        _ => reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            &status(
+                StatusCode::METHOD_NOT_ALLOWED,
+                "MethodNotAllowed",
+                "not served",
+            ),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merge_patch_sets_and_removes_keys() {
+        let mut v = json!({"metadata": {"annotations": {"a": "1", "b": "2"}}});
+        merge_patch(
+            &mut v,
+            &json!({"metadata": {"annotations": {"a": null, "c": "3"}}}),
+        );
+        assert_eq!(
+            v,
+            json!({"metadata": {"annotations": {"b": "2", "c": "3"}}})
+        );
+    }
+}

@@ -1,0 +1,220 @@
+//! End-to-end: Kubernetes enrollment. `ambit node` runs with
+//! `enroll: kubernetes` against a fake API server (no cluster on these
+//! machines) that serves list/watch of pods and namespaces and records the
+//! agent's patches; pods are created through the real CNI chain.
+
+use std::time::{Duration, Instant};
+
+use ambit::lab::kubeapi::{FakeApi, Kind};
+use ambit::lab::node::Node;
+use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
+use serde_json::{json, Value};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ambit");
+const MODE: &str = "istio.io/dataplane-mode";
+const REDIRECTION: &str = "ambient.istio.io/redirection";
+
+fn istio_rules(pod: &LabPod) -> usize {
+    let out = pod.ns.command("iptables-save").output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains("ISTIO"))
+        .count()
+}
+
+fn namespace(name: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({MODE: "ambient"})
+    } else {
+        json!({})
+    };
+    json!({"metadata": {"name": name, "uid": format!("ns-{name}"), "labels": labels}})
+}
+
+fn pod(ns: &str, name: &str, node: &str, sa: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}"), "labels": {}},
+        "spec": {"nodeName": node, "serviceAccountName": sa, "containers": [{"name": "app", "image": "app"}]},
+        "status": {"phase": "Pending"},
+    })
+}
+
+/// What kubelet does once the sandbox is up: the pod gets its IP and runs.
+fn set_running(api: &FakeApi, ns: &str, p: &LabPod) {
+    let ip = p.ip.to_string();
+    api.update(Kind::Pod, ns, &p.name, |o| {
+        o["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    });
+}
+
+fn wait_for(what: &str, node: &Node, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out: {what}\nlog:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn annotated(api: &FakeApi, ns: &str, name: &str) -> Option<String> {
+    api.get(Kind::Pod, ns, name)?["metadata"]["annotations"][REDIRECTION]
+        .as_str()
+        .map(String::from)
+}
+
+#[test]
+fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
+    let subnet = "10.119.0";
+    let mesh = format!(
+        "workloads:\n- {{name: a1, namespace: mesh, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n- {{name: s1, namespace: shop, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
+    );
+    let mut node = Node::prepare(BIN, "kube", "kubernetes", subnet, &mesh, None);
+    let api = FakeApi::start(&node.lab.node).unwrap();
+    let kubeconfig = node.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    node.extra_env.extend(
+        [
+            ("KUBECONFIG", kubeconfig.display().to_string()),
+            ("NODE_NAME", "node-a".into()),
+            ("POD_NAMESPACE", "istio-system".into()),
+            ("POD_NAME", "ambit-q8x2z".into()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    for (name, ambient) in [
+        ("mesh", true),
+        ("shop", false),
+        ("kube-system", true),
+        ("istio-system", false),
+    ] {
+        api.put(Kind::Namespace, namespace(name, ambient));
+    }
+    api.put(Kind::Pod, pod("mesh", "a1", "node-a", "client-sa"));
+    api.put(Kind::Pod, pod("shop", "s1", "node-a", "server-sa"));
+    // Another node's pod in an ambient namespace: never this agent's business.
+    api.put(Kind::Pod, pod("mesh", "elsewhere", "node-b", "default"));
+
+    node.launch(true);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    node.wait_ready("127.0.0.1:15021", "/healthz/ready");
+    assert!(
+        api.requests().iter().any(|r| r == "WATCH /api/v1/pods"),
+        "the agent watches pods: {:?}",
+        api.requests()
+    );
+
+    // CNI ADD: the agent decides from the labels.
+    let a1 = node.add_pod("a1", "mesh").unwrap();
+    set_running(&api, "mesh", &a1);
+    let s1 = node.add_pod("s1", "shop").unwrap();
+    set_running(&api, "shop", &s1);
+    assert!(
+        istio_rules(&a1) > 0,
+        "pod in an ambient namespace is captured"
+    );
+    assert_eq!(
+        istio_rules(&s1),
+        0,
+        "pod in a plain namespace is left alone"
+    );
+    wait_for("a1 annotated", &node, || {
+        annotated(&api, "mesh", "a1").as_deref() == Some("enabled")
+    });
+    assert_eq!(annotated(&api, "shop", "s1"), None);
+    assert!(
+        api.patches().iter().all(|(p, _)| p == "mesh/a1"),
+        "only captured pods are patched: {:?}",
+        api.patches()
+    );
+
+    // Namespace label flip: the running pod is found by its IP and captured.
+    api.update(Kind::Namespace, "", "shop", |o| {
+        o["metadata"]["labels"][MODE] = json!("ambient")
+    });
+    wait_for("s1 captured after the namespace flip", &node, || {
+        istio_rules(&s1) > 0
+    });
+    wait_for("s1 annotated", &node, || {
+        annotated(&api, "shop", "s1").as_deref() == Some("enabled")
+    });
+    // Both are meshed now: traffic between them works through the proxy.
+    let echo = EchoServer::start(&s1, 8080).unwrap();
+    let mut conn = connect_from(&a1, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut conn, b"over-hbone").unwrap(),
+        b"over-hbone"
+    );
+    drop(conn);
+    wait_for("HBONE traffic counted", &node, || {
+        node.metrics().lines().any(|l| {
+            l.starts_with("istio_tcp_connections_opened_total{reporter=\"destination\"")
+                && l.contains(
+                    "destination_principal=\"spiffe://cluster.local/ns/shop/sa/server-sa\"",
+                )
+                && l.contains("source_principal=\"spiffe://cluster.local/ns/mesh/sa/client-sa\"")
+        })
+    });
+
+    // Pod label opt-out: removed live, annotation dropped.
+    api.update(Kind::Pod, "shop", "s1", |o| {
+        o["metadata"]["labels"][MODE] = json!("none")
+    });
+    wait_for("s1 released after its opt-out label", &node, || {
+        istio_rules(&s1) == 0
+    });
+    wait_for("s1 annotation removed", &node, || {
+        annotated(&api, "shop", "s1").is_none()
+    });
+    assert!(
+        api.patches()
+            .iter()
+            .any(|(p, b)| p == "shop/s1" && b["metadata"]["annotations"][REDIRECTION].is_null()),
+        "removal is a merge patch with null"
+    );
+
+    // The API server's watch cache moves on: watches end with 410 and must relist.
+    let lists = |api: &FakeApi| {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("LIST /api/v1/pods"))
+            .count()
+    };
+    let before = lists(&api);
+    api.expire_watches();
+    wait_for("pods relisted after 410 Gone", &node, || {
+        lists(&api) > before
+    });
+    assert_eq!(
+        node.log().matches("too old resource version").count(),
+        2,
+        "one 410 per watch, and the relist resumes cleanly"
+    );
+    api.update(Kind::Pod, "shop", "s1", |o| {
+        o["metadata"]["labels"]
+            .as_object_mut()
+            .unwrap()
+            .remove(MODE);
+    });
+    wait_for("s1 captured again through the new watch", &node, || {
+        istio_rules(&s1) > 0
+    });
+
+    // A deleted pod is released at once (its netns, still here, loses the rules).
+    api.delete_pod("mesh", "a1");
+    let deleted = Instant::now();
+    wait_for("a1 released after deletion", &node, || {
+        istio_rules(&a1) == 0
+    });
+    assert!(
+        deleted.elapsed() < Duration::from_secs(3),
+        "release took {:?}",
+        deleted.elapsed()
+    );
+    assert!(
+        !node.log().contains("elsewhere"),
+        "another node's pod was looked at"
+    );
+}
