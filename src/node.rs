@@ -17,6 +17,10 @@ fn spawn(role: &str) -> std::io::Result<Child> {
 }
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
+    if matches!(args, [a] if a == "--help" || a == "-h") {
+        println!("ambit node: runs `ambit agent` and `ambit proxy` for this host as child processes,\nrestarting either if it exits; SIGTERM or SIGINT stops both.\nBoth read their configuration from the environment: see `ambit agent --help`\nand `ambit proxy --help`.");
+        return Ok(());
+    }
     if let Some(a) = args.first() {
         anyhow::bail!("ambit node takes no arguments (got {a:?}); configure the agent and proxy through the environment");
     }

@@ -424,7 +424,10 @@ fn agent_start_enrolls_pods_that_already_exist() {
     let deadline = Instant::now() + Duration::from_secs(10);
     let served = |n: &Node| {
         serde_json::from_str::<serde_json::Value>(&n.dump("127.0.0.1:15000"))
-            .map(|d| d["pods"].clone())
+            .map(|d| {
+                let uids = d["pods"].as_array().cloned().unwrap_or_default();
+                serde_json::Value::from_iter(uids.iter().map(|p| p["uid"].clone()))
+            })
             .unwrap_or_default()
     };
     while served(&node) != serde_json::json!(["default/early"]) {
@@ -446,10 +449,31 @@ fn agent_start_enrolls_pods_that_already_exist() {
         !other.contains("ISTIO"),
         "a workload of another node is left alone: {other}"
     );
-    let dump: serde_json::Value = serde_json::from_str(&node.dump("127.0.0.1:15000")).unwrap();
     assert_eq!(
-        dump["pods"],
+        served(&node),
         serde_json::json!(["default/early"]),
         "only this node's pod is served"
+    );
+    // The admin dump shows the pod with its identity, addresses and state.
+    let dump: serde_json::Value = serde_json::from_str(&node.dump("127.0.0.1:15000")).unwrap();
+    let pod = &dump["pods"][0];
+    assert_eq!(pod["name"], "early");
+    assert_eq!(pod["namespace"], "default");
+    assert!(
+        pod["identity"]
+            .as_str()
+            .unwrap()
+            .starts_with("spiffe://cluster.local/ns/default/sa/"),
+        "{pod}"
+    );
+    assert!(
+        pod["ips"].as_array().is_some_and(|a| !a.is_empty()),
+        "{pod}"
+    );
+    assert_eq!(pod["state"], "serving", "{pod}");
+    assert!(pod["certificateExpiresUnix"].as_u64().is_some(), "{pod}");
+    assert!(
+        !dump.to_string().contains("PRIVATE KEY"),
+        "no key material in the dump"
     );
 }

@@ -515,7 +515,8 @@ impl Agent {
         };
         if !missing.is_empty() {
             let look = missing.clone();
-            let found = tokio::task::spawn_blocking(move || find_netns(&look))
+            let proc_dir = self.cfg.host_proc.clone();
+            let found = tokio::task::spawn_blocking(move || find_netns(&proc_dir, &look))
                 .await
                 .unwrap_or_default();
             for w in &missing {
@@ -589,7 +590,7 @@ pub fn load_state(path: &Path) -> Vec<(PodRecord, Netns)> {
 
 /// Every network namespace on the host other than `own`, with a path to it:
 /// named ones (`/var/run/netns`) first, then those only a process holds.
-fn host_netns(own: (u64, u64)) -> Vec<(PathBuf, Netns)> {
+fn host_netns(proc_dir: &Path, own: (u64, u64)) -> Vec<(PathBuf, Netns)> {
     let mut seen = std::collections::HashSet::from([own]);
     let mut out = Vec::new();
     let named = std::fs::read_dir("/var/run/netns")
@@ -597,7 +598,7 @@ fn host_netns(own: (u64, u64)) -> Vec<(PathBuf, Netns)> {
         .flatten()
         .flatten()
         .map(|e| e.path());
-    let procs = std::fs::read_dir("/proc")
+    let procs = std::fs::read_dir(proc_dir)
         .into_iter()
         .flatten()
         .flatten()
@@ -646,12 +647,12 @@ fn discover(
             ips: w.workload_ips.clone(),
         })
         .collect();
-    find_netns(&wanted)
+    find_netns(&cfg.host_proc, &wanted)
 }
 
 /// Finds the netns of each wanted pod: one on this host with an interface
 /// holding one of the pod's IPs.
-fn find_netns(wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
+fn find_netns(proc_dir: &Path, wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
     let wanted: Vec<&Wanted> = wanted.iter().filter(|w| !w.ips.is_empty()).collect();
     if wanted.is_empty() {
         return Vec::new();
@@ -660,7 +661,7 @@ fn find_netns(wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
         return Vec::new();
     };
     let mut found = Vec::new();
-    for (path, ns) in host_netns(own) {
+    for (path, ns) in host_netns(proc_dir, own) {
         let Ok(Ok(addrs)) = ns.run(|| {
             nix::ifaddrs::getifaddrs().map(|a| a.filter_map(|i| i.address).collect::<Vec<_>>())
         }) else {
@@ -801,7 +802,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
                 .map(|p| kube::wanted(p))
                 .filter(|w| !held.iter().any(|h| h.uid == w.uid))
                 .collect();
-            find_netns(&wanted)
+            find_netns(&cfg.host_proc, &wanted)
         }
         None => discover(&cfg, &known, &enroll, &store.records()),
     };

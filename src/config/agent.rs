@@ -98,6 +98,12 @@ pub static AGENT_KEYS: &[Key] = &[
         help: "the agent's own pod (a DaemonSet pod: <name>-<suffix>)",
     },
     Key {
+        name: "host_proc",
+        env: &["HOST_PROC"],
+        default: "/proc",
+        help: "the host's /proc (scanned for pods' netns; /host/proc in a container)",
+    },
+    Key {
         name: "state_file",
         env: &["AMBIT_AGENT_STATE"],
         default: "/var/lib/ambit/agent-state.json",
@@ -144,6 +150,7 @@ pub struct AgentConfig {
     pub node_name: String,
     pub pod_namespace: String,
     pub pod_name: String,
+    pub host_proc: PathBuf,
     pub state_file: PathBuf,
     pub readiness_addr: SocketAddr,
     pub metrics_addr: SocketAddr,
@@ -209,6 +216,7 @@ impl AgentConfig {
             pod_name: l
                 .get("pod_name", "a pod name", |s| Some(s.to_string()))?
                 .unwrap_or_default(),
+            host_proc: l.require("host_proc", "a directory path", path)?,
             state_file: l.require("state_file", "a file path", path)?,
             readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:8000", |s| {
                 s.parse().ok()

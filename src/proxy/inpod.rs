@@ -28,8 +28,24 @@ use crate::zds::SeqPacket;
 
 struct RunningPod {
     netns_id: (u64, u64),
+    /// What `/config_dump` shows of the pod.
+    view: PodView,
     _drain: DrainTrigger,
     _metrics: super::metrics::PodMetricsGuard,
+}
+
+/// A served pod as the admin endpoint shows it.
+#[derive(Debug, Clone)]
+pub struct PodView {
+    pub uid: String,
+    pub name: String,
+    pub namespace: String,
+    pub identity: String,
+    pub ips: Vec<std::net::IpAddr>,
+    /// Device and inode of the pod's netns.
+    pub netns: (u64, u64),
+    /// When the proxy took the pod (Unix seconds).
+    pub added_unix: u64,
 }
 
 /// The pods this proxy serves, by uid. Dropping an entry drains the pod.
@@ -48,6 +64,14 @@ impl PodTable {
             .cloned()
             .collect();
         v.sort();
+        v
+    }
+
+    /// The served pods, sorted by uid.
+    pub fn views(&self) -> Vec<PodView> {
+        let pods = self.pods.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<PodView> = pods.values().map(|p| p.view.clone()).collect();
+        v.sort_by(|a, b| a.uid.cmp(&b.uid));
         v
     }
 
@@ -249,11 +273,24 @@ impl ZdsClient {
                     .pod(&pod_info, sockets, drain, Some(&netns))
                     .await?;
                 tracing::info!(pod = %pod.uid, identity = %pod.identity, ips = ?pod.ips, "pod added");
+                let view = PodView {
+                    uid: add.uid.clone(),
+                    name: pod.name.clone(),
+                    namespace: pod.namespace.clone(),
+                    identity: pod.identity.to_string(),
+                    ips: pod.ips.clone(),
+                    netns: id,
+                    added_unix: std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_secs())
+                        .unwrap_or(0),
+                };
                 self.shared.start(pod)?;
                 self.pods.insert(
                     add.uid,
                     RunningPod {
                         netns_id: id,
+                        view,
                         _drain: trigger,
                         _metrics: super::metrics::PodMetricsGuard {
                             metrics: self.shared.metrics.clone(),

@@ -550,10 +550,27 @@ fn config_dump(
             serde_json::json!({"identity": id, "expiresUnix": secs})
         })
         .collect();
+    let served: Vec<_> = pods
+        .views()
+        .into_iter()
+        .map(|p| {
+            let cert = certificates
+                .iter()
+                .find(|c| c["identity"] == p.identity)
+                .cloned();
+            serde_json::json!({
+                "uid": p.uid, "name": p.name, "namespace": p.namespace, "identity": p.identity,
+                "ips": p.ips, "netns": {"dev": p.netns.0, "ino": p.netns.1}, "addedUnix": p.added_unix,
+                // Serving with its certificate, or still waiting for it from the CA.
+                "state": if cert.is_some() { "serving" } else { "certificate pending" },
+                "certificateExpiresUnix": cert.map(|c| c["expiresUnix"].clone()),
+            })
+        })
+        .collect();
     serde_json::json!({
         "workloads": workloads, "services": services, "policies": policies, "certificates": certificates,
         "pool": {"open": pool.open(), "dials": pool.dials()},
-        "pods": pods.uids(),
+        "pods": served,
     })
     .to_string()
 }

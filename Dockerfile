@@ -1,0 +1,35 @@
+# Ambit: one image for every role (agent, proxy, node, cni, control-plane).
+#
+#   podman build -t ambit .          (or docker build)
+#
+# Both stages take their base as a build argument so the image can be built
+# where no registry is reachable (the tests build it on a local Debian base;
+# see .ci/install-deps).
+ARG BUILD_IMAGE=docker.io/library/rust:1-bookworm
+ARG BASE_IMAGE=docker.io/library/debian:bookworm-slim
+
+FROM ${BUILD_IMAGE} AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock build.rs ./
+COPY proto proto
+COPY src src
+COPY benches benches
+# glibc linked statically: the same binary is installed on the host as the
+# CNI plugin, whose glibc may be older than the image's.
+RUN target="$(uname -m)-unknown-linux-gnu" \
+ && RUSTFLAGS="-C target-feature=+crt-static" \
+    cargo build --release --locked --bin ambit --target "$target" \
+ && install -m 0755 "target/$target/release/ambit" /ambit
+
+FROM ${BASE_IMAGE}
+# iptables (nft and legacy back ends), nftables, iproute2 and ipset are what
+# the agent programs pods and the host with.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends iptables nftables iproute2 ipset ca-certificates \
+ && apt-get clean \
+ && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin /var/log/apt /var/log/dpkg.log
+COPY --from=build /ambit /usr/local/bin/ambit
+RUN for role in agent proxy node cni control-plane; do ln -s ambit "/usr/local/bin/ambit-$role"; done \
+ && /usr/local/bin/ambit version
+ENTRYPOINT ["/usr/local/bin/ambit"]
+CMD ["node"]

@@ -1,0 +1,308 @@
+//! The Helm chart, its rendered manifests and the container image, checked
+//! with real tools: helm renders and lints the chart, kubernetes-validate
+//! checks the manifests against the Kubernetes schemas, and podman builds the
+//! Dockerfile on local Debian base images (`.ci/install-deps` provides all
+//! of them; no registry is reachable from our machines).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde::Deserialize;
+use serde_yaml::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ambit");
+const CHART: &str = "deploy/chart/ambit";
+const MANIFESTS: &str = "deploy/manifests/ambit.yaml";
+const BASE: &str = "localhost/ambit-base:bookworm";
+const BUILDER: &str = "localhost/ambit-rust:bookworm";
+/// The default nofile limit fails container starts on our machines.
+const ULIMITS: [&str; 4] = [
+    "--ulimit",
+    "nofile=20000:20000",
+    "--ulimit",
+    "nproc=4096:4096",
+];
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn tool(name: &str) -> Command {
+    let found = std::env::var_os("PATH")
+        .map(|p| std::env::split_paths(&p).any(|d| d.join(name).is_file()))
+        .unwrap_or(false);
+    assert!(found, "{name} is missing: run .ci/install-deps");
+    let mut cmd = Command::new(name);
+    cmd.current_dir(repo());
+    cmd
+}
+
+fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("spawn");
+    assert!(
+        out.status.success(),
+        "{cmd:?} failed:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn stdout(cmd: &mut Command) -> String {
+    String::from_utf8_lossy(&run(cmd).stdout).into_owned()
+}
+
+fn documents(text: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(text)
+        .map(|d| Value::deserialize(d).expect("yaml"))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn strs(v: &Value) -> Vec<String> {
+    v.as_sequence()
+        .map(|s| {
+            s.iter()
+                .filter_map(|x| x.as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+#[test]
+fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas() {
+    run(tool("helm").args(["lint", "--strict", CHART]));
+    let rendered =
+        stdout(tool("helm").args(["template", "ambit", CHART, "--namespace", "istio-system"]));
+    let checked_in = std::fs::read_to_string(repo().join(MANIFESTS)).expect("manifests");
+    assert!(
+        rendered == checked_in,
+        "{MANIFESTS} is stale; regenerate it with\n  helm template ambit {CHART} --namespace istio-system > {MANIFESTS}"
+    );
+    for version in ["1.29.0", "1.33.0"] {
+        run(tool("kubernetes-validate").args(["--strict", "-k", version, MANIFESTS]));
+    }
+    // The validator is not a rubber stamp: a misspelled field fails it.
+    let broken = std::env::temp_dir().join(format!("ambit-broken-{}.yaml", std::process::id()));
+    std::fs::write(
+        &broken,
+        checked_in.replace("hostNetwork: true", "hostNetwrk: true"),
+    )
+    .expect("write");
+    let out = tool("kubernetes-validate")
+        .args(["--strict", "-k", "1.33.0"])
+        .arg(&broken)
+        .output()
+        .expect("spawn");
+    let _ = std::fs::remove_file(&broken);
+    assert!(
+        !out.status.success(),
+        "a misspelled field passed validation"
+    );
+
+    let docs = documents(&checked_in);
+    let kinds: Vec<&str> = docs.iter().filter_map(|d| d["kind"].as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "ServiceAccount",
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "DaemonSet"
+        ]
+    );
+    // RBAC: exactly the verbs the agent uses.
+    let role = &docs[1];
+    let rules: Vec<(Vec<String>, Vec<String>)> = role["rules"]
+        .as_sequence()
+        .expect("rules")
+        .iter()
+        .map(|r| (strs(&r["resources"]), strs(&r["verbs"])))
+        .collect();
+    assert_eq!(
+        rules,
+        [
+            (
+                vec!["pods".to_string(), "namespaces".into()],
+                vec!["get".to_string(), "list".into(), "watch".into()]
+            ),
+            (vec!["pods/status".to_string()], vec!["patch".to_string()]),
+        ]
+    );
+    let ds = &docs[3]["spec"]["template"]["spec"];
+    assert_eq!(ds["hostNetwork"].as_bool(), Some(true));
+    assert_eq!(
+        ds["priorityClassName"].as_str(),
+        Some("system-node-critical")
+    );
+    let host_paths: Vec<&str> = ds["volumes"]
+        .as_sequence()
+        .expect("volumes")
+        .iter()
+        .filter_map(|v| v["hostPath"]["path"].as_str())
+        .collect();
+    for p in [
+        "/opt/cni/bin",
+        "/etc/cni/net.d",
+        "/proc",
+        "/var/run/netns",
+        "/var/run/ambit",
+    ] {
+        assert!(host_paths.contains(&p), "host path {p} not mounted");
+    }
+    let containers = ds["containers"].as_sequence().expect("containers");
+    assert_eq!(containers.len(), 2);
+    for c in containers {
+        let name = c["name"].as_str().expect("name");
+        let sc = &c["securityContext"];
+        assert_eq!(sc["privileged"].as_bool(), Some(false), "{name}");
+        assert_eq!(strs(&sc["capabilities"]["drop"]), ["ALL"], "{name}");
+        let wanted: &[&str] = match name {
+            "agent" => &[
+                "NET_ADMIN",
+                "NET_RAW",
+                "SYS_ADMIN",
+                "SYS_PTRACE",
+                "DAC_OVERRIDE",
+            ],
+            _ => &["NET_ADMIN", "NET_RAW", "SYS_ADMIN"],
+        };
+        assert_eq!(strs(&sc["capabilities"]["add"]), wanted, "{name}");
+        assert!(
+            c["readinessProbe"]["httpGet"]["port"].as_u64().is_some(),
+            "{name} has a readiness probe"
+        );
+        assert!(
+            c["resources"]["requests"]["memory"].as_str().is_some(),
+            "{name} requests memory"
+        );
+        // Every variable the chart sets is one the binary reads for that role.
+        let help = stdout(Command::new(BIN).args([name, "--help"]));
+        for e in c["env"].as_sequence().expect("env") {
+            let var = e["name"].as_str().expect("env name");
+            assert!(
+                help.contains(&format!("env {var}")) || help.contains(&format!(", {var}")),
+                "{name}: {var} is not an `ambit {name}` setting"
+            );
+        }
+    }
+}
+
+fn podman_image_exists(name: &str) -> bool {
+    Command::new("podman")
+        .args(["image", "exists", name])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn home_dir(var: &str, default: &str) -> PathBuf {
+    std::env::var_os(var)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(&std::env::var("HOME").expect("HOME")).join(default))
+}
+
+#[test]
+fn image_builds_from_the_dockerfile_and_every_role_answers_through_its_symlink() {
+    for image in [BASE, BUILDER] {
+        assert!(
+            podman_image_exists(image),
+            "{image} is missing: run .ci/install-deps"
+        );
+    }
+    let tag = format!("localhost/ambit:test-{}", std::process::id());
+    let cache = repo().join("target/image");
+    std::fs::create_dir_all(&cache).expect("cache dir");
+    let (rustup, cargo) = (
+        home_dir("RUSTUP_HOME", ".rustup"),
+        home_dir("CARGO_HOME", ".cargo"),
+    );
+    let started = std::time::Instant::now();
+    run(tool("podman")
+        .args(["build", "--network", "host", "-t", &tag])
+        .args(["--build-arg", &format!("BUILD_IMAGE={BUILDER}")])
+        .args(["--build-arg", &format!("BASE_IMAGE={BASE}")])
+        // The host's Rust toolchain and crate cache stand in for the rust image.
+        .arg("-v")
+        .arg(format!("{}:/usr/local/rustup:ro", rustup.display()))
+        .arg("-v")
+        .arg(format!("{}:/usr/local/cargo", cargo.display()))
+        .arg("-v")
+        .arg(format!("{}:/src/target", cache.display()))
+        .arg("."));
+    eprintln!("image built in {:?}", started.elapsed());
+    struct Remove(String);
+    impl Drop for Remove {
+        fn drop(&mut self) {
+            let _ = Command::new("podman").args(["rmi", "-f", &self.0]).output();
+        }
+    }
+    let _cleanup = Remove(tag.clone());
+    let podman_run = |entrypoint: &str, args: &[&str], env: &[&str]| {
+        let mut cmd = tool("podman");
+        cmd.args(["run", "--rm", "--network", "none"]).args(ULIMITS);
+        for e in env {
+            cmd.args(["-e", e]);
+        }
+        cmd.args(["--entrypoint", entrypoint, &tag]).args(args);
+        stdout(&mut cmd)
+    };
+
+    let ours = stdout(Command::new(BIN).arg("version"));
+    let theirs = podman_run("/usr/local/bin/ambit", &["version"], &[]);
+    assert_eq!(
+        theirs.split_whitespace().nth(1),
+        ours.split_whitespace().nth(1),
+        "image version: {theirs}"
+    );
+    for role in ["agent", "proxy", "control-plane"] {
+        let help = podman_run(&format!("/usr/local/bin/ambit-{role}"), &["--help"], &[]);
+        assert!(
+            help.starts_with(&format!("ambit {role}: configuration keys")),
+            "ambit-{role}: {help}"
+        );
+    }
+    let node = podman_run("/usr/local/bin/ambit-node", &["--help"], &[]);
+    assert!(node.starts_with("ambit node:"), "{node}");
+    let cni = podman_run("/usr/local/bin/ambit-cni", &[], &["CNI_COMMAND=VERSION"]);
+    let cni: serde_json::Value = serde_json::from_str(&cni).expect("CNI VERSION answer");
+    assert!(cni["supportedVersions"]
+        .as_array()
+        .expect("versions")
+        .iter()
+        .any(|v| v == "1.1.0"));
+    // The tools the agent runs are in the image.
+    let tools = "iptables-restore ip6tables-restore iptables-legacy-restore ip6tables-legacy-restore nft ipset ip";
+    podman_run(
+        "sh",
+        &[
+            "-c",
+            &format!("for t in {tools}; do command -v $t >/dev/null || {{ echo missing $t; exit 1; }}; done; iptables-restore --version"),
+        ],
+        &[],
+    );
+    // The binary is static: the agent installs it on hosts of any glibc as the CNI plugin.
+    let out = Command::new("podman")
+        .args(["run", "--rm", "--network", "none"])
+        .args(ULIMITS)
+        .args(["--entrypoint", "ldd"])
+        .args([tag.as_str(), "/usr/local/bin/ambit"])
+        .output()
+        .expect("ldd");
+    let ldd =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        ldd.contains("not a dynamic executable") || ldd.contains("statically linked"),
+        "ldd: {ldd}"
+    );
+    // What the Dockerfile adds on top of the base: the binary and the tools.
+    let size = |image: &str| {
+        stdout(tool("podman").args(["image", "inspect", "--format", "{{.Size}}", image]))
+            .trim()
+            .parse::<u64>()
+            .expect("size")
+    };
+    let added = (size(&tag) - size(BASE)) / 1_000_000;
+    eprintln!("image adds {added} MB to its base");
+    assert!(added < 60, "the image adds {added} MB to its base");
+}
