@@ -491,6 +491,8 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     // then give connections in flight until the deadline; a second signal exits at once.
     stop_trigger.fire();
     ready.store(false, Ordering::Release);
+    // Outbound HBONE connections close with GOAWAY once their streams end.
+    pool.drain();
     let deadline = tokio::time::Instant::now() + cfg.drain_timeout;
     while active.count() > 0 && tokio::time::Instant::now() < deadline {
         tokio::select! {

@@ -179,6 +179,18 @@ impl Pool {
         });
     }
 
+    /// On shutdown: lets go of every connection. Each closes with GOAWAY as
+    /// soon as its last stream in flight ends (the pool's handle was the last
+    /// one keeping an idle connection open).
+    pub fn drain(&self) {
+        let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
+        let n: usize = entries
+            .values()
+            .map(|e| e.conns.lock().unwrap_or_else(|e| e.into_inner()).len())
+            .sum();
+        tracing::debug!(connections = n, "HBONE client pool drained");
+    }
+
     /// Runs [`Pool::evict`] periodically for the life of the pool.
     pub fn spawn_evictor(self: &Arc<Self>) {
         let weak = Arc::downgrade(self);
@@ -203,10 +215,42 @@ mod tests {
     use tokio::io::duplex;
 
     async fn h2_conn() -> Arc<PooledConn> {
-        let (a, b) = duplex(1 << 16);
+        h2_conn_watched().await.0
+    }
+
+    /// Also reports, once the client side ends, whether its last frame was a
+    /// GOAWAY with NO_ERROR (a tap between client and server reads the frames).
+    async fn h2_conn_watched() -> (Arc<PooledConn>, tokio::sync::oneshot::Receiver<bool>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (a, mut tap_in) = duplex(1 << 16);
+        let (mut tap_out, b) = duplex(1 << 16);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let mut preface = [0u8; 24];
+            let mut last = None;
+            if tap_in.read_exact(&mut preface).await.is_ok()
+                && tap_out.write_all(&preface).await.is_ok()
+            {
+                let mut head = [0u8; 9];
+                while tap_in.read_exact(&mut head).await.is_ok() {
+                    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                    let mut payload = vec![0u8; len];
+                    if tap_in.read_exact(&mut payload).await.is_err() {
+                        break;
+                    }
+                    last = Some((head[3], payload.get(4..8).map(|c| c.to_vec())));
+                    let _ = tap_out.write_all(&head).await;
+                    let _ = tap_out.write_all(&payload).await;
+                }
+            }
+            let goaway = last == Some((7, Some(vec![0, 0, 0, 0])));
+            let _ = tx.send(goaway);
+        });
         tokio::spawn(async move {
             let mut srv = h2::server::handshake(b).await.unwrap();
-            while let Some(Ok(_)) = srv.accept().await {}
+            while let Some(Ok((_req, mut respond))) = srv.accept().await {
+                let _ = respond.send_response(http::Response::new(()), false);
+            }
         });
         let (sender, conn) = h2::client::handshake(a).await.unwrap();
         let closed = Arc::new(AtomicBool::new(false));
@@ -215,7 +259,54 @@ mod tests {
             let _ = conn.await;
             flag.store(true, Ordering::Release);
         });
-        PooledConn::new(sender, closed)
+        (PooledConn::new(sender, closed), rx)
+    }
+
+    #[tokio::test]
+    async fn drain_closes_idle_connections_and_busy_ones_after_their_streams() {
+        let pool = Pool::new(100, Duration::from_secs(60));
+        let (idle, idle_end) = h2_conn_watched().await;
+        drop(
+            pool.get(key(), || async { Ok::<_, ()>(idle) })
+                .await
+                .unwrap(),
+        );
+        let mut other = key();
+        other.addr = "10.0.0.4:15008".parse().unwrap();
+        let (busy, mut busy_end) = h2_conn_watched().await;
+        let lease = pool
+            .get(other, || async { Ok::<_, ()>(busy) })
+            .await
+            .unwrap();
+        let req = http::Request::builder()
+            .method("CONNECT")
+            .uri("10.0.0.4:8080")
+            .body(())
+            .unwrap();
+        let mut sender = lease.sender().ready().await.unwrap();
+        let (_resp, _stream) = sender.send_request(req, false).unwrap();
+        drop(sender);
+        assert_eq!(pool.open(), 2);
+        pool.drain();
+        assert_eq!(pool.open(), 0);
+        let clean = tokio::time::timeout(Duration::from_secs(2), idle_end).await;
+        assert_eq!(
+            clean.ok().and_then(Result::ok),
+            Some(true),
+            "idle connection ends with GOAWAY (NO_ERROR)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            busy_end.try_recv().is_err(),
+            "a connection with a stream in flight stays open"
+        );
+        drop((_resp, _stream, lease));
+        let clean = tokio::time::timeout(Duration::from_secs(2), busy_end).await;
+        assert_eq!(
+            clean.ok().and_then(Result::ok),
+            Some(true),
+            "busy connection ends with GOAWAY after its stream"
+        );
     }
 
     fn key() -> PoolKey {
