@@ -176,4 +176,5 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
         "DNS requests are counted:\n{m}"
     );
     assert!(m.contains("workload_manager_active_proxy_count 2"), "{m}");
+    assert!(m.contains("workload_manager_pending_proxy_count 0"), "{m}");
 }

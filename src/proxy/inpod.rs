@@ -52,9 +52,30 @@ pub struct PodView {
 #[derive(Default)]
 pub struct PodTable {
     pods: Mutex<HashMap<String, RunningPod>>,
+    /// Adds taken but not serving yet (waiting for a certificate, listeners).
+    pending: std::sync::atomic::AtomicI64,
+}
+
+/// Counts an Add as pending while it lives.
+struct Pending<'a>(&'a std::sync::atomic::AtomicI64);
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl PodTable {
+    /// Pods handed over but not serving yet.
+    pub fn pending(&self) -> i64 {
+        self.pending.load(Ordering::Acquire)
+    }
+
+    fn start_pending(&self) -> Pending<'_> {
+        self.pending.fetch_add(1, Ordering::AcqRel);
+        Pending(&self.pending)
+    }
+
     pub fn uids(&self) -> Vec<String> {
         let mut v: Vec<String> = self
             .pods
@@ -253,6 +274,7 @@ impl ZdsClient {
                 if add_action(self.pods.netns_of(&add.uid), id) == AddAction::Keep {
                     return Ok(());
                 }
+                let _pending = self.pods.start_pending();
                 let pod_info = PodInfo {
                     uid: add.uid.clone(),
                     namespace: info.namespace,

@@ -272,6 +272,12 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         "Pods this proxy serves",
         active_pods.clone(),
     );
+    let pending_pods = prometheus_client::metrics::gauge::Gauge::<i64>::default();
+    registry.register(
+        "workload_manager_pending_proxy_count",
+        "Pods handed to this proxy that are not serving yet",
+        pending_pods.clone(),
+    );
     // Seconds until each held workload certificate expires: alert before it happens.
     let expiry = prometheus_client::metrics::family::Family::<
         Vec<(String, String)>,
@@ -401,6 +407,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         cfg.metrics_addr,
         Arc::new(move |_, path| match path {
             "/metrics" | "/stats/prometheus" => {
+                pending_pods.set(scrape_pods.pending());
                 active_pods.set(if scrape_pods.uids().is_empty() {
                     dedicated_pods
                 } else {
