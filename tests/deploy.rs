@@ -108,28 +108,43 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
+            "Role",
+            "RoleBinding",
             "DaemonSet"
         ]
     );
     // RBAC: exactly the verbs the agent uses.
-    let role = &docs[1];
-    let rules: Vec<(Vec<String>, Vec<String>)> = role["rules"]
-        .as_sequence()
-        .expect("rules")
-        .iter()
-        .map(|r| (strs(&r["resources"]), strs(&r["verbs"])))
-        .collect();
+    let rules = |doc: &Value| -> Vec<(Vec<String>, Vec<String>, Vec<String>)> {
+        doc["rules"]
+            .as_sequence()
+            .expect("rules")
+            .iter()
+            .map(|r| {
+                (
+                    strs(&r["apiGroups"]),
+                    strs(&r["resources"]),
+                    strs(&r["verbs"]),
+                )
+            })
+            .collect()
+    };
+    let v = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
     assert_eq!(
-        rules,
+        rules(&docs[1]),
         [
             (
-                vec!["pods".to_string(), "namespaces".into()],
-                vec!["get".to_string(), "list".into(), "watch".into()]
+                v(&[""]),
+                v(&["pods", "namespaces"]),
+                v(&["get", "list", "watch"])
             ),
-            (vec!["pods/status".to_string()], vec!["patch".to_string()]),
+            (v(&[""]), v(&["pods/status"]), v(&["patch"])),
         ]
     );
-    let ds = &docs[3]["spec"]["template"]["spec"];
+    assert_eq!(
+        rules(&docs[3]),
+        [(v(&["apps"]), v(&["daemonsets"]), v(&["get"]))]
+    );
+    let ds = &docs[5]["spec"]["template"]["spec"];
     assert_eq!(ds["hostNetwork"].as_bool(), Some(true));
     assert_eq!(
         ds["priorityClassName"].as_str(),

@@ -65,13 +65,27 @@ fn annotated(api: &FakeApi, ns: &str, name: &str) -> Option<String> {
         .map(String::from)
 }
 
-#[test]
-fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
-    let subnet = "10.119.0";
-    let mesh = format!(
-        "workloads:\n- {{name: a1, namespace: mesh, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n- {{name: s1, namespace: shop, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
+/// The agent's own pod, owned by its DaemonSet.
+fn agent_objects(api: &FakeApi) {
+    api.put(
+        Kind::Pod,
+        json!({
+            "metadata": {"name": "ambit-q8x2z", "namespace": "istio-system", "uid": "uid-agent",
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ambit",
+                                              "uid": "uid-ds", "controller": true}]},
+            "spec": {"nodeName": "node-a", "hostNetwork": true, "containers": [{"name": "agent", "image": "ambit"}]},
+            "status": {"phase": "Running"},
+        }),
     );
-    let mut node = Node::prepare(BIN, "kube", "kubernetes", subnet, &mesh, None);
+    api.put(
+        Kind::DaemonSet,
+        json!({"metadata": {"name": "ambit", "namespace": "istio-system", "uid": "uid-ds"}}),
+    );
+}
+
+/// A node whose agent enrolls from the fake API server (not started yet).
+fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
+    let mut node = Node::prepare(BIN, tag, "kubernetes", subnet, mesh, None);
     let api = FakeApi::start(&node.lab.node).unwrap();
     let kubeconfig = node.dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
@@ -92,6 +106,26 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     ] {
         api.put(Kind::Namespace, namespace(name, ambient));
     }
+    agent_objects(&api);
+    (node, api)
+}
+
+fn has_plugin(node: &Node) -> bool {
+    let entry = node.conflist()["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|p| p["type"] == "ambit-cni");
+    entry && node.bin_dir.join("ambit-cni").exists()
+}
+
+#[test]
+fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
+    let subnet = "10.119.0";
+    let mesh = format!(
+        "workloads:\n- {{name: a1, namespace: mesh, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n- {{name: s1, namespace: shop, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
+    );
+    let (mut node, api) = kube_node("kube", subnet, &mesh);
     api.put(Kind::Pod, pod("mesh", "a1", "node-a", "client-sa"));
     api.put(Kind::Pod, pod("shop", "s1", "node-a", "server-sa"));
     // Another node's pod in an ambient namespace: never this agent's business.
@@ -203,7 +237,7 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     });
 
     // A deleted pod is released at once (its netns, still here, loses the rules).
-    api.delete_pod("mesh", "a1");
+    api.delete(Kind::Pod, "mesh", "a1");
     let deleted = Instant::now();
     wait_for("a1 released after deletion", &node, || {
         istio_rules(&a1) == 0
@@ -217,4 +251,21 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
         !node.log().contains("elsewhere"),
         "another node's pod was looked at"
     );
+
+    // An agent exit while its DaemonSet remains is an upgrade: the plugin
+    // stays, so pods created in the gap fail closed instead of escaping.
+    node.lab.stop("node");
+    assert!(has_plugin(&node), "CNI plugin kept across an upgrade");
+    assert!(node.log().contains("CNI plugin left in place"));
+}
+
+#[test]
+fn the_plugin_is_removed_when_the_daemonset_is_deleted() {
+    let (node, api) = kube_node("kubedel", "10.118.0", "");
+    node.launch(true);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    assert!(has_plugin(&node));
+    api.delete(Kind::DaemonSet, "istio-system", "ambit");
+    node.lab.stop("node");
+    assert!(!has_plugin(&node), "uninstalled with its DaemonSet");
 }

@@ -957,7 +957,13 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
             .ztunnel_connected
             .set(agent.zds.connected().await as i64);
     }
-    if cfg.install_cni {
+    let upgrade = match (&agent.cluster, cfg.pod_name.is_empty()) {
+        (Some(c), false) => c.daemonset_remains(&cfg.pod_namespace, &cfg.pod_name).await,
+        _ => false,
+    };
+    if cfg.install_cni && upgrade {
+        tracing::info!("the DaemonSet remains (upgrade or restart): CNI plugin left in place, so new pods wait for the next agent");
+    } else if cfg.install_cni {
         match install::uninstall(&cfg.cni_bin_dir, &cfg.cni_conf_dir) {
             Ok(()) => tracing::info!("CNI plugin uninstalled"),
             Err(e) => tracing::warn!(error = %e, "CNI plugin uninstall incomplete"),

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures_util::StreamExt;
+use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -257,6 +258,44 @@ impl Cluster {
             Ok(_) => Ok(()),
             Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
             Err(e) => Err(e),
+        }
+    }
+}
+
+impl Cluster {
+    /// Whether the DaemonSet that owns the agent's pod `namespace/pod` is
+    /// still there (not deleted, not being deleted): then an exit is an
+    /// upgrade or a restart, and the CNI plugin must stay in place so pods
+    /// created meanwhile fail closed instead of starting outside the mesh.
+    /// When the API cannot say, the plugin stays too.
+    pub async fn daemonset_remains(&self, namespace: &str, pod: &str) -> bool {
+        let owner = match Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .get_opt(pod)
+            .await
+        {
+            Ok(Some(p)) => p
+                .metadata
+                .owner_references
+                .unwrap_or_default()
+                .into_iter()
+                .find(|o| o.kind == "DaemonSet"),
+            Ok(None) => return false,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the agent's own pod; keeping the CNI plugin");
+                return true;
+            }
+        };
+        let Some(owner) = owner else { return false };
+        match Api::<DaemonSet>::namespaced(self.client.clone(), namespace)
+            .get_opt(&owner.name)
+            .await
+        {
+            Ok(Some(ds)) => ds.metadata.deletion_timestamp.is_none(),
+            Ok(None) => false,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the agent's DaemonSet; keeping the CNI plugin");
+                true
+            }
         }
     }
 }

@@ -27,6 +27,8 @@ use crate::netns::Netns;
 pub enum Kind {
     Pod,
     Namespace,
+    /// `apps/v1` DaemonSets: served by GET only.
+    DaemonSet,
 }
 
 impl Kind {
@@ -34,6 +36,14 @@ impl Kind {
         match self {
             Kind::Pod => "Pod",
             Kind::Namespace => "Namespace",
+            Kind::DaemonSet => "DaemonSet",
+        }
+    }
+
+    fn api_version(self) -> &'static str {
+        match self {
+            Kind::DaemonSet => "apps/v1",
+            _ => "v1",
         }
     }
 }
@@ -67,7 +77,7 @@ pub struct FakeApi {
 fn key_of(kind: Kind, obj: &Value) -> Key {
     let m = &obj["metadata"];
     let ns = match kind {
-        Kind::Pod => m["namespace"].as_str().unwrap_or("default").to_string(),
+        Kind::Pod | Kind::DaemonSet => m["namespace"].as_str().unwrap_or("default").to_string(),
         Kind::Namespace => String::new(),
     };
     (kind, ns, m["name"].as_str().unwrap_or_default().to_string())
@@ -111,7 +121,7 @@ impl Inner {
 
     fn put(&mut self, kind: Kind, mut obj: Value) {
         self.rv += 1;
-        obj["apiVersion"] = json!("v1");
+        obj["apiVersion"] = json!(kind.api_version());
         obj["kind"] = json!(kind.name());
         obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         let key = key_of(kind, &obj);
@@ -229,7 +239,11 @@ impl FakeApi {
     /// Changes a stored object in place (e.g. a label or the pod IP).
     pub fn update(&self, kind: Kind, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) {
         let mut inner = self.lock();
-        let ns = if kind == Kind::Pod { namespace } else { "" };
+        let ns = if kind == Kind::Namespace {
+            ""
+        } else {
+            namespace
+        };
         let key = (kind, ns.to_string(), name.to_string());
         let Some(mut obj) = inner.objects.get(&key).cloned() else {
             panic!("no {kind:?} {namespace}/{name}");
@@ -238,19 +252,28 @@ impl FakeApi {
         inner.put(kind, obj);
     }
 
-    /// Deletes a pod; watchers see DELETED.
-    pub fn delete_pod(&self, namespace: &str, name: &str) {
+    /// Deletes an object; watchers see DELETED.
+    pub fn delete(&self, kind: Kind, namespace: &str, name: &str) {
         let mut inner = self.lock();
-        let key = (Kind::Pod, namespace.to_string(), name.to_string());
+        let ns = if kind == Kind::Namespace {
+            ""
+        } else {
+            namespace
+        };
+        let key = (kind, ns.to_string(), name.to_string());
         if let Some(obj) = inner.objects.remove(&key) {
             inner.rv += 1;
-            inner.event(Kind::Pod, "DELETED", obj);
+            inner.event(kind, "DELETED", obj);
         }
     }
 
     /// The stored object.
     pub fn get(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
-        let ns = if kind == Kind::Pod { namespace } else { "" };
+        let ns = if kind == Kind::Namespace {
+            ""
+        } else {
+            namespace
+        };
         self.lock()
             .objects
             .get(&(kind, ns.to_string(), name.to_string()))
@@ -352,6 +375,9 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
         ["api", "v1", "namespaces", ns, "pods", name]
         | ["api", "v1", "namespaces", ns, "pods", name, "status"] => {
             Some((Kind::Pod, ns.to_string(), name.to_string()))
+        }
+        ["apis", "apps", "v1", "namespaces", ns, "daemonsets", name] => {
+            Some((Kind::DaemonSet, ns.to_string(), name.to_string()))
         }
         _ => None,
     };
