@@ -537,3 +537,89 @@ fn a_transfer_in_flight_finishes_while_the_proxy_drains() {
         "{log}"
     );
 }
+
+#[test]
+fn access_logs_name_workloads_identities_bytes_and_decision_and_quitquitquit_drains() {
+    let mut m = common::Mesh::new("accesslog");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh_env(&client, "client-sa", &[("LOG_FORMAT", "json")]);
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let mut conn = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut conn, &[9u8; 1000]).unwrap(),
+        [9u8; 1000]
+    );
+    drop(conn);
+    std::thread::sleep(Duration::from_millis(300));
+
+    // The client's proxy logs JSON: one object per line, one line at close.
+    let log = m.proxy_log(&client);
+    let closed: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == "outbound connection closed")
+        .collect();
+    assert_eq!(closed.len(), 1, "{log}");
+    let f = &closed[0]["fields"];
+    assert_eq!(f["src.workload"], "default/client", "{f}");
+    assert_eq!(f["dst.workload"], "default/server", "{f}");
+    assert_eq!(
+        f["src.principal"],
+        "spiffe://cluster.local/ns/default/sa/client-sa"
+    );
+    assert_eq!(
+        f["dst.principal"],
+        "spiffe://cluster.local/ns/default/sa/server-sa"
+    );
+    assert_eq!(
+        (f["bytes_sent"].as_u64(), f["bytes_received"].as_u64()),
+        (Some(1000), Some(1000))
+    );
+    assert!(f["duration_ms"].as_u64().is_some(), "{f}");
+
+    // The server's proxy logs text, with the policy decision.
+    let log = m.proxy_log(&server);
+    let line = log
+        .lines()
+        .find(|l| l.contains("inbound HBONE connection closed"))
+        .unwrap_or_else(|| panic!("{log}"));
+    for part in [
+        "src.workload=default/client",
+        "src.principal=spiffe://cluster.local/ns/default/sa/client-sa",
+        "dst.workload=default/server",
+        "bytes_sent=1000",
+        "bytes_received=1000",
+        "duration_ms=",
+        "decision=\"allow\"",
+        "policy=",
+    ] {
+        assert!(line.contains(part), "{part} missing: {line}");
+    }
+
+    // POST /quitquitquit drains and ends the proxy like SIGTERM.
+    let (status, _) =
+        ambit::lab::http_request_in(&client.ns, "POST", "127.0.0.1:15000", "/quitquitquit")
+            .unwrap();
+    assert_eq!(status, 200);
+    let pid = m.lab.pid("proxy-client").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::path::Path::new(&format!("/proc/{pid}/status")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/status"))
+            .unwrap_or_default()
+            .contains("State:\tZ")
+    {
+        assert!(std::time::Instant::now() < deadline, "proxy still running");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = m.proxy_log(&client);
+    assert!(
+        log.contains("/quitquitquit: draining") && log.contains("proxy exiting"),
+        "{log}"
+    );
+}

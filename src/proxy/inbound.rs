@@ -212,7 +212,9 @@ impl Inbound {
         };
         self.metrics.closed(&labels, t);
         tracing::info!(
-            src.addr = ?src, src.principal = %peer_id, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
+            src.addr = ?src, src.workload = %format!("{}/{}", labels.source_workload_namespace, labels.source_workload), src.principal = %peer_id,
+            dst.addr = %target, dst.workload = %format!("{}/{}", labels.destination_workload_namespace, labels.destination_workload),
+            bytes_sent = t.sent, bytes_received = t.received,
             duration_ms = start.elapsed().as_millis() as u64, policy = %allowed_by, decision = "allow", error = res.err().map(|e| e.to_string()), "inbound HBONE connection closed"
         );
     }
@@ -267,7 +269,8 @@ impl Inbound {
         });
         self.metrics.closed(&labels, t);
         tracing::info!(
-            src.addr = %peer, dst.addr = %target, bytes_sent = t.sent, bytes_received = t.received,
+            src.addr = %peer, dst.addr = %target, dst.workload = %format!("{}/{}", labels.destination_workload_namespace, labels.destination_workload),
+            bytes_sent = t.sent, bytes_received = t.received,
             duration_ms = start.elapsed().as_millis() as u64, policy = %allowed_by, decision = "allow", error = res.err().map(|e| e.to_string()), "inbound plaintext connection closed"
         );
     }

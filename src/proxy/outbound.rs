@@ -224,7 +224,8 @@ impl Outbound {
         self.metrics.closed(&labels, t);
         match result {
             Ok(t) => {
-                tracing::info!(src.addr = %peer, dst.addr = %dst, route = kind, dst.principal = %labels.destination_principal, bytes_sent = t.sent, bytes_received = t.received, duration_ms = start.elapsed().as_millis() as u64, "outbound connection closed")
+                tracing::info!(src.addr = %peer, src.workload = %format!("{}/{}", labels.source_workload_namespace, labels.source_workload), src.principal = %labels.source_principal,
+                    dst.addr = %dst, dst.workload = %format!("{}/{}", labels.destination_workload_namespace, labels.destination_workload), route = kind, dst.principal = %labels.destination_principal, bytes_sent = t.sent, bytes_received = t.received, duration_ms = start.elapsed().as_millis() as u64, "outbound connection closed")
             }
             Err(e) => {
                 tracing::warn!(src.addr = %peer, dst.addr = %dst, route = kind, error = %e, "outbound connection failed")

@@ -39,6 +39,23 @@ impl Mesh {
         self.mesh_with(pod, sa, self.ca.clone(), TD);
     }
 
+    /// Like [`Mesh::mesh`], with extra environment for the proxy.
+    pub fn mesh_env(&self, pod: &LabPod, sa: &str, env: &[(&str, &str)]) {
+        self.lab.redirect(pod).unwrap();
+        let spec = ProxySpec {
+            config: self.config.clone(),
+            ca_cert: self.ca.0.clone(),
+            ca_key: self.ca.1.clone(),
+            workload_info: format!("default/{}/{sa}", pod.name),
+            trust_domain: TD.to_string(),
+            extra_env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        };
+        self.lab.start_proxy(pod, &spec).unwrap();
+    }
+
     pub fn mesh_with(&self, pod: &LabPod, sa: &str, ca: (PathBuf, PathBuf), td: &str) {
         self.lab.redirect(pod).unwrap();
         let spec = ProxySpec {
