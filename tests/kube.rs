@@ -103,6 +103,7 @@ fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
         ("shop", false),
         ("kube-system", true),
         ("istio-system", false),
+        ("plain", false),
     ] {
         api.put(Kind::Namespace, namespace(name, ambient));
     }
@@ -257,6 +258,12 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     node.lab.stop("node");
     assert!(has_plugin(&node), "CNI plugin kept across an upgrade");
     assert!(node.log().contains("CNI plugin left in place"));
+    // In the gap, a pod of an ambient namespace fails closed (kubelet
+    // retries it); a pod of a plain namespace starts.
+    let err = node.add_pod("m2", "mesh").unwrap_err();
+    assert!(err.contains("is the Ambit agent running?"), "{err}");
+    node.add_pod("p1", "plain")
+        .expect("a plain namespace's pod starts without the agent");
 }
 
 #[test]

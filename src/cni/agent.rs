@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::kube::{self, Cluster, Wanted};
-use super::plugin::{AddEvent, Enrollment};
+use super::plugin::{AddEvent, Enrollment, AMBIENT_NAMESPACES_FILE};
 use super::redirect::{RedirectOptions, RedirectRules};
 use super::zds_server::{PodSource, ZdsPod, ZdsServer};
 use super::{hostprobe, install};
@@ -199,6 +199,8 @@ pub struct Agent {
     cluster: Option<Arc<Cluster>>,
     /// Pods the API wants enrolled whose netns was not found yet: next try, delay.
     retry: Mutex<BTreeMap<String, (std::time::Instant, Duration)>>,
+    /// The ambient namespaces last written for the plugin.
+    ambient_written: Mutex<Option<Vec<String>>>,
     /// Serialises enrollments so rules, ZDS and state change in one order.
     ops: tokio::sync::Mutex<()>,
 }
@@ -463,6 +465,7 @@ impl Agent {
     async fn reconcile(&self) {
         let Some(cluster) = &self.cluster else { return };
         let excluded = &self.cfg.exclude_namespaces;
+        self.write_ambient_namespaces(cluster);
         let watched = cluster.pods();
         // Held pods the API no longer wants: relabelled, finished or deleted.
         for rec in self.store.records() {
@@ -562,6 +565,29 @@ impl Agent {
             );
             if let Err(e) = cluster.annotate(ns, name, want).await {
                 tracing::warn!(pod = %format!("{ns}/{name}"), error = %e, "redirection annotation not updated; will retry");
+            }
+        }
+    }
+}
+
+impl Agent {
+    /// Keeps `<run dir>/ambient-namespaces.json` current, so that while no
+    /// agent runs the plugin can let pods of other namespaces start.
+    fn write_ambient_namespaces(&self, cluster: &Cluster) {
+        let now = cluster.ambient_namespaces(&self.cfg.exclude_namespaces);
+        let mut last = self
+            .ambient_written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if last.as_ref() == Some(&now) {
+            return;
+        }
+        let path = self.cfg.run_dir.join(AMBIENT_NAMESPACES_FILE);
+        let text = serde_json::to_vec(&now).unwrap_or_else(|_| b"[]".to_vec());
+        match install::write_atomic(&path, &text, 0o600) {
+            Ok(()) => *last = Some(now),
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "ambient namespace list not written")
             }
         }
     }
@@ -835,6 +861,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         mesh,
         cluster: cluster.clone(),
         retry: Default::default(),
+        ambient_written: Default::default(),
         cfg: cfg.clone(),
         store,
         zds,

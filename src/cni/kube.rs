@@ -201,6 +201,20 @@ impl Cluster {
         self.pods.state()
     }
 
+    /// The namespaces labelled ambient, sorted, excluded ones left out.
+    pub fn ambient_namespaces(&self, excluded: &[String]) -> Vec<String> {
+        let mut names: Vec<String> = self
+            .namespaces
+            .state()
+            .iter()
+            .filter(|n| label(&n.metadata.labels, DATAPLANE_MODE) == Some("ambient"))
+            .filter_map(|n| n.metadata.name.clone())
+            .filter(|n| !excluded.contains(n))
+            .collect();
+        names.sort();
+        names
+    }
+
     /// Whether the watched pod should be enrolled.
     pub fn should_enroll(&self, pod: &Pod, excluded: &[String]) -> bool {
         let ns = pod.metadata.namespace.as_deref().unwrap_or("default");

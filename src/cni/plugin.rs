@@ -554,13 +554,54 @@ fn ip_family(address: Option<&Value>) -> Result<&'static str, CniError> {
     }
 }
 
+/// Why an event did not reach the agent, or what it said.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentError {
+    /// No agent to ask (no socket, connection refused).
+    Unreachable(String),
+    /// The agent answered with an error, or did not answer in time.
+    Refused(String),
+}
+
+impl std::fmt::Display for AgentError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AgentError::Unreachable(s) | AgentError::Refused(s) => f.write_str(s),
+        }
+    }
+}
+
+/// File in the agent's run dir listing the namespaces labelled ambient, which
+/// the agent keeps current in Kubernetes mode. With no agent to ask, the
+/// plugin lets pods of other namespaces start (the agent captures the odd
+/// pod labelled ambient itself once it is back) and fails the rest closed.
+pub const AMBIENT_NAMESPACES_FILE: &str = "ambient-namespaces.json";
+
+/// Whether a pod may start while the agent is unreachable: only in
+/// Kubernetes mode, and only if the agent's last list of ambient namespaces
+/// exists and does not name the pod's namespace.
+fn may_start_without_agent(cfg: &PluginConfig, namespace: &str) -> bool {
+    if !matches!(cfg.enroll, Enrollment::Kubernetes { .. }) {
+        return false;
+    }
+    let path = std::path::Path::new(&cfg.cni_agent_run_dir).join(AMBIENT_NAMESPACES_FILE);
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return false;
+    };
+    match serde_json::from_str::<Vec<String>>(&text) {
+        Ok(ambient) => !ambient.iter().any(|n| n == namespace),
+        Err(_) => false,
+    }
+}
+
 /// Runs one plugin invocation and returns its stdout. `post` delivers an [`AddEvent`] to the
-/// agent whose run dir is given, returning the reason on failure; a failure fails the ADD
-/// (fail closed) with code 100. DEL and CHECK have no side effects: removal is the agent's job.
+/// agent whose run dir is given; a failure fails the ADD (fail closed) with code 100, except
+/// for a pod outside the ambient namespaces while no agent runs (Kubernetes mode). DEL and
+/// CHECK have no side effects: removal is the agent's job.
 pub fn handle(
     env: &CniEnv,
     stdin: &[u8],
-    post: &mut dyn FnMut(&AddEvent, &str) -> Result<(), String>,
+    post: &mut dyn FnMut(&AddEvent, &str) -> Result<(), AgentError>,
 ) -> Result<String, CniError> {
     match env.command.as_str() {
         "VERSION" => Ok(json!({
@@ -572,14 +613,27 @@ pub fn handle(
             let cfg = parse_config(stdin)?;
             let pod = parse_cni_args(&env.args);
             if let Decision::Enroll(event) = decide(&cfg, env, &pod) {
-                post(&event, &cfg.cni_agent_run_dir).map_err(|details| {
+                match post(&event, &cfg.cni_agent_run_dir) {
+                    Err(AgentError::Unreachable(why))
+                        if may_start_without_agent(&cfg, &event.pod_namespace) =>
+                    {
+                        eprintln!(
+                            "ambit-cni: {why}; pod {}/{} is not in an ambient namespace, so it \
+                             starts now (the agent captures it later if its own labels select it)",
+                            event.pod_namespace, event.pod_name
+                        );
+                        return result_for(&cfg);
+                    }
+                    r => r,
+                }
+                .map_err(|details| {
                     CniError::enrollment_failed(
                         format!(
                             "pod {}/{} must be enrolled in the mesh but the Ambit agent refused \
                              or is unreachable",
                             event.pod_namespace, event.pod_name
                         ),
-                        details,
+                        details.to_string(),
                     )
                 })?;
             }

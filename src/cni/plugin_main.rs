@@ -12,27 +12,29 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 
 use super::agent::PLUGIN_SOCKET;
-use super::plugin::{self, AddEvent, CniError};
+use super::plugin::{self, AddEvent, AgentError, CniError};
 
 /// The whole budget for telling the agent.
 pub const AGENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// POSTs the event to the agent; the error text says what went wrong and where.
-fn post(event: &AddEvent, run_dir: &str) -> Result<(), String> {
+fn post(event: &AddEvent, run_dir: &str) -> Result<(), AgentError> {
     let sock = Path::new(run_dir).join(PLUGIN_SOCKET);
-    let body = serde_json::to_vec(event).map_err(|e| e.to_string())?;
+    let body = serde_json::to_vec(event).map_err(|e| AgentError::Refused(e.to_string()))?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| AgentError::Refused(e.to_string()))?;
+    let stream = rt
+        .block_on(tokio::net::UnixStream::connect(&sock))
+        .map_err(|e| {
+            AgentError::Unreachable(format!(
+                "agent socket {}: {e} — is the Ambit agent running?",
+                sock.display()
+            ))
+        })?;
     rt.block_on(async {
         let exchange = async {
-            let stream = tokio::net::UnixStream::connect(&sock).await.map_err(|e| {
-                format!(
-                    "agent socket {}: {e} — is the Ambit agent running?",
-                    sock.display()
-                )
-            })?;
             let (mut sender, conn) =
                 hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
                     .await
@@ -66,6 +68,7 @@ fn post(event: &AddEvent, run_dir: &str) -> Result<(), String> {
             .await
             .map_err(|_| format!("agent socket {}: no answer within 5s", sock.display()))?
     })
+    .map_err(AgentError::Refused)
 }
 
 /// Runs the plugin and returns the process exit code.

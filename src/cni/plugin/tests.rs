@@ -50,6 +50,14 @@ fn run(
     stdin: &[u8],
     answer: Result<(), String>,
 ) -> (Result<String, CniError>, Vec<(AddEvent, String)>) {
+    run_with(env, stdin, answer.map_err(AgentError::Refused))
+}
+
+fn run_with(
+    env: &CniEnv,
+    stdin: &[u8],
+    answer: Result<(), AgentError>,
+) -> (Result<String, CniError>, Vec<(AddEvent, String)>) {
     let mut posted = Vec::new();
     let mut post = |ev: &AddEvent, dir: &str| {
         posted.push((ev.clone(), dir.to_string()));
@@ -296,6 +304,49 @@ fn kubernetes_mode_asks_the_agent_except_for_its_own_pods() {
     );
     let other = parse_cni_args("K8S_POD_NAMESPACE=istio-system;K8S_POD_NAME=istiod-1");
     assert!(matches!(decide(&cfg, &e, &other), Decision::Enroll(_)));
+}
+
+#[test]
+fn without_an_agent_only_pods_outside_ambient_namespaces_start() {
+    let dir = std::env::temp_dir().join(format!("ambit-plugin-snap-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let stdin = |mode: &str| {
+        config(
+            "1.0.0",
+            &format!(
+                r#","cni_agent_run_dir":"{}","enroll":{{"mode":"{mode}"}},"prevResult":{PREV_V1}"#,
+                dir.display()
+            ),
+        )
+    };
+    let gone = Err(AgentError::Unreachable("no socket".into()));
+    let add = |ns: &str| env("ADD", &format!("K8S_POD_NAMESPACE={ns};K8S_POD_NAME=web-1"));
+    // No list of ambient namespaces from the agent: every pod fails closed.
+    let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), gone.clone());
+    assert_eq!(code_of(out), 100);
+    std::fs::write(dir.join(AMBIENT_NAMESPACES_FILE), r#"["mesh"]"#).unwrap();
+    let (out, posted) = run_with(&add("shop"), &stdin("kubernetes"), gone.clone());
+    assert_eq!(posted.len(), 1, "the agent was tried first");
+    assert_eq!(
+        json_of(&out.expect("plain namespace starts")),
+        json_of(PREV_V1)
+    );
+    let (out, _) = run_with(&add("mesh"), &stdin("kubernetes"), gone.clone());
+    assert_eq!(code_of(out), 100, "an ambient namespace fails closed");
+    // An agent that answers with an error is never bypassed, nor is another mode.
+    let refused = Err(AgentError::Refused("agent answered 500".into()));
+    let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), refused);
+    assert_eq!(code_of(out), 100);
+    let (out, _) = run_with(&add("shop"), &stdin("all"), gone);
+    assert_eq!(code_of(out), 100);
+    std::fs::write(dir.join(AMBIENT_NAMESPACES_FILE), "not json").unwrap();
+    let (out, _) = run_with(
+        &add("shop"),
+        &stdin("kubernetes"),
+        Err(AgentError::Unreachable("no socket".into())),
+    );
+    assert_eq!(code_of(out), 100, "an unreadable list fails closed");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
