@@ -272,7 +272,10 @@ fn the_plugin_is_removed_when_the_daemonset_is_deleted() {
     node.launch(true);
     node.wait_ready("127.0.0.1:8000", "/readyz");
     assert!(has_plugin(&node));
+    // An uninstall deletes the DaemonSet and the agent's account: the API
+    // answers 401 by the time the agent stops.
     api.delete(Kind::DaemonSet, "istio-system", "ambit");
+    api.revoke();
     node.lab.stop("node");
     assert!(!has_plugin(&node), "uninstalled with its DaemonSet");
 }

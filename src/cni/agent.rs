@@ -314,6 +314,7 @@ impl Agent {
                 .lookup(
                     &ev.pod_namespace,
                     &ev.pod_name,
+                    &ev.pod_uid,
                     &self.cfg.exclude_namespaces,
                 )
                 .await
@@ -330,8 +331,14 @@ impl Agent {
                 }
             }
         }
-        let _guard = self.ops.lock().await;
-        let netns = Netns::open(&ev.netns).map_err(|e| EnrollError::Netns {
+        let guard = self.ops.lock().await;
+        // Some runtimes name the netns by a host pid; in a container that is
+        // the host's /proc mounted elsewhere.
+        let netns_path = match ev.netns.strip_prefix("/proc/") {
+            Some(rest) if self.cfg.host_proc != Path::new("/proc") => self.cfg.host_proc.join(rest),
+            _ => PathBuf::from(&ev.netns),
+        };
+        let netns = Netns::open(&netns_path).map_err(|e| EnrollError::Netns {
             pod: pod.clone(),
             path: ev.netns.clone(),
             reason: e.to_string(),
@@ -346,11 +353,13 @@ impl Agent {
             name: ev.pod_name.clone(),
             namespace: ev.pod_namespace.clone(),
             service_account,
-            netns_path: PathBuf::from(&ev.netns),
+            netns_path,
             netns_id,
             ips: ev.ips.iter().map(|i| i.address.clone()).collect(),
         };
         self.enroll_pod(record, netns).await?;
+        // The API call is made without holding up other pods' ADDs.
+        drop(guard);
         if let Some(cluster) = &self.cluster {
             if let Err(e) = cluster
                 .annotate(&ev.pod_namespace, &ev.pod_name, Some("enabled"))
@@ -405,24 +414,39 @@ impl Agent {
     }
 
     /// Removes a pod: ZDS Del to every proxy, rules removed if its netns still exists.
+    /// Removes a pod: probe ipset, then its rules (if its netns is still
+    /// there), then ZDS Del to every proxy. If the rules cannot be removed the
+    /// pod stays held and served, so its traffic is not blackholed; the
+    /// caller retries. Callers hold `ops`.
     async fn remove(&self, uid: &str, netns_alive: bool) {
-        let removed = self
-            .store
+        let held = {
+            let pods = self.store.pods.lock().unwrap_or_else(|e| e.into_inner());
+            pods.get(uid).map(|p| (p.record.clone(), p.netns.clone()))
+        };
+        let Some((record, netns)) = held else { return };
+        let pod = format!("{}/{}", record.namespace, record.name);
+        if netns_alive {
+            let rules = self.rules;
+            let removed = tokio::task::spawn_blocking(move || rules.remove(&netns))
+                .await
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()));
+            if let Err(e) = removed {
+                tracing::warn!(uid, pod = %pod, error = %e, "redirection rules not removed; pod kept in the mesh, will retry");
+                return;
+            }
+        }
+        hostprobe::remove_pod(uid, &record.ip_addrs());
+        self.store
             .pods
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .remove(uid);
-        let Some(pod) = removed else { return };
-        hostprobe::remove_pod(uid, &pod.record.ip_addrs());
         self.metrics.event("remove");
         if let Err(e) = self.zds.del(uid).await {
             tracing::warn!(uid, error = %e, "ZDS Del failed");
         }
-        if netns_alive {
-            let rules = self.rules;
-            let _ = tokio::task::spawn_blocking(move || rules.remove(&pod.netns)).await;
-        }
-        tracing::info!(uid, pod = %format!("{}/{}", pod.record.namespace, pod.record.name), "pod removed");
+        tracing::info!(uid, pod = %pod, "pod removed");
         self.save();
     }
 
@@ -439,12 +463,20 @@ impl Agent {
 
     /// Pods whose netns path is gone (or now names another netns) are removed.
     async fn reap(&self) {
-        for rec in self.store.records() {
-            let alive = Netns::open(&rec.netns_path)
+        let gone = |rec: &PodRecord| {
+            Netns::open(&rec.netns_path)
                 .and_then(|n| n.id())
-                .map(|id| id == rec.netns_id)
-                .unwrap_or(false);
-            if !alive {
+                .map(|id| id != rec.netns_id)
+                .unwrap_or(true)
+        };
+        if !self.store.records().iter().any(gone) {
+            return;
+        }
+        // Under `ops`, and on the records as they are now: an ADD may have
+        // just replaced a pod's record with its new sandbox.
+        let _guard = self.ops.lock().await;
+        for rec in self.store.records() {
+            if gone(&rec) {
                 self.remove(&rec.uid, false).await;
             }
         }
@@ -479,10 +511,21 @@ impl Agent {
                 }
                 // Deleted: gone from the watch that showed it, or never shown
                 // (the watch can lag a CNI ADD that looked the pod up).
-                None => {
-                    self.store.was_seen(&rec.uid)
-                        || self.store.held_for(&rec.uid).unwrap_or_default() > WATCH_LAG
+                None if self.store.was_seen(&rec.uid) => true,
+                None if self.store.held_for(&rec.uid).unwrap_or_default() > WATCH_LAG => {
+                    // The watch still lags: ask the API server itself.
+                    match cluster.get_pod(&rec.namespace, &rec.name).await {
+                        Ok(Some(p)) if p.metadata.uid.as_deref() == Some(rec.uid.as_str()) => {
+                            !cluster.should_enroll(&p, excluded)
+                        }
+                        Ok(_) => true,
+                        Err(e) => {
+                            tracing::warn!(uid = %rec.uid, error = %e, "cannot confirm the pod with the API server; keeping it");
+                            false
+                        }
+                    }
                 }
+                None => false,
             };
             if !drop {
                 continue;
@@ -539,12 +582,18 @@ impl Agent {
                     continue;
                 }
                 let pod = format!("{}/{}", record.namespace, record.name);
+                let uid = record.uid.clone();
                 match self.enroll_pod(record, netns).await {
                     Ok(()) => {
                         tracing::info!(pod = %pod, "running pod enrolled after its labels selected it")
                     }
                     Err(e) => {
-                        tracing::warn!(pod = %pod, error = %e, "running pod not enrolled; will retry")
+                        let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
+                        let delay = retry
+                            .get(&uid)
+                            .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_RETRY));
+                        retry.insert(uid, (std::time::Instant::now() + delay, delay));
+                        tracing::warn!(pod = %pod, error = %e, ?delay, "running pod not enrolled; will retry")
                     }
                 }
             }
@@ -556,7 +605,8 @@ impl Agent {
             let is_held = held.iter().any(|h| h.uid == uid);
             let want = is_held.then_some("enabled");
             let has = kube::redirection(p);
-            if has == want || (!is_held && has.is_none()) {
+            // Only the value this agent writes is ever taken away.
+            if has == want || (!is_held && has != Some("enabled")) {
                 continue;
             }
             let (ns, name) = (
@@ -793,6 +843,32 @@ pub fn run(cfg: AgentConfig) -> anyhow::Result<()> {
 
 /// The agent's main loop; `stop` ends it early (used by `ambit node`).
 pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> anyhow::Result<()> {
+    super::redirect::set_host_proc(&cfg.host_proc);
+    // Health first: /healthz answers while the agent waits for the API server,
+    // so a slow API does not get it killed by its liveness probe.
+    let ready = Arc::new(AtomicBool::new(false));
+    let r = ready.clone();
+    crate::proxy::admin::serve(
+        cfg.readiness_addr,
+        Arc::new(move |_, path| match path {
+            "/healthz" => (StatusCode::OK, crate::proxy::admin::TEXT, "ok\n".into()),
+            "/readyz" if r.load(Ordering::Acquire) => {
+                (StatusCode::OK, crate::proxy::admin::TEXT, "ready\n".into())
+            }
+            "/readyz" => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                crate::proxy::admin::TEXT,
+                "not ready\n".into(),
+            ),
+            _ => (
+                StatusCode::NOT_FOUND,
+                crate::proxy::admin::TEXT,
+                "not found\n".into(),
+            ),
+        }),
+    )
+    .await
+    .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
     let store = Arc::new(PodStore::default());
     for (record, netns) in load_state(&cfg.state_file) {
         tracing::info!(uid = %record.uid, "pod restored from agent state");
@@ -898,30 +974,6 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         tokio::spawn(plugin_events(agent.clone(), listener));
     }
 
-    let ready = Arc::new(AtomicBool::new(!cfg.install_cni));
-    let r = ready.clone();
-    crate::proxy::admin::serve(
-        cfg.readiness_addr,
-        Arc::new(move |_, path| match path {
-            "/healthz" => (StatusCode::OK, crate::proxy::admin::TEXT, "ok\n".into()),
-            "/readyz" if r.load(Ordering::Acquire) => {
-                (StatusCode::OK, crate::proxy::admin::TEXT, "ready\n".into())
-            }
-            "/readyz" => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                crate::proxy::admin::TEXT,
-                "not ready\n".into(),
-            ),
-            _ => (
-                StatusCode::NOT_FOUND,
-                crate::proxy::admin::TEXT,
-                "not found\n".into(),
-            ),
-        }),
-    )
-    .await
-    .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
-
     let registry = Arc::new(metrics.registry());
     crate::proxy::admin::serve(
         cfg.metrics_addr,
@@ -947,6 +999,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
     .await
     .with_context(|| format!("metrics server on {}", cfg.metrics_addr))?;
 
+    ready.store(!cfg.install_cni, Ordering::Release);
     // Only now, able to serve events, does the agent put the plugin in place.
     let entry = plugin_entry(&cfg);
     let binary = std::env::current_exe()?;

@@ -224,23 +224,24 @@ impl Cluster {
     /// The pod a CNI ADD names, with whether it should be enrolled. The
     /// watch usually has it already (the pod is bound to the node before its
     /// sandbox is made); otherwise the API is asked directly.
+    /// A pod whose uid is not `uid` (when the runtime gave one) is a stale
+    /// predecessor of the same name, not this pod.
     pub async fn lookup(
         &self,
         namespace: &str,
         name: &str,
+        uid: &str,
         excluded: &[String],
     ) -> Result<Option<(Pod, bool)>, kube::Error> {
+        let same = |p: &Pod| uid.is_empty() || p.metadata.uid.as_deref() == Some(uid);
         for _ in 0..10 {
-            if let Some(pod) = self.pod(namespace, name) {
+            if let Some(pod) = self.pod(namespace, name).filter(|p| same(p)) {
                 let enroll = self.should_enroll(&pod, excluded);
                 return Ok(Some(((*pod).clone(), enroll)));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let Some(pod) = Api::<Pod>::namespaced(self.client.clone(), namespace)
-            .get_opt(name)
-            .await?
-        else {
+        let Some(pod) = self.get_pod(namespace, name).await?.filter(|p| same(p)) else {
             return Ok(None);
         };
         let ns = match self.namespace(namespace) {
@@ -253,6 +254,13 @@ impl Cluster {
         };
         let enroll = should_enroll(&pod, ns.as_ref(), excluded);
         Ok(Some((pod, enroll)))
+    }
+
+    /// The pod as the API server has it now (bypassing the watch).
+    pub async fn get_pod(&self, namespace: &str, name: &str) -> Result<Option<Pod>, kube::Error> {
+        Api::<Pod>::namespaced(self.client.clone(), namespace)
+            .get_opt(name)
+            .await
     }
 
     /// Sets (`Some`) or removes (`None`) the redirection annotation with a
@@ -283,31 +291,49 @@ impl Cluster {
     /// created meanwhile fail closed instead of starting outside the mesh.
     /// When the API cannot say, the plugin stays too.
     pub async fn daemonset_remains(&self, namespace: &str, pod: &str) -> bool {
-        let owner = match Api::<Pod>::namespaced(self.client.clone(), namespace)
-            .get_opt(pod)
-            .await
-        {
-            Ok(Some(p)) => p
+        // 401/403/404 mean the agent's account or objects are gone: an uninstall.
+        let gone =
+            |e: &kube::Error| matches!(e, kube::Error::Api(s) if matches!(s.code, 401 | 403 | 404));
+        let budget = Duration::from_secs(5);
+        let own = tokio::time::timeout(
+            budget,
+            Api::<Pod>::namespaced(self.client.clone(), namespace).get_opt(pod),
+        )
+        .await;
+        let owner = match own {
+            Ok(Ok(Some(p))) => p
                 .metadata
                 .owner_references
                 .unwrap_or_default()
                 .into_iter()
                 .find(|o| o.kind == "DaemonSet"),
-            Ok(None) => return false,
-            Err(e) => {
+            Ok(Ok(None)) => return false,
+            Ok(Err(e)) if gone(&e) => return false,
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot read the agent's own pod; keeping the CNI plugin");
+                return true;
+            }
+            Err(_) => {
+                tracing::warn!("the API server did not answer in 5 s; keeping the CNI plugin");
                 return true;
             }
         };
         let Some(owner) = owner else { return false };
-        match Api::<DaemonSet>::namespaced(self.client.clone(), namespace)
-            .get_opt(&owner.name)
-            .await
-        {
-            Ok(Some(ds)) => ds.metadata.deletion_timestamp.is_none(),
-            Ok(None) => false,
-            Err(e) => {
+        let ds = tokio::time::timeout(
+            budget,
+            Api::<DaemonSet>::namespaced(self.client.clone(), namespace).get_opt(&owner.name),
+        )
+        .await;
+        match ds {
+            Ok(Ok(Some(ds))) => ds.metadata.deletion_timestamp.is_none(),
+            Ok(Ok(None)) => false,
+            Ok(Err(e)) if gone(&e) => false,
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot read the agent's DaemonSet; keeping the CNI plugin");
+                true
+            }
+            Err(_) => {
+                tracing::warn!("the API server did not answer in 5 s; keeping the CNI plugin");
                 true
             }
         }

@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use crate::constants::{
@@ -381,10 +382,27 @@ impl RedirectRules {
 /// Linux 5.14+), so a proxy that exits while its successor listens beside it
 /// drops nothing. Best effort: older kernels just lack the knob.
 fn migrate_queued_connections(netns: &Netns) {
-    let set = netns.run(|| std::fs::write("/proc/sys/net/ipv4/tcp_migrate_req", "1"));
+    // A container's own /proc/sys is read-only; the host's /proc, mounted
+    // elsewhere, writes the same per-netns knob (it follows the writer's netns).
+    let host = HOST_PROC.get().cloned();
+    let set = netns.run(move || {
+        let knob = "sys/net/ipv4/tcp_migrate_req";
+        std::fs::write(Path::new("/proc").join(knob), "1").or_else(|e| match &host {
+            Some(root) if root != Path::new("/proc") => std::fs::write(root.join(knob), "1"),
+            _ => Err(e),
+        })
+    });
     if let Err(e) | Ok(Err(e)) = set.map(|r| r.map(|_| ())) {
-        tracing::debug!(netns = %netns.path().display(), error = %e, "tcp_migrate_req not set");
+        tracing::warn!(netns = %netns.path().display(), error = %e, "tcp_migrate_req not set: connections queued on an exiting proxy may be reset");
     }
+}
+
+static HOST_PROC: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+
+/// Where the host's /proc is (`/host/proc` in a container), for the per-pod
+/// sysctl. Set once at agent start.
+pub fn set_host_proc(path: &Path) {
+    let _ = HOST_PROC.set(path.to_path_buf());
 }
 
 /// `ip rule add fwmark 0x111/0xfff pref 32764 lookup 100` once, and the local route in table 100.

@@ -66,6 +66,8 @@ struct Inner {
     watches: Vec<Watch>,
     patches: Vec<(String, Value)>,
     requests: Vec<String>,
+    /// Every request gets 401 (the client's account was deleted).
+    revoked: bool,
 }
 
 /// A running fake API server (plain HTTP on 127.0.0.1 inside a netns).
@@ -290,6 +292,12 @@ impl FakeApi {
         self.lock().requests.clone()
     }
 
+    /// From now on every request gets 401 Unauthorized, as when the
+    /// client's ServiceAccount has been deleted.
+    pub fn revoke(&self) {
+        self.lock().revoked = true;
+    }
+
     /// Ends every open watch with 410 Gone, and refuses watches from any
     /// resourceVersion before now, so clients must list again.
     pub fn expire_watches(&self) {
@@ -308,6 +316,12 @@ impl FakeApi {
 
 async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
     let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
+    if lock().revoked {
+        return reply(
+            StatusCode::UNAUTHORIZED,
+            &status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized"),
+        );
+    }
     let path = req.uri().path().to_string();
     let q = query(req.uri());
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
