@@ -110,6 +110,7 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
             "ClusterRoleBinding",
             "Role",
             "RoleBinding",
+            "DaemonSet",
             "DaemonSet"
         ]
     );
@@ -144,8 +145,27 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
         rules(&docs[3]),
         [(v(&["apps"]), v(&["daemonsets"]), v(&["get"]))]
     );
+    // The agent on the host network; the proxy on the pod network, upgraded
+    // with a surge so a new proxy is up before the old one drains.
     let ds = &docs[5]["spec"]["template"]["spec"];
     assert_eq!(ds["hostNetwork"].as_bool(), Some(true));
+    let proxy_ds = &docs[6];
+    assert_eq!(proxy_ds["metadata"]["name"].as_str(), Some("ambit-proxy"));
+    assert!(proxy_ds["spec"]["template"]["spec"]["hostNetwork"].is_null());
+    let rolling = &proxy_ds["spec"]["updateStrategy"]["rollingUpdate"];
+    assert_eq!(
+        (
+            rolling["maxSurge"].as_u64(),
+            rolling["maxUnavailable"].as_u64()
+        ),
+        (Some(1), Some(0))
+    );
+    assert!(
+        proxy_ds["metadata"]["name"]
+            .as_str()
+            .is_some_and(|n| n.starts_with("ambit-")),
+        "the plugin passes the proxy's pods through by the agent's prefix"
+    );
     assert_eq!(
         ds["priorityClassName"].as_str(),
         Some("system-node-critical")
@@ -165,7 +185,10 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
     ] {
         assert!(host_paths.contains(&p), "host path {p} not mounted");
     }
-    let containers = ds["containers"].as_sequence().expect("containers");
+    let containers: Vec<&Value> = [ds, &proxy_ds["spec"]["template"]["spec"]]
+        .iter()
+        .flat_map(|spec| spec["containers"].as_sequence().expect("containers"))
+        .collect();
     assert_eq!(containers.len(), 2);
     for c in containers {
         let name = c["name"].as_str().expect("name");
