@@ -150,6 +150,21 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
         istio_rules(&a1) > 0,
         "pod in an ambient namespace is captured"
     );
+    // Pod annotations change that pod's rules, as in Istio.
+    let mut quiet = pod("mesh", "d1", "node-a", "default");
+    quiet["metadata"]["annotations"] = json!({"ambient.istio.io/dns-capture": "false"});
+    api.put(Kind::Pod, quiet);
+    let d1 = node.add_pod("d1", "mesh").unwrap();
+    let rules = |p: &LabPod| {
+        String::from_utf8_lossy(&p.ns.command("iptables-save").output().unwrap().stdout)
+            .into_owned()
+    };
+    let (plain, quiet) = (rules(&a1), rules(&d1));
+    assert!(plain.contains("--to-ports 15053"), "{plain}");
+    assert!(
+        quiet.contains("--to-ports 15001") && !quiet.contains("--to-ports 15053"),
+        "{quiet}"
+    );
     assert_eq!(
         istio_rules(&s1),
         0,
@@ -160,7 +175,7 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     });
     assert_eq!(annotated(&api, "shop", "s1"), None);
     assert!(
-        api.patches().iter().all(|(p, _)| p == "mesh/a1"),
+        api.patches().iter().all(|(p, _)| p.starts_with("mesh/")),
         "only captured pods are patched: {:?}",
         api.patches()
     );

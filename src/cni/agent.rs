@@ -44,6 +44,9 @@ pub struct PodRecord {
     /// (device, inode) of the netns, to tell a reused path from the same pod.
     pub netns_id: (u64, u64),
     pub ips: Vec<String>,
+    /// Per-pod changes to the redirection rules (from its annotations).
+    #[serde(default)]
+    pub overrides: kube::RuleOverrides,
 }
 
 impl PodRecord {
@@ -305,6 +308,7 @@ impl Agent {
         }
         let mut uid = Self::uid_of(&ev);
         let mut service_account = self.service_account(&ev);
+        let mut overrides = kube::RuleOverrides::default();
         if let Some(cluster) = &self.cluster {
             let kube_err = |reason: String| EnrollError::Kube {
                 pod: pod.clone(),
@@ -327,7 +331,7 @@ impl Agent {
                 }
                 Ok(Some((p, true))) => {
                     let w = kube::wanted(&p);
-                    (uid, service_account) = (w.uid, w.service_account);
+                    (uid, service_account, overrides) = (w.uid, w.service_account, w.overrides);
                 }
             }
         }
@@ -356,6 +360,7 @@ impl Agent {
             netns_path,
             netns_id,
             ips: ev.ips.iter().map(|i| i.address.clone()).collect(),
+            overrides,
         };
         self.enroll_pod(record, netns).await?;
         // The API call is made without holding up other pods' ADDs.
@@ -376,7 +381,7 @@ impl Agent {
     async fn enroll_pod(&self, record: PodRecord, netns: Netns) -> Result<(), EnrollError> {
         let pod = format!("{}/{}", record.namespace, record.name);
         let uid = record.uid.clone();
-        let rules = self.rules;
+        let rules = RedirectRules::new(record.overrides.apply(self.rules.opts));
         let ns = netns.clone();
         tokio::task::spawn_blocking(move || rules.apply(&ns))
             .await
@@ -721,6 +726,7 @@ fn discover(
             namespace: w.namespace.clone(),
             service_account: w.service_account.clone(),
             ips: w.workload_ips.clone(),
+            overrides: Default::default(),
         })
         .collect();
     find_netns(&cfg.host_proc, &wanted)
@@ -772,6 +778,7 @@ fn find_netns(proc_dir: &Path, wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
             netns_path: path,
             netns_id,
             ips: w.ips.iter().map(|i| i.to_string()).collect(),
+            overrides: w.overrides,
         };
         found.push((record, ns));
     }
@@ -909,7 +916,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         None => discover(&cfg, &known, &enroll, &store.records()),
     };
     for (record, netns) in existing {
-        match rules.apply(&netns) {
+        match RedirectRules::new(record.overrides.apply(rules.opts)).apply(&netns) {
             Ok(()) => {
                 tracing::info!(uid = %record.uid, netns = %record.netns_path.display(), "existing pod found and enrolled");
                 store.insert(record, netns);

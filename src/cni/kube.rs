@@ -36,6 +36,46 @@ pub struct Wanted {
     pub namespace: String,
     pub service_account: String,
     pub ips: Vec<IpAddr>,
+    /// Per-pod changes to the node's redirection rules.
+    pub overrides: RuleOverrides,
+}
+
+/// What a pod's annotations change in its redirection rules, as in Istio:
+/// `ambient.istio.io/dns-capture: "false"` keeps its DNS away from the
+/// proxy, `ambient.istio.io/bypass-inbound-capture: "true"` leaves its
+/// inbound traffic alone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct RuleOverrides {
+    #[serde(default)]
+    pub no_dns_capture: bool,
+    #[serde(default)]
+    pub bypass_inbound: bool,
+}
+
+impl RuleOverrides {
+    pub fn of(pod: &Pod) -> Self {
+        let annotation = |k: &str| {
+            pod.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(k))
+                .map(String::as_str)
+        };
+        RuleOverrides {
+            no_dns_capture: annotation("ambient.istio.io/dns-capture") == Some("false"),
+            bypass_inbound: annotation("ambient.istio.io/bypass-inbound-capture") == Some("true"),
+        }
+    }
+
+    /// The node's options with this pod's changes.
+    pub fn apply(
+        self,
+        mut opts: super::redirect::RedirectOptions,
+    ) -> super::redirect::RedirectOptions {
+        opts.dns_capture &= !self.no_dns_capture;
+        opts.bypass_inbound |= self.bypass_inbound;
+        opts
+    }
 }
 
 fn label<'a>(labels: &'a Option<BTreeMap<String, String>>, key: &str) -> Option<&'a str> {
@@ -115,6 +155,7 @@ pub fn wanted(pod: &Pod) -> Wanted {
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| "default".into()),
         ips: pod_ips(pod),
+        overrides: RuleOverrides::of(pod),
     }
 }
 
@@ -456,5 +497,39 @@ mod tests {
             redirection(&pod(&[], &[(REDIRECTION, "enabled")], false)),
             Some("enabled")
         );
+    }
+
+    #[test]
+    fn annotations_change_the_pods_rules_as_in_istio() {
+        use super::super::redirect::RedirectOptions;
+        let node = RedirectOptions {
+            dns_capture: true,
+            bypass_inbound: false,
+            ipv6: true,
+        };
+        let plain = RuleOverrides::of(&pod(&[], &[], false));
+        assert_eq!(plain, RuleOverrides::default());
+        assert_eq!(plain.apply(node), node);
+        let o = RuleOverrides::of(&pod(
+            &[],
+            &[
+                ("ambient.istio.io/dns-capture", "false"),
+                ("ambient.istio.io/bypass-inbound-capture", "true"),
+            ],
+            false,
+        ));
+        let got = o.apply(node);
+        assert!(!got.dns_capture && got.bypass_inbound && got.ipv6);
+        // An annotation cannot turn DNS capture on where the node has it off.
+        let off = RedirectOptions {
+            dns_capture: false,
+            ..node
+        };
+        let on = RuleOverrides::of(&pod(
+            &[],
+            &[("ambient.istio.io/dns-capture", "true")],
+            false,
+        ));
+        assert!(!on.apply(off).dns_capture);
     }
 }
