@@ -279,6 +279,13 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     assert!(err.contains("is the Ambit agent running?"), "{err}");
     node.add_pod("p1", "plain")
         .expect("a plain namespace's pod starts without the agent");
+    // The plugin asks the API server itself (with the credentials the agent
+    // left it): a pod labelled ambient in a plain namespace fails closed too.
+    let mut labelled = pod("plain", "p2", "node-a", "default");
+    labelled["metadata"]["labels"][MODE] = json!("ambient");
+    api.put(Kind::Pod, labelled);
+    let err = node.add_pod("p2", "plain").unwrap_err();
+    assert!(err.contains("is the Ambit agent running?"), "{err}");
 }
 
 #[test]

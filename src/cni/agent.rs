@@ -22,7 +22,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::kube::{self, Cluster, Wanted};
-use super::plugin::{AddEvent, Enrollment, AMBIENT_NAMESPACES_FILE};
+use super::plugin::{AddEvent, Enrollment, AMBIENT_NAMESPACES_FILE, PLUGIN_KUBECONFIG_FILE};
 use super::redirect::{RedirectOptions, RedirectRules};
 use super::zds_server::{PodSource, ZdsPod, ZdsServer};
 use super::{hostprobe, install};
@@ -204,6 +204,8 @@ pub struct Agent {
     retry: Mutex<BTreeMap<String, (std::time::Instant, Duration)>>,
     /// The ambient namespaces last written for the plugin.
     ambient_written: Mutex<Option<Vec<String>>>,
+    /// The plugin's kubeconfig as last written.
+    kubeconfig_written: Mutex<Option<String>>,
     /// Serialises enrollments so rules, ZDS and state change in one order.
     ops: tokio::sync::Mutex<()>,
 }
@@ -503,6 +505,7 @@ impl Agent {
         let Some(cluster) = &self.cluster else { return };
         let excluded = &self.cfg.exclude_namespaces;
         self.write_ambient_namespaces(cluster);
+        self.write_plugin_kubeconfig();
         let watched = cluster.pods();
         // Held pods the API no longer wants: relabelled, finished or deleted.
         for rec in self.store.records() {
@@ -625,7 +628,56 @@ impl Agent {
     }
 }
 
+/// The kubeconfig for the plugin: the agent's own (`KUBECONFIG`), or one
+/// built from the in-cluster service account, whose CA is copied next to it
+/// (the run dir has the same path on the host).
+fn plugin_kubeconfig(run_dir: &Path) -> Option<String> {
+    if let Some(path) = std::env::var_os("KUBECONFIG").filter(|p| !p.is_empty()) {
+        let first = std::env::split_paths(&path).next()?;
+        return std::fs::read_to_string(first).ok();
+    }
+    let host = std::env::var("KUBERNETES_SERVICE_HOST").ok()?;
+    let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
+    let sa = Path::new("/var/run/secrets/kubernetes.io/serviceaccount");
+    let token = std::fs::read_to_string(sa.join("token")).ok()?;
+    let ca = std::fs::read(sa.join("ca.crt")).ok()?;
+    let ca_path = run_dir.join("plugin-ca.crt");
+    install::write_atomic(&ca_path, &ca, 0o600).ok()?;
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    Some(format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster\n  cluster:\n    server: \"https://{host}:{port}\"\n    certificate-authority: \"{}\"\nusers:\n- name: ambit-cni\n  user:\n    token: \"{}\"\ncontexts:\n- name: ambit-cni\n  context:\n    cluster: cluster\n    user: ambit-cni\ncurrent-context: ambit-cni\n",
+        ca_path.display(),
+        token.trim()
+    ))
+}
+
 impl Agent {
+    /// Keeps `<run dir>/plugin-kubeconfig` (0600) current, so that while no
+    /// agent runs the plugin can ask the API server whether a pod is enrolled.
+    fn write_plugin_kubeconfig(&self) {
+        let Some(text) = plugin_kubeconfig(&self.cfg.run_dir) else {
+            return;
+        };
+        let mut last = self
+            .kubeconfig_written
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if last.as_deref() == Some(text.as_str()) {
+            return;
+        }
+        let path = self.cfg.run_dir.join(PLUGIN_KUBECONFIG_FILE);
+        match install::write_atomic(&path, text.as_bytes(), 0o600) {
+            Ok(()) => *last = Some(text),
+            Err(e) => {
+                tracing::warn!(file = %path.display(), error = %e, "plugin kubeconfig not written")
+            }
+        }
+    }
+
     /// Keeps `<run dir>/ambient-namespaces.json` current, so that while no
     /// agent runs the plugin can let pods of other namespaces start.
     fn write_ambient_namespaces(&self, cluster: &Cluster) {
@@ -945,6 +997,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         cluster: cluster.clone(),
         retry: Default::default(),
         ambient_written: Default::default(),
+        kubeconfig_written: Default::default(),
         cfg: cfg.clone(),
         store,
         zds,

@@ -557,8 +557,13 @@ fn ip_family(address: Option<&Value>) -> Result<&'static str, CniError> {
 /// Why an event did not reach the agent, or what it said.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AgentError {
-    /// No agent to ask (no socket, connection refused).
-    Unreachable(String),
+    /// No agent to ask (no socket, connection refused). `must_enroll` is
+    /// the API server's verdict on the pod when the plugin could ask it
+    /// (Kubernetes mode, with the credentials the agent left it).
+    Unreachable {
+        why: String,
+        must_enroll: Option<bool>,
+    },
     /// The agent answered with an error, or did not answer in time.
     Refused(String),
 }
@@ -566,7 +571,7 @@ pub enum AgentError {
 impl std::fmt::Display for AgentError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            AgentError::Unreachable(s) | AgentError::Refused(s) => f.write_str(s),
+            AgentError::Unreachable { why: s, .. } | AgentError::Refused(s) => f.write_str(s),
         }
     }
 }
@@ -577,12 +582,20 @@ impl std::fmt::Display for AgentError {
 /// pod labelled ambient itself once it is back) and fails the rest closed.
 pub const AMBIENT_NAMESPACES_FILE: &str = "ambient-namespaces.json";
 
+/// Kubeconfig the agent leaves in its run dir (0600) so the plugin can ask
+/// the API server about a pod while no agent runs.
+pub const PLUGIN_KUBECONFIG_FILE: &str = "plugin-kubeconfig";
+
 /// Whether a pod may start while the agent is unreachable: only in
-/// Kubernetes mode, and only if the agent's last list of ambient namespaces
-/// exists and does not name the pod's namespace.
-fn may_start_without_agent(cfg: &PluginConfig, namespace: &str) -> bool {
+/// Kubernetes mode; then as the API server says when it could be asked,
+/// otherwise only if the agent's last list of ambient namespaces exists and
+/// does not name the pod's namespace.
+fn may_start_without_agent(cfg: &PluginConfig, namespace: &str, must_enroll: Option<bool>) -> bool {
     if !matches!(cfg.enroll, Enrollment::Kubernetes { .. }) {
         return false;
+    }
+    if let Some(must) = must_enroll {
+        return !must;
     }
     let path = std::path::Path::new(&cfg.cni_agent_run_dir).join(AMBIENT_NAMESPACES_FILE);
     let Ok(text) = std::fs::read_to_string(path) else {
@@ -614,12 +627,11 @@ pub fn handle(
             let pod = parse_cni_args(&env.args);
             if let Decision::Enroll(event) = decide(&cfg, env, &pod) {
                 match post(&event, &cfg.cni_agent_run_dir) {
-                    Err(AgentError::Unreachable(why))
-                        if may_start_without_agent(&cfg, &event.pod_namespace) =>
+                    Err(AgentError::Unreachable { why, must_enroll })
+                        if may_start_without_agent(&cfg, &event.pod_namespace, must_enroll) =>
                     {
                         eprintln!(
-                            "ambit-cni: {why}; pod {}/{} is not in an ambient namespace, so it \
-                             starts now (the agent captures it later if its own labels select it)",
+                            "ambit-cni: {why}; pod {}/{} is not to be enrolled, so it starts now",
                             event.pod_namespace, event.pod_name
                         );
                         return result_for(&cfg);

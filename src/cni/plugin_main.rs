@@ -25,14 +25,19 @@ fn post(event: &AddEvent, run_dir: &str) -> Result<(), AgentError> {
         .enable_all()
         .build()
         .map_err(|e| AgentError::Refused(e.to_string()))?;
-    let stream = rt
-        .block_on(tokio::net::UnixStream::connect(&sock))
-        .map_err(|e| {
-            AgentError::Unreachable(format!(
-                "agent socket {}: {e} — is the Ambit agent running?",
-                sock.display()
-            ))
-        })?;
+    let stream = match rt.block_on(tokio::net::UnixStream::connect(&sock)) {
+        Ok(s) => s,
+        Err(e) => {
+            let must_enroll = rt.block_on(ask_api(event, Path::new(run_dir)));
+            return Err(AgentError::Unreachable {
+                why: format!(
+                    "agent socket {}: {e} — is the Ambit agent running?",
+                    sock.display()
+                ),
+                must_enroll,
+            });
+        }
+    };
     rt.block_on(async {
         let exchange = async {
             let (mut sender, conn) =
@@ -69,6 +74,37 @@ fn post(event: &AddEvent, run_dir: &str) -> Result<(), AgentError> {
             .map_err(|_| format!("agent socket {}: no answer within 5s", sock.display()))?
     })
     .map_err(AgentError::Refused)
+}
+
+/// With no agent to ask: whether the API server says the pod must be
+/// enrolled, using the kubeconfig the agent left in its run dir. `None` when
+/// there is none or the API does not answer within 3 s.
+async fn ask_api(event: &AddEvent, run_dir: &Path) -> Option<bool> {
+    use k8s_openapi::api::core::v1::{Namespace, Pod};
+    let path = run_dir.join(plugin::PLUGIN_KUBECONFIG_FILE);
+    if !path.exists() {
+        return None;
+    }
+    let lookup = async {
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path).ok()?;
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .ok()?;
+        let client = kube::Client::try_from(config).ok()?;
+        let pod = kube::Api::<Pod>::namespaced(client.clone(), &event.pod_namespace)
+            .get(&event.pod_name)
+            .await
+            .ok()?;
+        let ns = kube::Api::<Namespace>::all(client)
+            .get_opt(&event.pod_namespace)
+            .await
+            .ok()?;
+        Some(super::kube::should_enroll(&pod, ns.as_ref(), &[]))
+    };
+    tokio::time::timeout(Duration::from_secs(3), lookup)
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Runs the plugin and returns the process exit code.

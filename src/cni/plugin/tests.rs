@@ -319,7 +319,10 @@ fn without_an_agent_only_pods_outside_ambient_namespaces_start() {
             ),
         )
     };
-    let gone = Err(AgentError::Unreachable("no socket".into()));
+    let gone = Err(AgentError::Unreachable {
+        why: "no socket".into(),
+        must_enroll: None,
+    });
     let add = |ns: &str| env("ADD", &format!("K8S_POD_NAMESPACE={ns};K8S_POD_NAME=web-1"));
     // No list of ambient namespaces from the agent: every pod fails closed.
     let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), gone.clone());
@@ -343,9 +346,25 @@ fn without_an_agent_only_pods_outside_ambient_namespaces_start() {
     let (out, _) = run_with(
         &add("shop"),
         &stdin("kubernetes"),
-        Err(AgentError::Unreachable("no socket".into())),
+        Err(AgentError::Unreachable {
+            why: "no socket".into(),
+            must_enroll: None,
+        }),
     );
     assert_eq!(code_of(out), 100, "an unreadable list fails closed");
+    // When the plugin could ask the API server, its verdict decides.
+    let api = |must: bool| {
+        Err(AgentError::Unreachable {
+            why: "no socket".into(),
+            must_enroll: Some(must),
+        })
+    };
+    let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), api(true));
+    assert_eq!(code_of(out), 100, "a pod labelled ambient fails closed");
+    let (out, _) = run_with(&add("mesh"), &stdin("kubernetes"), api(false));
+    assert!(out.is_ok(), "a pod the API says is not enrolled starts");
+    let (out, _) = run_with(&add("shop"), &stdin("all"), api(false));
+    assert_eq!(code_of(out), 100, "only Kubernetes mode asks the API");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
