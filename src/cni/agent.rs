@@ -786,6 +786,24 @@ fn discover(
 
 /// Finds the netns of each wanted pod: one on this host with an interface
 /// holding one of the pod's IPs.
+/// The pod UID in a `/proc/<pid>/cgroup` text, as kubelet's cgroup drivers
+/// write it: `.../pod<uid>/...` (cgroupfs) or `...-pod<uid with _>.slice/...`
+/// (systemd).
+pub fn pod_uid_from_cgroup(text: &str) -> Option<String> {
+    text.lines().find_map(|line| {
+        line.match_indices("pod").find_map(|(i, _)| {
+            let cand: String = line[i + 3..].chars().take(36).collect();
+            let uid = cand.replace('_', "-");
+            let ok = uid.len() == 36
+                && uid.char_indices().all(|(k, c)| match k {
+                    8 | 13 | 18 | 23 => c == '-',
+                    _ => c.is_ascii_hexdigit(),
+                });
+            ok.then_some(uid)
+        })
+    })
+}
+
 fn find_netns(proc_dir: &Path, wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
     let wanted: Vec<&Wanted> = wanted.iter().filter(|w| !w.ips.is_empty()).collect();
     if wanted.is_empty() {
@@ -809,10 +827,18 @@ fn find_netns(proc_dir: &Path, wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
                     .or_else(|| s.as_sockaddr_in6().map(|v| v.ip().into()))
             })
             .collect();
-        let Some(w) = wanted
-            .iter()
-            .find(|w| w.ips.iter().any(|ip| ips.contains(ip)))
-        else {
+        // A netns held by a process of a Kubernetes pod belongs to that pod
+        // only: its cgroup names the pod's UID.
+        let owner = Some(path.as_path())
+            .filter(|p| p.starts_with(proc_dir))
+            .and_then(Path::parent)
+            .and_then(Path::parent)
+            .and_then(|pid_dir| std::fs::read_to_string(pid_dir.join("cgroup")).ok())
+            .and_then(|text| pod_uid_from_cgroup(&text));
+        let Some(w) = wanted.iter().find(|w| {
+            w.ips.iter().any(|ip| ips.contains(ip))
+                && owner.as_deref().is_none_or(|uid| uid == w.uid)
+        }) else {
             continue;
         };
         if found
@@ -1110,4 +1136,33 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pod_uid_comes_from_either_cgroup_driver() {
+        let uid = "0d3e7c59-6a8b-4f57-9a0e-2f1c7b9d4e21";
+        let systemd = "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod0d3e7c59_6a8b_4f57_9a0e_2f1c7b9d4e21.slice/cri-containerd-7f2a.scope\n";
+        let cgroupfs =
+            "12:memory:/kubepods/besteffort/pod0d3e7c59-6a8b-4f57-9a0e-2f1c7b9d4e21/4c1d\n0::/\n";
+        assert_eq!(pod_uid_from_cgroup(systemd).as_deref(), Some(uid));
+        assert_eq!(pod_uid_from_cgroup(cgroupfs).as_deref(), Some(uid));
+        assert_eq!(
+            pod_uid_from_cgroup("0::/user.slice/user-0.slice/session-3.scope\n"),
+            None
+        );
+        assert_eq!(pod_uid_from_cgroup("0::/kubepods/podnothex/x\n"), None);
+        assert_eq!(pod_uid_from_cgroup(""), None);
+    }
+
+    #[test]
+    fn the_agents_own_pod_prefix_is_its_daemonset_name() {
+        assert_eq!(own_pod_prefix("ambit-q8x2z"), "ambit-");
+        assert_eq!(own_pod_prefix("ambit-agent-7xk2p"), "ambit-agent-");
+        assert_eq!(own_pod_prefix(""), "");
+        assert_eq!(own_pod_prefix("solo"), "");
+    }
 }
