@@ -7,20 +7,12 @@ use std::time::{Duration, Instant};
 
 use ambit::lab::kubeapi::{FakeApi, Kind};
 use ambit::lab::node::Node;
-use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
+use ambit::lab::{connect_from, echo_roundtrip, iptables_save, istio_rules, EchoServer, LabPod};
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 const MODE: &str = "istio.io/dataplane-mode";
 const REDIRECTION: &str = "ambient.istio.io/redirection";
-
-fn istio_rules(pod: &LabPod) -> usize {
-    let out = pod.ns.command("iptables-save").output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.contains("ISTIO"))
-        .count()
-}
 
 fn namespace(name: &str, ambient: bool) -> Value {
     let labels = if ambient {
@@ -155,11 +147,7 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     quiet["metadata"]["annotations"] = json!({"ambient.istio.io/dns-capture": "false"});
     api.put(Kind::Pod, quiet);
     let d1 = node.add_pod("d1", "mesh").unwrap();
-    let rules = |p: &LabPod| {
-        String::from_utf8_lossy(&p.ns.command("iptables-save").output().unwrap().stdout)
-            .into_owned()
-    };
-    let (plain, quiet) = (rules(&a1), rules(&d1));
+    let (plain, quiet) = (iptables_save(&a1.ns), iptables_save(&d1.ns));
     assert!(plain.contains("--to-ports 15053"), "{plain}");
     assert!(
         quiet.contains("--to-ports 15001") && !quiet.contains("--to-ports 15053"),

@@ -9,15 +9,9 @@ use std::time::{Duration, Instant};
 use ambit::lab::node::Node;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
-use ambit::lab::{connect_from, echo_roundtrip, http_get_in, EchoServer, LabPod};
-
-fn istio_rules(pod: &LabPod) -> usize {
-    let out = pod.ns.command("iptables-save").output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter(|l| l.contains("ISTIO"))
-        .count()
-}
+use ambit::lab::{
+    connect_from, echo_roundtrip, http_get_in, iptables_save, istio_rules, EchoServer,
+};
 
 #[test]
 fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
@@ -438,13 +432,10 @@ fn agent_start_enrolls_pods_that_already_exist() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let rules =
-        String::from_utf8_lossy(&ns.command("iptables-save").output().unwrap().stdout).into_owned();
+    let rules = iptables_save(&ns);
     assert!(rules.contains("--to-ports 15001"), "{rules}");
     assert!(node.log().contains("existing pod found and enrolled"));
-    let other =
-        String::from_utf8_lossy(&netns[1].command("iptables-save").output().unwrap().stdout)
-            .into_owned();
+    let other = iptables_save(&netns[1]);
     assert!(
         !other.contains("ISTIO"),
         "a workload of another node is left alone: {other}"

@@ -202,10 +202,6 @@ pub struct Agent {
     cluster: Option<Arc<Cluster>>,
     /// Pods the API wants enrolled whose netns was not found yet: next try, delay.
     retry: Mutex<BTreeMap<String, (std::time::Instant, Duration)>>,
-    /// The ambient namespaces last written for the plugin.
-    ambient_written: Mutex<Option<Vec<String>>>,
-    /// The plugin's kubeconfig as last written.
-    kubeconfig_written: Mutex<Option<String>>,
     /// Serialises enrollments so rules, ZDS and state change in one order.
     ops: tokio::sync::Mutex<()>,
 }
@@ -497,6 +493,16 @@ const WATCH_LAG: Duration = Duration::from_secs(10);
 const MAX_RETRY: Duration = Duration::from_secs(30);
 
 impl Agent {
+    /// Puts off the next try for pod `uid`: 1 s, doubling up to [`MAX_RETRY`].
+    fn back_off(&self, uid: &str) -> Duration {
+        let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
+        let delay = retry
+            .get(uid)
+            .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_RETRY));
+        retry.insert(uid.to_string(), (std::time::Instant::now() + delay, delay));
+        delay
+    }
+
     /// Brings the held pods in line with the API (label flips, deletions,
     /// pods that started without a CNI ADD) and the redirection annotations
     /// in line with the held pods. Level-triggered: run after every watch
@@ -504,8 +510,7 @@ impl Agent {
     async fn reconcile(&self) {
         let Some(cluster) = &self.cluster else { return };
         let excluded = &self.cfg.exclude_namespaces;
-        self.write_ambient_namespaces(cluster);
-        self.write_plugin_kubeconfig();
+        self.write_plugin_files(cluster);
         let watched = cluster.pods();
         // Held pods the API no longer wants: relabelled, finished or deleted.
         for rec in self.store.records() {
@@ -577,12 +582,8 @@ impl Agent {
                 if found.iter().any(|(r, _)| r.uid == w.uid) {
                     continue;
                 }
-                let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
-                let delay = retry
-                    .get(&w.uid)
-                    .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_RETRY));
+                let delay = self.back_off(&w.uid);
                 tracing::debug!(pod = %format!("{}/{}", w.namespace, w.name), ?delay, "netns not found on this host yet");
-                retry.insert(w.uid.clone(), (now + delay, delay));
             }
             for (record, netns) in found {
                 let _guard = self.ops.lock().await;
@@ -596,11 +597,7 @@ impl Agent {
                         tracing::info!(pod = %pod, "running pod enrolled after its labels selected it")
                     }
                     Err(e) => {
-                        let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
-                        let delay = retry
-                            .get(&uid)
-                            .map_or(Duration::from_secs(1), |(_, d)| (*d * 2).min(MAX_RETRY));
-                        retry.insert(uid, (std::time::Instant::now() + delay, delay));
+                        let delay = self.back_off(&uid);
                         tracing::warn!(pod = %pod, error = %e, ?delay, "running pod not enrolled; will retry")
                     }
                 }
@@ -629,72 +626,50 @@ impl Agent {
 }
 
 /// The kubeconfig for the plugin: the agent's own (`KUBECONFIG`), or one
-/// built from the in-cluster service account, whose CA is copied next to it
-/// (the run dir has the same path on the host).
-fn plugin_kubeconfig(run_dir: &Path) -> Option<String> {
+/// built from the in-cluster service account, with that account's CA to be
+/// written beside it at `ca_path` (the run dir has the same path on the host).
+fn plugin_kubeconfig(ca_path: &Path) -> Option<(String, Option<Vec<u8>>)> {
     if let Some(path) = std::env::var_os("KUBECONFIG").filter(|p| !p.is_empty()) {
         let first = std::env::split_paths(&path).next()?;
-        return std::fs::read_to_string(first).ok();
+        return Some((std::fs::read_to_string(first).ok()?, None));
     }
     let host = std::env::var("KUBERNETES_SERVICE_HOST").ok()?;
     let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
     let sa = Path::new("/var/run/secrets/kubernetes.io/serviceaccount");
     let token = std::fs::read_to_string(sa.join("token")).ok()?;
     let ca = std::fs::read(sa.join("ca.crt")).ok()?;
-    let ca_path = run_dir.join("plugin-ca.crt");
-    install::write_atomic(&ca_path, &ca, 0o600).ok()?;
     let host = if host.contains(':') {
         format!("[{host}]")
     } else {
         host
     };
-    Some(format!(
+    let text = format!(
         "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster\n  cluster:\n    server: \"https://{host}:{port}\"\n    certificate-authority: \"{}\"\nusers:\n- name: ambit-cni\n  user:\n    token: \"{}\"\ncontexts:\n- name: ambit-cni\n  context:\n    cluster: cluster\n    user: ambit-cni\ncurrent-context: ambit-cni\n",
         ca_path.display(),
         token.trim()
-    ))
+    );
+    Some((text, Some(ca)))
 }
 
 impl Agent {
-    /// Keeps `<run dir>/plugin-kubeconfig` (0600) current, so that while no
-    /// agent runs the plugin can ask the API server whether a pod is enrolled.
-    fn write_plugin_kubeconfig(&self) {
-        let Some(text) = plugin_kubeconfig(&self.cfg.run_dir) else {
-            return;
-        };
-        let mut last = self
-            .kubeconfig_written
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if last.as_deref() == Some(text.as_str()) {
-            return;
+    /// Keeps the files the plugin reads while no agent runs current (0600,
+    /// rewritten only when they change): the namespaces labelled ambient, and
+    /// a kubeconfig to ask the API server whether a pod is enrolled.
+    fn write_plugin_files(&self, cluster: &Cluster) {
+        let dir = &self.cfg.run_dir;
+        let ambient = cluster.ambient_namespaces(&self.cfg.exclude_namespaces);
+        let mut files = vec![(
+            dir.join(AMBIENT_NAMESPACES_FILE),
+            serde_json::to_vec(&ambient).unwrap_or_else(|_| b"[]".to_vec()),
+        )];
+        let ca_path = dir.join("plugin-ca.crt");
+        if let Some((kubeconfig, ca)) = plugin_kubeconfig(&ca_path) {
+            files.extend(ca.map(|ca| (ca_path, ca)));
+            files.push((dir.join(PLUGIN_KUBECONFIG_FILE), kubeconfig.into_bytes()));
         }
-        let path = self.cfg.run_dir.join(PLUGIN_KUBECONFIG_FILE);
-        match install::write_atomic(&path, text.as_bytes(), 0o600) {
-            Ok(()) => *last = Some(text),
-            Err(e) => {
-                tracing::warn!(file = %path.display(), error = %e, "plugin kubeconfig not written")
-            }
-        }
-    }
-
-    /// Keeps `<run dir>/ambient-namespaces.json` current, so that while no
-    /// agent runs the plugin can let pods of other namespaces start.
-    fn write_ambient_namespaces(&self, cluster: &Cluster) {
-        let now = cluster.ambient_namespaces(&self.cfg.exclude_namespaces);
-        let mut last = self
-            .ambient_written
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        if last.as_ref() == Some(&now) {
-            return;
-        }
-        let path = self.cfg.run_dir.join(AMBIENT_NAMESPACES_FILE);
-        let text = serde_json::to_vec(&now).unwrap_or_else(|_| b"[]".to_vec());
-        match install::write_atomic(&path, &text, 0o600) {
-            Ok(()) => *last = Some(now),
-            Err(e) => {
-                tracing::warn!(file = %path.display(), error = %e, "ambient namespace list not written")
+        for (path, contents) in files {
+            if let Err(e) = install::write_if_changed(&path, &contents, 0o600) {
+                tracing::warn!(file = %path.display(), error = %e, "file for the plugin not written");
             }
         }
     }
@@ -1010,11 +985,6 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
     }
     let zds = ZdsServer::start(&cfg.zds_path, store.clone())
         .with_context(|| format!("ZDS socket {}", cfg.zds_path.display()))?;
-    let rules = RedirectRules::new(RedirectOptions {
-        dns_capture: cfg.dns_capture,
-        bypass_inbound: false,
-        ipv6: cfg.ipv6,
-    });
     let metrics = Arc::new(AgentMetrics::default());
     let agent = Arc::new(Agent {
         metrics: metrics.clone(),
@@ -1022,8 +992,6 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         mesh,
         cluster: cluster.clone(),
         retry: Default::default(),
-        ambient_written: Default::default(),
-        kubeconfig_written: Default::default(),
         cfg: cfg.clone(),
         store,
         zds,

@@ -127,6 +127,14 @@ pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), Insta
     fs::rename(&tmp, path).map_err(io_err(path))
 }
 
+/// [`write_atomic`] unless `path` already holds exactly `contents`.
+pub fn write_if_changed(path: &Path, contents: &[u8], mode: u32) -> Result<(), InstallError> {
+    if fs::read(path).is_ok_and(|old| old == contents) {
+        return Ok(());
+    }
+    write_atomic(path, contents, mode)
+}
+
 /// Installs (or repairs) the binary and the conflist entry. Returns whether anything changed.
 pub fn install(
     bin_dir: &Path,

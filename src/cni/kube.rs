@@ -332,52 +332,41 @@ impl Cluster {
     /// created meanwhile fail closed instead of starting outside the mesh.
     /// When the API cannot say, the plugin stays too.
     pub async fn daemonset_remains(&self, namespace: &str, pod: &str) -> bool {
-        // 401/403/404 mean the agent's account or objects are gone: an uninstall.
-        let gone =
-            |e: &kube::Error| matches!(e, kube::Error::Api(s) if matches!(s.code, 401 | 403 | 404));
-        let budget = Duration::from_secs(5);
-        let own = tokio::time::timeout(
-            budget,
-            Api::<Pod>::namespaced(self.client.clone(), namespace).get_opt(pod),
-        )
-        .await;
-        let owner = match own {
-            Ok(Ok(Some(p))) => p
-                .metadata
-                .owner_references
-                .unwrap_or_default()
-                .into_iter()
-                .find(|o| o.kind == "DaemonSet"),
-            Ok(Ok(None)) => return false,
-            Ok(Err(e)) if gone(&e) => return false,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "cannot read the agent's own pod; keeping the CNI plugin");
-                return true;
-            }
-            Err(_) => {
-                tracing::warn!("the API server did not answer in 5 s; keeping the CNI plugin");
-                return true;
-            }
+        let verdict = async {
+            let pods = Api::<Pod>::namespaced(self.client.clone(), namespace);
+            let Some(own) = get_within(&pods, pod).await? else {
+                return Ok(false);
+            };
+            let owner = own.metadata.owner_references.unwrap_or_default();
+            let Some(ds) = owner.iter().find(|o| o.kind == "DaemonSet") else {
+                return Ok(false);
+            };
+            let dss = Api::<DaemonSet>::namespaced(self.client.clone(), namespace);
+            let ds = get_within(&dss, &ds.name).await?;
+            Ok::<_, String>(ds.is_some_and(|d| d.metadata.deletion_timestamp.is_none()))
         };
-        let Some(owner) = owner else { return false };
-        let ds = tokio::time::timeout(
-            budget,
-            Api::<DaemonSet>::namespaced(self.client.clone(), namespace).get_opt(&owner.name),
-        )
-        .await;
-        match ds {
-            Ok(Ok(Some(ds))) => ds.metadata.deletion_timestamp.is_none(),
-            Ok(Ok(None)) => false,
-            Ok(Err(e)) if gone(&e) => false,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "cannot read the agent's DaemonSet; keeping the CNI plugin");
-                true
-            }
-            Err(_) => {
-                tracing::warn!("the API server did not answer in 5 s; keeping the CNI plugin");
+        match verdict.await {
+            Ok(remains) => remains,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell whether the agent's DaemonSet remains; keeping the CNI plugin");
                 true
             }
         }
+    }
+}
+
+/// A GET with a 5 s budget. Not found, and 401/403 (the caller's account or
+/// its rights are gone, as after an uninstall), are `None`; the error says
+/// why the API server could not answer.
+async fn get_within<K>(api: &Api<K>, name: &str) -> Result<Option<K>, String>
+where
+    K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match tokio::time::timeout(Duration::from_secs(5), api.get_opt(name)).await {
+        Ok(Ok(found)) => Ok(found),
+        Ok(Err(kube::Error::Api(s))) if matches!(s.code, 401 | 403 | 404) => Ok(None),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("no answer within 5 s".into()),
     }
 }
 

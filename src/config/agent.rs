@@ -121,18 +121,8 @@ pub static AGENT_KEYS: &[Key] = &[
         default: "0.0.0.0:15014",
         help: "Prometheus metrics (/metrics)",
     },
-    Key {
-        name: "log_format",
-        env: &["LOG_FORMAT"],
-        default: "text",
-        help: "text or json",
-    },
-    Key {
-        name: "log_level",
-        env: &["RUST_LOG"],
-        default: "info",
-        help: "tracing filter",
-    },
+    super::LOG_FORMAT_KEY,
+    super::LOG_LEVEL_KEY,
 ];
 
 #[derive(Debug, Clone)]
@@ -159,13 +149,7 @@ pub struct AgentConfig {
 }
 
 pub fn parse_enroll(s: &str) -> Option<EnrollRule> {
-    let list = |v: &str| {
-        v.split(',')
-            .map(str::trim)
-            .filter(|x| !x.is_empty())
-            .map(String::from)
-            .collect::<Vec<_>>()
-    };
+    let list = super::parse_list;
     match s.split_once(':') {
         None if s == "all" => Some(EnrollRule::All),
         None if s == "none" => Some(EnrollRule::None),
@@ -197,13 +181,7 @@ impl AgentConfig {
             )?,
             exclude_namespaces: l
                 .get("exclude_namespaces", "comma-separated names", |s| {
-                    Some(
-                        s.split(',')
-                            .map(str::trim)
-                            .filter(|x| !x.is_empty())
-                            .map(String::from)
-                            .collect(),
-                    )
+                    Some(super::parse_list(s))
                 })?
                 .unwrap_or_default(),
             dns_capture: l.require("dns_capture", "true or false", parse_bool)?,

@@ -62,18 +62,8 @@ pub static CONTROL_PLANE_KEYS: &[Key] = &[
         default: "24h",
         help: "longest workload certificate it signs",
     },
-    Key {
-        name: "log_format",
-        env: &["LOG_FORMAT"],
-        default: "text",
-        help: "text or json",
-    },
-    Key {
-        name: "log_level",
-        env: &["RUST_LOG"],
-        default: "info",
-        help: "tracing filter",
-    },
+    super::LOG_FORMAT_KEY,
+    super::LOG_LEVEL_KEY,
 ];
 
 #[derive(Debug, Clone)]
@@ -111,12 +101,7 @@ impl ControlPlaneConfig {
             state_dir: l.require("state_dir", "a directory", path)?,
             token_file: l.get("token_file", "a file path", path)?,
             tls_sans: l.require("tls_sans", "comma-separated names", |s| {
-                Some(
-                    s.split(',')
-                        .map(|x| x.trim().to_string())
-                        .filter(|x| !x.is_empty())
-                        .collect(),
-                )
+                Some(super::parse_list(s))
             })?,
             max_cert_ttl: l.require("max_cert_ttl", "a duration like 24h", parse_duration)?,
             log_format: l.require("log_format", "text or json", super::parse_log_format)?,

@@ -343,6 +343,29 @@ pub fn parse_log_format(s: &str) -> Option<proxy::LogFormat> {
     }
 }
 
+/// Parses a comma-separated list; blanks around items and empty items are dropped.
+pub fn parse_list(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(String::from)
+        .collect()
+}
+
+/// The log keys every role has.
+pub const LOG_FORMAT_KEY: Key = Key {
+    name: "log_format",
+    env: &["LOG_FORMAT"],
+    default: "text",
+    help: "text or json",
+};
+pub const LOG_LEVEL_KEY: Key = Key {
+    name: "log_level",
+    env: &["RUST_LOG"],
+    default: "info",
+    help: "tracing filter, e.g. info,ambit=debug",
+};
+
 /// Parses `true`/`false` (and 1/0, yes/no).
 pub fn parse_bool(s: &str) -> Option<bool> {
     match s.to_ascii_lowercase().as_str() {
@@ -355,6 +378,12 @@ pub fn parse_bool(s: &str) -> Option<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lists_drop_blanks_and_empty_items() {
+        assert_eq!(parse_list(" a, b ,,c,"), ["a", "b", "c"]);
+        assert!(parse_list("").is_empty() && parse_list(" , ").is_empty());
+    }
 
     static KEYS: &[Key] = &[
         Key {

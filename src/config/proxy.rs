@@ -256,18 +256,8 @@ pub static PROXY_KEYS: &[Key] = &[
         default: "",
         help: "the pod's grace period; unless drain_timeout is set, drain gets it minus 5s (minus 1s if <= 10s)",
     },
-    Key {
-        name: "log_format",
-        env: &["LOG_FORMAT"],
-        default: "text",
-        help: "text or json",
-    },
-    Key {
-        name: "log_level",
-        env: &["RUST_LOG"],
-        default: "info",
-        help: "tracing filter, e.g. info,ambit=debug",
-    },
+    super::LOG_FORMAT_KEY,
+    super::LOG_LEVEL_KEY,
 ];
 
 /// Everything the proxy role needs, validated.

@@ -76,13 +76,22 @@ pub struct FakeApi {
     inner: Arc<Mutex<Inner>>,
 }
 
+/// Where an object is stored: namespaces are cluster-scoped.
+fn key(kind: Kind, namespace: &str, name: &str) -> Key {
+    let ns = match kind {
+        Kind::Namespace => "",
+        Kind::Pod | Kind::DaemonSet => namespace,
+    };
+    (kind, ns.to_string(), name.to_string())
+}
+
 fn key_of(kind: Kind, obj: &Value) -> Key {
     let m = &obj["metadata"];
-    let ns = match kind {
-        Kind::Pod | Kind::DaemonSet => m["namespace"].as_str().unwrap_or("default").to_string(),
-        Kind::Namespace => String::new(),
-    };
-    (kind, ns, m["name"].as_str().unwrap_or_default().to_string())
+    key(
+        kind,
+        m["namespace"].as_str().unwrap_or("default"),
+        m["name"].as_str().unwrap_or_default(),
+    )
 }
 
 fn node_of(obj: &Value) -> Option<&str> {
@@ -241,13 +250,7 @@ impl FakeApi {
     /// Changes a stored object in place (e.g. a label or the pod IP).
     pub fn update(&self, kind: Kind, namespace: &str, name: &str, f: impl FnOnce(&mut Value)) {
         let mut inner = self.lock();
-        let ns = if kind == Kind::Namespace {
-            ""
-        } else {
-            namespace
-        };
-        let key = (kind, ns.to_string(), name.to_string());
-        let Some(mut obj) = inner.objects.get(&key).cloned() else {
+        let Some(mut obj) = inner.objects.get(&key(kind, namespace, name)).cloned() else {
             panic!("no {kind:?} {namespace}/{name}");
         };
         f(&mut obj);
@@ -257,13 +260,7 @@ impl FakeApi {
     /// Deletes an object; watchers see DELETED.
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) {
         let mut inner = self.lock();
-        let ns = if kind == Kind::Namespace {
-            ""
-        } else {
-            namespace
-        };
-        let key = (kind, ns.to_string(), name.to_string());
-        if let Some(obj) = inner.objects.remove(&key) {
+        if let Some(obj) = inner.objects.remove(&key(kind, namespace, name)) {
             inner.rv += 1;
             inner.event(kind, "DELETED", obj);
         }
@@ -271,14 +268,9 @@ impl FakeApi {
 
     /// The stored object.
     pub fn get(&self, kind: Kind, namespace: &str, name: &str) -> Option<Value> {
-        let ns = if kind == Kind::Namespace {
-            ""
-        } else {
-            namespace
-        };
         self.lock()
             .objects
-            .get(&(kind, ns.to_string(), name.to_string()))
+            .get(&key(kind, namespace, name))
             .cloned()
     }
 

@@ -330,6 +330,22 @@ pub fn http_request_in(
     })?
 }
 
+/// `iptables-save` inside `ns`: the IPv4 rules in force there.
+pub fn iptables_save(ns: &Netns) -> String {
+    ns.command("iptables-save")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// How many lines of the pod's IPv4 rules are Istio's (0: not captured).
+pub fn istio_rules(pod: &LabPod) -> usize {
+    iptables_save(&pod.ns)
+        .lines()
+        .filter(|l| l.contains("ISTIO"))
+        .count()
+}
+
 /// Connects from inside `pod` (the socket stays in the pod's netns).
 pub fn connect_from(pod: &LabPod, addr: SocketAddr) -> io::Result<TcpStream> {
     pod.ns
