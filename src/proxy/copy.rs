@@ -67,48 +67,59 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
 }
 
 /// One direction: `src` → pipe → `dst`, then half-close `dst`.
+///
+/// Reading and writing overlap: while `dst` waits for its peer's ACKs, `src`
+/// keeps filling the pipe, and while `src` is dry, the pipe keeps draining.
+/// The task sleeps only when neither side can move.
 async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
     let pipe = Pipe::new()?;
     let mut total = 0u64;
+    let mut queued = 0usize;
     let mut eof = false;
-    while !eof {
-        // Fill: take everything the socket has (up to the pipe's size) before
-        // writing, so a busy flow moves in few large splices.
-        let mut queued = 0usize;
-        loop {
-            let r = src.try_io(Interest::READABLE, || {
+    loop {
+        let mut moved = false;
+        if !eof && queued < pipe.size {
+            match src.try_io(Interest::READABLE, || {
                 splice(src.as_raw_fd(), pipe.write.as_raw_fd(), pipe.size - queued)
-            });
-            match r {
-                Ok(0) => {
-                    eof = true;
-                    break;
-                }
+            }) {
+                Ok(0) => eof = true,
                 Ok(n) => {
                     queued += n;
-                    if queued >= pipe.size {
-                        break;
-                    }
+                    total += n as u64;
+                    moved = true;
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if queued > 0 {
-                        break;
-                    }
-                    src.readable().await?;
-                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
         }
-        total += queued as u64;
-        while queued > 0 {
-            dst.writable().await?;
+        if queued > 0 {
             match dst.try_io(Interest::WRITABLE, || {
                 splice(pipe.read.as_raw_fd(), dst.as_raw_fd(), queued)
             }) {
-                Ok(m) => queued -= m,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Ok(m) => {
+                    queued -= m;
+                    moved = true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
+        }
+        if eof && queued == 0 {
+            break;
+        }
+        if moved {
+            // A flow that never blocks must still let the worker's other tasks run.
+            tokio::task::consume_budget().await;
+            continue;
+        }
+        let fill = !eof && queued < pipe.size;
+        match (fill, queued > 0) {
+            (true, true) => tokio::select! {
+                r = src.readable() => r?,
+                w = dst.writable() => w?,
+            },
+            (true, false) => src.readable().await?,
+            _ => dst.writable().await?,
         }
     }
     let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
