@@ -153,3 +153,51 @@ fn failed_apply_leaves_nothing_behind() {
         "a failed apply leaves the netns as it was"
     );
 }
+
+#[test]
+fn apply_gives_the_pods_loopback_big_tcp_and_remove_takes_it_back() {
+    use ambit::cni::loopback::limits;
+    let (_guard, ns) = TempNetns::new("bigtcp");
+    let before = limits(&ns).unwrap();
+    assert_eq!(before.gso, 65536, "{before:?}");
+    let r = RedirectRules::new(RedirectOptions::default());
+    r.apply(&ns).unwrap();
+    let on = limits(&ns).unwrap();
+    assert!(on.tso_max >= 256 * 1024, "{on:?}");
+    assert_eq!(on.gso, on.tso_max);
+    // IPv4 BIG TCP needs Linux 6.3; CI's kernel has it.
+    assert_eq!(on.gso_ipv4, Some(on.tso_max));
+    // iproute2 sees the same limit.
+    let shown = run(&ns, "ip", &["-d", "link", "show", "lo"]);
+    assert!(
+        shown.contains(&format!("gso_max_size {}", on.tso_max)),
+        "{shown}"
+    );
+    // A bulk transfer over the pod's loopback still arrives whole.
+    let l = ns
+        .run(|| std::net::TcpListener::bind("127.0.0.1:0"))
+        .unwrap()
+        .unwrap();
+    let addr = l.local_addr().unwrap();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut n = 0usize;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            match std::io::Read::read(&mut s, &mut buf).unwrap() {
+                0 => return n,
+                k => n += k,
+            }
+        }
+    });
+    let mut c = ns
+        .run(move || std::net::TcpStream::connect(addr))
+        .unwrap()
+        .unwrap();
+    std::io::Write::write_all(&mut c, &vec![1u8; 32 << 20]).unwrap();
+    drop(c);
+    assert_eq!(server.join().unwrap(), 32 << 20);
+
+    r.remove(&ns).unwrap();
+    assert_eq!(limits(&ns).unwrap(), before, "remove restores the default");
+}

@@ -5,6 +5,7 @@ pub mod agent;
 pub mod hostprobe;
 pub mod install;
 pub mod kube;
+pub mod loopback;
 pub mod plugin;
 pub mod plugin_main;
 pub mod redirect;

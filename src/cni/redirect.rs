@@ -13,6 +13,7 @@ use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
 
+use super::loopback;
 use crate::constants::{
     CONNMARK, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MARK_MASK, OUTBOUND_PORT,
     PROBE_SNAT_V4, PROBE_SNAT_V6, PROXY_MARK, ROUTE_TABLE, RULE_PRIORITY,
@@ -334,6 +335,9 @@ impl RedirectRules {
         });
         if result.is_ok() {
             migrate_queued_connections(netns);
+            if let Err(e) = loopback::enable(netns) {
+                tracing::warn!(netns = %netns.path().display(), error = %e, "BIG TCP not enabled on the pod's loopback: traffic through the proxy works, with more per-packet work");
+            }
         }
         if result.is_err() {
             let _ = self.remove(netns);
@@ -343,6 +347,9 @@ impl RedirectRules {
 
     /// Removes our chains, jumps, rule and route from `netns`; absent pieces are fine.
     pub fn remove(&self, netns: &Netns) -> Result<(), RedirectError> {
+        if let Err(e) = loopback::disable(netns) {
+            tracing::debug!(netns = %netns.path().display(), error = %e, "loopback GSO limit not restored");
+        }
         for family in [Family::V4, Family::V6] {
             let Ok(save) = run(netns, family.save(), &[], None) else {
                 continue; // no ip6tables in this netns: nothing of ours there either
