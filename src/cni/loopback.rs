@@ -1,12 +1,14 @@
-//! BIG TCP on a meshed pod's loopback. Redirection puts two extra TCP legs
-//! on the pod's `lo` (app → proxy and proxy → app); with `lo`'s default
-//! 64 KiB GSO limit they move in 64 KiB packets, each walked through the
-//! TCP/IP stack and netfilter and acknowledged. Raising the limit to the
-//! most `lo` takes (its TSO limit, 512 KiB on current kernels) lets one packet
-//! carry eight times as much, so the kernel does a fraction of the per-packet
-//! work (measured: HBONE throughput 0.36× → 0.42× direct). Loopback packets never leave the pod's netns, so nothing
-//! beyond the pod sees them. IPv4 needs Linux 6.3, IPv6 5.19; older kernels
-//! refuse and the pod keeps its default.
+//! BIG TCP on a meshed pod's loopback. Redirection puts extra TCP legs on
+//! the pod's `lo` (app → proxy, proxy → app). With `lo`'s default 64 KiB GSO
+//! limit they move in 64 KiB packets, each walked through TCP/IP and
+//! netfilter and acknowledged. Raising the limit to the most `lo` takes (its
+//! TSO limit, 512 KiB on current kernels) lets one packet carry up to eight
+//! times as much, so the kernel does a fraction of the per-packet work
+//! (measured: HBONE throughput 0.36× → 0.42× direct). Only sockets whose
+//! route is `lo` benefit: the application's connection to a redirected
+//! destination was routed for `eth0` and keeps that limit. Loopback packets
+//! never leave the pod's netns. IPv4 needs Linux 6.3, IPv6 5.19; older
+//! kernels refuse and the pod keeps its default.
 
 use std::io;
 
