@@ -96,6 +96,7 @@ async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
             match dst.try_io(Interest::WRITABLE, || {
                 splice(pipe.read.as_raw_fd(), dst.as_raw_fd(), queued)
             }) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
                 Ok(m) => {
                     queued -= m;
                     moved = true;
