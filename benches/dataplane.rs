@@ -99,7 +99,10 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(3);
-    println!("ambit data-path benchmark: iperf3 single stream, {secs}s per path, {rounds_n} interleaved rounds (median); 20000 1-byte round trips\n");
+    // The ratios depend on it: BBR without fq paces every socket with timers.
+    let cc =
+        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap_or_default();
+    println!("ambit data-path benchmark: iperf3 single stream, {secs}s per path, {rounds_n} interleaved rounds (median); 20000 1-byte round trips; TCP congestion control {}\n", cc.trim());
     let (mut ds, mut hs, mut ps) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds_n {
         ds.push(iperf(&lab, &plain_client, &outsider, secs));
