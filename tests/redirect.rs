@@ -201,3 +201,107 @@ fn apply_gives_the_pods_loopback_big_tcp_and_remove_takes_it_back() {
     r.remove(&ns).unwrap();
     assert_eq!(limits(&ns).unwrap(), before, "remove restores the default");
 }
+
+/// A "VM" netns behind interface `vm0` of the pod; returns the VM's netns.
+fn vm_behind(pod_ns: &str, tag: &str) -> (TempNetns, Netns) {
+    let (vm_guard, vm) = TempNetns::new(tag);
+    let ok = |args: &[&str]| {
+        assert!(
+            Command::new("ip").args(args).status().unwrap().success(),
+            "ip {args:?}"
+        )
+    };
+    ok(&[
+        "link",
+        "add",
+        "vm0",
+        "netns",
+        pod_ns,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        &vm_guard.0,
+    ]);
+    ok(&["-n", pod_ns, "addr", "add", "10.99.0.1/30", "dev", "vm0"]);
+    ok(&["-n", pod_ns, "link", "set", "vm0", "up"]);
+    ok(&[
+        "-n",
+        &vm_guard.0,
+        "addr",
+        "add",
+        "10.99.0.2/30",
+        "dev",
+        "eth0",
+    ]);
+    ok(&["-n", &vm_guard.0, "link", "set", "eth0", "up"]);
+    ok(&[
+        "-n",
+        &vm_guard.0,
+        "route",
+        "add",
+        "default",
+        "via",
+        "10.99.0.1",
+    ]);
+    (vm_guard, vm)
+}
+
+#[test]
+fn a_virtual_interfaces_tcp_reaches_the_outbound_port_with_its_destination() {
+    use std::net::{SocketAddr, TcpListener, TcpStream};
+    use std::time::Duration;
+    let (pod_guard, pod) = TempNetns::new("vif");
+    let (_vm_guard, vm) = vm_behind(&pod_guard.0, "vifvm");
+    let listener = pod
+        .run(|| TcpListener::bind("0.0.0.0:15001"))
+        .unwrap()
+        .unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let target: SocketAddr = "192.0.2.10:80".parse().unwrap();
+    let dial = |vm: &Netns| {
+        vm.run(move || TcpStream::connect_timeout(&target, Duration::from_millis(1500)))
+            .unwrap()
+    };
+
+    // Without the interface in the rules, the VM's connection is taken for
+    // inbound traffic (15006, where nothing listens here), not outbound.
+    let plain = RedirectRules::new(RedirectOptions {
+        ipv6: false,
+        ..Default::default()
+    });
+    plain.apply(&pod).unwrap();
+    assert!(
+        dial(&vm).is_err(),
+        "not sent to 15001 without the interface"
+    );
+    assert!(listener.accept().is_err());
+
+    // With it, the proxy's outbound port gets it, original destination intact.
+    let vms = RedirectRules::new(RedirectOptions {
+        ipv6: false,
+        virtual_interfaces: vec!["vm0".into()],
+        ..Default::default()
+    });
+    vms.apply(&pod).unwrap();
+    let _client = dial(&vm).expect("captured to 15001");
+    listener.set_nonblocking(false).unwrap();
+    let (accepted, from) = listener.accept().unwrap();
+    assert_eq!(from.ip().to_string(), "10.99.0.2");
+    let orig =
+        nix::sys::socket::getsockopt(&accepted, nix::sys::socket::sockopt::OriginalDst).unwrap();
+    assert_eq!(u32::from_be(orig.sin_addr.s_addr), 0xC000_020A);
+    assert_eq!(u16::from_be(orig.sin_port), 80);
+    let nat = rules(&pod, "iptables-save");
+    assert!(
+        nat.iter()
+            .any(|l| l == "-A ISTIO_PRERT -i vm0 -p tcp -j REDIRECT --to-ports 15001"),
+        "{nat:?}"
+    );
+
+    // Removal takes the capture away again.
+    vms.remove(&pod).unwrap();
+    assert!(dial(&vm).is_err());
+}

@@ -379,9 +379,9 @@ impl Agent {
     async fn enroll_pod(&self, record: PodRecord, netns: Netns) -> Result<(), EnrollError> {
         let pod = format!("{}/{}", record.namespace, record.name);
         let uid = record.uid.clone();
-        let rules = RedirectRules::new(record.overrides.apply(self.rules.opts));
-        let ns = netns.clone();
-        tokio::task::spawn_blocking(move || rules.apply(&ns))
+        let rules = RedirectRules::new(record.overrides.apply(self.rules.opts.clone()));
+        let (ns, r) = (netns.clone(), rules.clone());
+        tokio::task::spawn_blocking(move || r.apply(&ns))
             .await
             .map_err(|e| EnrollError::Rules {
                 pod: pod.clone(),
@@ -429,7 +429,7 @@ impl Agent {
         let Some((record, netns)) = held else { return };
         let pod = format!("{}/{}", record.namespace, record.name);
         if netns_alive {
-            let rules = self.rules;
+            let rules = self.rules.clone();
             let removed = tokio::task::spawn_blocking(move || rules.remove(&netns))
                 .await
                 .map_err(|e| e.to_string())
@@ -831,7 +831,7 @@ fn find_netns(proc_dir: &Path, wanted: &[Wanted]) -> Vec<(PodRecord, Netns)> {
             netns_path: path,
             netns_id,
             ips: w.ips.iter().map(|i| i.to_string()).collect(),
-            overrides: w.overrides,
+            overrides: w.overrides.clone(),
         };
         found.push((record, ns));
     }
@@ -944,6 +944,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         dns_capture: cfg.dns_capture,
         bypass_inbound: false,
         ipv6: cfg.ipv6,
+        virtual_interfaces: Vec::new(),
     });
     let mesh = match &cfg.local_xds_path {
         Some(path) => {
@@ -969,7 +970,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         None => discover(&cfg, &known, &enroll, &store.records()),
     };
     for (record, netns) in existing {
-        match RedirectRules::new(record.overrides.apply(rules.opts)).apply(&netns) {
+        match RedirectRules::new(record.overrides.apply(rules.opts.clone())).apply(&netns) {
             Ok(()) => {
                 tracing::info!(uid = %record.uid, netns = %record.netns_path.display(), "existing pod found and enrolled");
                 store.insert(record, netns);

@@ -43,13 +43,17 @@ pub struct Wanted {
 /// What a pod's annotations change in its redirection rules, as in Istio:
 /// `ambient.istio.io/dns-capture: "false"` keeps its DNS away from the
 /// proxy, `ambient.istio.io/bypass-inbound-capture: "true"` leaves its
-/// inbound traffic alone.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// inbound traffic alone, and `istio.io/reroute-virtual-interfaces:
+/// "a,b"` sends TCP arriving on those interfaces (a VM's) to the proxy as
+/// outbound traffic.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RuleOverrides {
     #[serde(default)]
     pub no_dns_capture: bool,
     #[serde(default)]
     pub bypass_inbound: bool,
+    #[serde(default)]
+    pub virtual_interfaces: Vec<String>,
 }
 
 impl RuleOverrides {
@@ -64,16 +68,20 @@ impl RuleOverrides {
         RuleOverrides {
             no_dns_capture: annotation("ambient.istio.io/dns-capture") == Some("false"),
             bypass_inbound: annotation("ambient.istio.io/bypass-inbound-capture") == Some("true"),
+            virtual_interfaces: annotation("istio.io/reroute-virtual-interfaces")
+                .map(crate::config::parse_list)
+                .unwrap_or_default(),
         }
     }
 
     /// The node's options with this pod's changes.
     pub fn apply(
-        self,
+        &self,
         mut opts: super::redirect::RedirectOptions,
     ) -> super::redirect::RedirectOptions {
         opts.dns_capture &= !self.no_dns_capture;
         opts.bypass_inbound |= self.bypass_inbound;
+        opts.virtual_interfaces = self.virtual_interfaces.clone();
         opts
     }
 }
@@ -491,14 +499,10 @@ mod tests {
     #[test]
     fn annotations_change_the_pods_rules_as_in_istio() {
         use super::super::redirect::RedirectOptions;
-        let node = RedirectOptions {
-            dns_capture: true,
-            bypass_inbound: false,
-            ipv6: true,
-        };
+        let node = RedirectOptions::default();
         let plain = RuleOverrides::of(&pod(&[], &[], false));
         assert_eq!(plain, RuleOverrides::default());
-        assert_eq!(plain.apply(node), node);
+        assert_eq!(plain.apply(node.clone()), node);
         let o = RuleOverrides::of(&pod(
             &[],
             &[
@@ -507,8 +511,18 @@ mod tests {
             ],
             false,
         ));
-        let got = o.apply(node);
+        let got = o.apply(node.clone());
         assert!(!got.dns_capture && got.bypass_inbound && got.ipv6);
+        let vms = RuleOverrides::of(&pod(
+            &[],
+            &[("istio.io/reroute-virtual-interfaces", " vm0, ,kv1 ")],
+            false,
+        ));
+        assert_eq!(
+            vms.apply(node.clone()).virtual_interfaces,
+            ["vm0", "kv1"],
+            "trimmed, empty entries skipped"
+        );
         // An annotation cannot turn DNS capture on where the node has it off.
         let off = RedirectOptions {
             dns_capture: false,

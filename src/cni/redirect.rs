@@ -67,7 +67,7 @@ impl Family {
 }
 
 /// Per-pod switches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedirectOptions {
     /// Send the pod's DNS (UDP and TCP port 53) to the proxy's 15053.
     pub dns_capture: bool,
@@ -75,6 +75,9 @@ pub struct RedirectOptions {
     pub bypass_inbound: bool,
     /// Also program ip6tables and the IPv6 route.
     pub ipv6: bool,
+    /// Interfaces of virtual machines inside the pod (KubeVirt): TCP arriving
+    /// on them is the VM's outbound traffic and goes to the proxy's 15001.
+    pub virtual_interfaces: Vec<String>,
 }
 
 impl Default for RedirectOptions {
@@ -83,6 +86,7 @@ impl Default for RedirectOptions {
             dns_capture: true,
             bypass_inbound: false,
             ipv6: true,
+            virtual_interfaces: Vec::new(),
         }
     }
 }
@@ -107,10 +111,24 @@ pub enum RedirectError {
         step: String,
         reason: String,
     },
+    #[error("virtual interface {0:?} is not an interface name (1 to 15 of A-Z a-z 0-9 . _ - +, not starting with -, not . or ..)")]
+    BadInterface(String),
+}
+
+/// Whether `name` can be an interface name on the iptables command line:
+/// Linux's length limit, and only characters that cannot change the rule.
+pub fn valid_interface(name: &str) -> bool {
+    (1..=15).contains(&name.len())
+        && name != "."
+        && name != ".."
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'+'))
 }
 
 /// The rule set of one pod.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct RedirectRules {
     pub opts: RedirectOptions,
 }
@@ -184,6 +202,12 @@ impl RedirectRules {
             ],
         }];
         let mut nat = Vec::new();
+        for vif in &self.opts.virtual_interfaces {
+            nat.push(format!(
+                "-A ISTIO_PRERT -i {vif} -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}"
+            ));
+            nat.push(format!("-A ISTIO_PRERT -i {vif} -p tcp -j RETURN"));
+        }
         if !self.opts.bypass_inbound {
             nat.push(format!("-A ISTIO_PRERT -s {probe} -p tcp -m tcp -j ACCEPT"));
         }
@@ -321,8 +345,17 @@ impl RedirectRules {
     }
 
     /// Applies the rules, the `ip rule` and the table-100 route inside `netns`.
-    /// On any failure, what this call applied is removed again.
+    /// On any failure, what this call applied is removed again. A virtual
+    /// interface name that could not be one is refused before anything runs.
     pub fn apply(&self, netns: &Netns) -> Result<(), RedirectError> {
+        if let Some(bad) = self
+            .opts
+            .virtual_interfaces
+            .iter()
+            .find(|v| !valid_interface(v))
+        {
+            return Err(RedirectError::BadInterface(bad.clone()));
+        }
         let result = self.families().into_iter().try_for_each(|family| {
             let present = Present::parse(&run(netns, family.save(), &[], None)?);
             let text = if present.is_empty() {
@@ -504,6 +537,7 @@ mod tests {
             "default_ipv6" => include_str!("testdata/default_ipv6.golden"),
             "dns_off" => include_str!("testdata/dns_off.golden"),
             "bypass_inbound" => include_str!("testdata/bypass_inbound.golden"),
+            "virtual_interfaces" => include_str!("testdata/virtual_interfaces.golden"),
             _ => unreachable!(),
         }
     }
@@ -512,16 +546,16 @@ mod tests {
     fn renders_istio_text_for_each_switch() {
         let all = RedirectOptions::default();
         assert_eq!(
-            RedirectRules::new(all).render(Family::V4),
+            RedirectRules::new(all.clone()).render(Family::V4),
             golden("default")
         );
         assert_eq!(
-            RedirectRules::new(all).render(Family::V6),
+            RedirectRules::new(all.clone()).render(Family::V6),
             golden("default_ipv6")
         );
         let dns_off = RedirectOptions {
             dns_capture: false,
-            ..all
+            ..all.clone()
         };
         assert_eq!(
             RedirectRules::new(dns_off).render(Family::V4),
@@ -529,12 +563,50 @@ mod tests {
         );
         let bypass = RedirectOptions {
             bypass_inbound: true,
-            ..all
+            ..all.clone()
         };
         assert_eq!(
             RedirectRules::new(bypass).render(Family::V4),
             golden("bypass_inbound")
         );
+        let vms = RedirectOptions {
+            virtual_interfaces: vec!["vm0".into(), "kv1".into()],
+            ..all
+        };
+        assert_eq!(
+            RedirectRules::new(vms).render(Family::V4),
+            golden("virtual_interfaces")
+        );
+    }
+
+    #[test]
+    fn interface_names_that_could_change_a_rule_are_refused() {
+        for ok in ["eth1", "vm0", "tap+", "br-ex.100", "a_b", "abcdefghijklmno"] {
+            assert!(valid_interface(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            "abcdefghijklmnop",
+            "eth0 -j ACCEPT",
+            "eth0\n-A",
+            "eth/0",
+            "eth:0",
+            "-j",
+        ] {
+            assert!(!valid_interface(bad), "{bad:?}");
+        }
+        let r = RedirectRules::new(RedirectOptions {
+            virtual_interfaces: vec!["vm0".into(), "x -j DROP".into()],
+            ..Default::default()
+        });
+        // Refused before the netns is even looked at.
+        let ns = Netns::open("/proc/self/ns/net").unwrap();
+        assert!(matches!(
+            r.apply(&ns),
+            Err(RedirectError::BadInterface(n)) if n == "x -j DROP"
+        ));
     }
 
     const SAVE: &str = "# Generated\n*mangle\n:PREROUTING ACCEPT [0:0]\n:ISTIO_PRERT - [0:0]\n-A PREROUTING -j ISTIO_PRERT\n-A PREROUTING -j OTHER\nCOMMIT\n*raw\n:ISTIO_OUTPUT - [0:0]\n-A OUTPUT -j ISTIO_OUTPUT\n-A ISTIO_OUTPUT -p udp -j CT --zone 1\nCOMMIT\n*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n";

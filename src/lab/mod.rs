@@ -150,6 +150,7 @@ impl Lab {
             dns_capture: false,
             bypass_inbound: false,
             ipv6: true,
+            virtual_interfaces: Vec::new(),
         };
         RedirectRules::new(opts)
             .apply(&pod.ns)
