@@ -139,6 +139,7 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
                 v(&["get", "list", "watch"])
             ),
             (v(&[""]), v(&["pods/status"]), v(&["patch"])),
+            (v(&[""]), v(&["nodes"]), v(&["get"])),
         ]
     );
     assert_eq!(

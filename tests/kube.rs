@@ -71,7 +71,14 @@ fn agent_objects(api: &FakeApi) {
     );
     api.put(
         Kind::DaemonSet,
-        json!({"metadata": {"name": "ambit", "namespace": "istio-system", "uid": "uid-ds"}}),
+        json!({"metadata": {"name": "ambit", "namespace": "istio-system", "uid": "uid-ds"},
+               "spec": {"selector": {"matchLabels": {"app": "ambit"}},
+                        "template": {"spec": {"containers": [{"name": "agent", "image": "ambit"}],
+                                              "nodeSelector": {"kubernetes.io/os": "linux"}}}}}),
+    );
+    api.put(
+        Kind::Node,
+        json!({"metadata": {"name": "node-a", "labels": {"kubernetes.io/os": "linux"}}}),
     );
 }
 
@@ -288,4 +295,37 @@ fn the_plugin_is_removed_when_the_daemonset_is_deleted() {
     api.revoke();
     node.lab.stop("node");
     assert!(!has_plugin(&node), "uninstalled with its DaemonSet");
+}
+
+#[test]
+fn the_plugin_is_removed_when_the_daemonset_no_longer_selects_the_node() {
+    let (node, api) = kube_node("kubesel", "10.119.0", "");
+    // The DaemonSet now asks for nodes of another pool: the controller
+    // deletes this node's agent and will not bring it back.
+    api.update(Kind::DaemonSet, "istio-system", "ambit", |ds| {
+        ds["spec"]["template"]["spec"]["affinity"] = json!({"nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["mesh"]}]}]}}});
+    });
+    api.update(Kind::Node, "", "node-a", |n| {
+        n["metadata"]["labels"]["pool"] = json!("mesh");
+    });
+    node.launch(true);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    assert!(has_plugin(&node));
+    api.update(Kind::Node, "", "node-a", |n| {
+        n["metadata"]["labels"]["pool"] = json!("batch");
+    });
+    node.lab.stop("node");
+    assert!(
+        !has_plugin(&node),
+        "a node the DaemonSet no longer selects must not keep a plugin no agent serves"
+    );
+    assert!(
+        api.requests()
+            .iter()
+            .any(|r| r.contains("/api/v1/nodes/node-a")),
+        "{:?}",
+        api.requests()
+    );
 }

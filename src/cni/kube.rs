@@ -14,7 +14,9 @@ use std::time::Duration;
 use anyhow::Context;
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::{
+    Namespace, Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec,
+};
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
@@ -179,6 +181,8 @@ pub fn redirection(pod: &Pod) -> Option<&str> {
 /// The node's pods and all namespaces, kept current by watches.
 pub struct Cluster {
     client: Client,
+    /// This node's name.
+    node: String,
     pods: Store<Pod>,
     namespaces: Store<Namespace>,
     /// Notified on every watch event; the agent reconciles after it.
@@ -230,6 +234,7 @@ impl Cluster {
         );
         Ok(Arc::new(Cluster {
             client,
+            node: node.to_string(),
             pods,
             namespaces,
             changed,
@@ -335,10 +340,13 @@ impl Cluster {
 
 impl Cluster {
     /// Whether the DaemonSet that owns the agent's pod `namespace/pod` is
-    /// still there (not deleted, not being deleted): then an exit is an
-    /// upgrade or a restart, and the CNI plugin must stay in place so pods
-    /// created meanwhile fail closed instead of starting outside the mesh.
-    /// When the API cannot say, the plugin stays too.
+    /// still there (not deleted, not being deleted) and still selects this
+    /// node: then an exit is an upgrade or a restart, and the CNI plugin must
+    /// stay in place so pods created meanwhile fail closed instead of
+    /// starting outside the mesh. When the API cannot say, the plugin stays
+    /// too. A deleted DaemonSet, a deleted node, or a node the DaemonSet's
+    /// node selector or required node affinity no longer matches gets no
+    /// agent back, so its plugin goes and new pods start unmeshed.
     pub async fn daemonset_remains(&self, namespace: &str, pod: &str) -> bool {
         let verdict = async {
             let pods = Api::<Pod>::namespaced(self.client.clone(), namespace);
@@ -350,8 +358,23 @@ impl Cluster {
                 return Ok(false);
             };
             let dss = Api::<DaemonSet>::namespaced(self.client.clone(), namespace);
-            let ds = get_within(&dss, &ds.name).await?;
-            Ok::<_, String>(ds.is_some_and(|d| d.metadata.deletion_timestamp.is_none()))
+            let ds = match get_within(&dss, &ds.name).await? {
+                Some(d) if d.metadata.deletion_timestamp.is_none() => d,
+                _ => return Ok(false),
+            };
+            let nodes = Api::<Node>::all(self.client.clone());
+            let node = match tokio::time::timeout(Duration::from_secs(5), nodes.get_opt(&self.node))
+                .await
+            {
+                Ok(Ok(Some(n))) => n,
+                Ok(Ok(None)) => return Ok(false),
+                // No right to read nodes (an older ClusterRole) or no answer:
+                // the DaemonSet exists, so assume it still selects this node.
+                Ok(Err(e)) => return Err(format!("node {}: {e}", self.node)),
+                Err(_) => return Err(format!("node {}: no answer within 5 s", self.node)),
+            };
+            let template = ds.spec.and_then(|s| s.template.spec);
+            Ok::<_, String>(schedules_on(template.as_ref(), &node))
         };
         match verdict.await {
             Ok(remains) => remains,
@@ -360,6 +383,67 @@ impl Cluster {
                 true
             }
         }
+    }
+}
+
+/// Whether a pod with `spec` may be placed on `node` by its labels and name:
+/// the node selector and the required node affinity, as the scheduler reads
+/// them. Taints are not weighed: a DaemonSet's pods tolerate the node
+/// conditions, and a taint added for a while (a drain) must not uninstall.
+pub fn schedules_on(spec: Option<&PodSpec>, node: &Node) -> bool {
+    let Some(spec) = spec else { return true };
+    let labels = node.metadata.labels.clone().unwrap_or_default();
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    let selector_ok = spec
+        .node_selector
+        .as_ref()
+        .is_none_or(|sel| sel.iter().all(|(k, v)| labels.get(k) == Some(v)));
+    let required = spec
+        .affinity
+        .as_ref()
+        .and_then(|a| a.node_affinity.as_ref())
+        .and_then(|n| {
+            n.required_during_scheduling_ignored_during_execution
+                .as_ref()
+        });
+    // Terms are ORed; a term's requirements are ANDed; an empty term matches nothing.
+    let affinity_ok = required.is_none_or(|r| {
+        r.node_selector_terms
+            .iter()
+            .any(|t| term_matches(t, &labels, name))
+    });
+    selector_ok && affinity_ok
+}
+
+fn term_matches(term: &NodeSelectorTerm, labels: &BTreeMap<String, String>, name: &str) -> bool {
+    let exprs = term.match_expressions.as_deref().unwrap_or_default();
+    let fields = term.match_fields.as_deref().unwrap_or_default();
+    if exprs.is_empty() && fields.is_empty() {
+        return false;
+    }
+    exprs
+        .iter()
+        .all(|r| requirement_matches(r, labels.get(&r.key).map(String::as_str)))
+        && fields
+            .iter()
+            .all(|r| r.key == "metadata.name" && requirement_matches(r, Some(name)))
+}
+
+fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&str>) -> bool {
+    let values = r.values.as_deref().unwrap_or_default();
+    let number = |s: &str| s.parse::<i64>().ok();
+    let compare = |f: fn(i64, i64) -> bool| match (value.and_then(number), values.first()) {
+        (Some(v), Some(bound)) => number(bound).is_some_and(|b| f(v, b)),
+        _ => false,
+    };
+    match r.operator.as_str() {
+        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
+        "NotIn" => !value.is_some_and(|v| values.iter().any(|x| x == v)),
+        "Exists" => value.is_some(),
+        "DoesNotExist" => value.is_none(),
+        "Gt" => compare(|v, b| v > b),
+        "Lt" => compare(|v, b| v < b),
+        _ => false,
     }
 }
 
@@ -494,6 +578,56 @@ mod tests {
             redirection(&pod(&[], &[(REDIRECTION, "enabled")], false)),
             Some("enabled")
         );
+    }
+
+    #[test]
+    fn a_daemonset_schedules_on_a_node_by_selector_and_required_affinity() {
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "node-a", "labels": {"pool": "mesh", "gen": "5"}}
+        }))
+        .unwrap();
+        let on = |spec: serde_json::Value| {
+            let spec: PodSpec = serde_json::from_value(spec).unwrap();
+            schedules_on(Some(&spec), &node)
+        };
+        let term = |exprs: serde_json::Value| {
+            json!({"containers": [], "affinity": {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": exprs}}}})
+        };
+        assert!(schedules_on(None, &node));
+        assert!(on(json!({"containers": []})));
+        assert!(on(
+            json!({"containers": [], "nodeSelector": {"pool": "mesh"}})
+        ));
+        assert!(!on(
+            json!({"containers": [], "nodeSelector": {"pool": "other"}})
+        ));
+        assert!(!on(
+            json!({"containers": [], "nodeSelector": {"zone": "a"}})
+        ));
+        let expr = |key: &str, op: &str, values: &[&str]| {
+            term(json!([{"matchExpressions": [{"key": key, "operator": op, "values": values}]}]))
+        };
+        assert!(on(expr("pool", "In", &["x", "mesh"])));
+        assert!(!on(expr("pool", "NotIn", &["mesh"])));
+        assert!(
+            on(expr("zone", "NotIn", &["a"])),
+            "NotIn holds for a missing label"
+        );
+        assert!(on(expr("pool", "Exists", &[])));
+        assert!(on(expr("zone", "DoesNotExist", &[])));
+        assert!(on(expr("gen", "Gt", &["4"])));
+        assert!(!on(expr("gen", "Lt", &["5"])));
+        assert!(!on(expr("pool", "Gt", &["1"])), "Gt on a non-number");
+        // Terms are ORed, an empty term matches nothing, fields match the name.
+        assert!(on(term(json!([
+            {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["x"]}]},
+            {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-a"]}]}
+        ]))));
+        assert!(!on(term(json!([{}]))));
+        assert!(!on(term(json!([
+            {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["node-a"]}]}
+        ]))));
     }
 
     #[test]

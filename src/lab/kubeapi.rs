@@ -22,13 +22,15 @@ use tokio::sync::mpsc;
 
 use crate::netns::Netns;
 
-/// The two kinds the fake serves.
+/// The kinds the fake serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Kind {
     Pod,
     Namespace,
     /// `apps/v1` DaemonSets: served by GET only.
     DaemonSet,
+    /// Nodes: served by GET only.
+    Node,
 }
 
 impl Kind {
@@ -37,6 +39,7 @@ impl Kind {
             Kind::Pod => "Pod",
             Kind::Namespace => "Namespace",
             Kind::DaemonSet => "DaemonSet",
+            Kind::Node => "Node",
         }
     }
 
@@ -79,7 +82,7 @@ pub struct FakeApi {
 /// Where an object is stored: namespaces are cluster-scoped.
 fn key(kind: Kind, namespace: &str, name: &str) -> Key {
     let ns = match kind {
-        Kind::Namespace => "",
+        Kind::Namespace | Kind::Node => "",
         Kind::Pod | Kind::DaemonSet => namespace,
     };
     (kind, ns.to_string(), name.to_string())
@@ -378,6 +381,7 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
     }
     let key = match parts.as_slice() {
         ["api", "v1", "namespaces", ns] => Some((Kind::Namespace, String::new(), ns.to_string())),
+        ["api", "v1", "nodes", name] => Some((Kind::Node, String::new(), name.to_string())),
         ["api", "v1", "namespaces", ns, "pods", name]
         | ["api", "v1", "namespaces", ns, "pods", name, "status"] => {
             Some((Kind::Pod, ns.to_string(), name.to_string()))
