@@ -7,8 +7,8 @@
 //! (measured: HBONE throughput 0.36× → 0.42× direct). Only sockets whose
 //! route is `lo` benefit: the application's connection to a redirected
 //! destination was routed for `eth0` and keeps that limit. Loopback packets
-//! never leave the pod's netns. IPv4 needs Linux 6.3, IPv6 5.19; older
-//! kernels refuse and the pod keeps its default.
+//! never leave the pod's netns. IPv4 needs Linux 6.3, IPv6 5.19; on older
+//! kernels `lo` reports no larger TSO limit and nothing changes.
 
 use std::io;
 
@@ -27,7 +27,7 @@ const LEGACY_GSO_SIZE: u32 = 64 * 1024;
 /// `lo`'s segmentation limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GsoLimits {
-    /// GSO limit for IPv6 (and IPv4 before Linux 6.3).
+    /// GSO limit for IPv6 (IPv4 follows it only up to 64 KiB).
     pub gso: u32,
     /// GSO limit for IPv4 (Linux 6.3+).
     pub gso_ipv4: Option<u32>,

@@ -66,6 +66,17 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
     }
 }
 
+/// Whether a pipe's write end has no free slot left.
+fn has_no_room(write: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: write.as_raw_fd(),
+        events: libc::POLLOUT,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for an fd we own, zero timeout.
+    unsafe { libc::poll(&mut p, 1, 0) == 0 }
+}
+
 /// One direction: `src` → pipe → `dst`, then half-close `dst`.
 ///
 /// Reading and writing overlap: while `dst` waits for its peer's ACKs, `src`
@@ -76,14 +87,29 @@ async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
     let mut total = 0u64;
     let mut queued = 0usize;
     let mut eof = false;
+    // The pipe fills by slots (one per socket-buffer fragment) as well as by
+    // bytes, and a full pipe answers EAGAIN like an empty socket. Only the
+    // latter may clear `src`'s readiness: else data left in the socket would
+    // never be read (no new edge), or a closed `src` would spin.
+    let mut pipe_full = false;
     loop {
         let mut moved = false;
-        if !eof && queued < pipe.size {
+        if !eof && !pipe_full && queued < pipe.size {
             match src.try_io(Interest::READABLE, || {
-                splice(src.as_raw_fd(), pipe.write.as_raw_fd(), pipe.size - queued)
+                match splice(src.as_raw_fd(), pipe.write.as_raw_fd(), pipe.size - queued) {
+                    Err(e)
+                        if e.kind() == io::ErrorKind::WouldBlock
+                            && queued > 0
+                            && has_no_room(&pipe.write) =>
+                    {
+                        Ok(None)
+                    }
+                    r => r.map(Some),
+                }
             }) {
-                Ok(0) => eof = true,
-                Ok(n) => {
+                Ok(None) => pipe_full = true,
+                Ok(Some(0)) => eof = true,
+                Ok(Some(n)) => {
                     queued += n;
                     total += n as u64;
                     moved = true;
@@ -100,6 +126,7 @@ async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
                 Ok(m) => {
                     queued -= m;
                     moved = true;
+                    pipe_full = false;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
@@ -113,7 +140,7 @@ async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
             tokio::task::consume_budget().await;
             continue;
         }
-        let fill = !eof && queued < pipe.size;
+        let fill = !eof && !pipe_full && queued < pipe.size;
         match (fill, queued > 0) {
             (true, true) => tokio::select! {
                 r = src.readable() => r?,
@@ -255,6 +282,51 @@ mod tests {
         let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (b, _) = l.accept().await.unwrap();
         (a, b)
+    }
+
+    #[test]
+    fn a_full_pipe_is_told_from_an_empty_one() {
+        let pipe = Pipe::new().unwrap();
+        assert!(!has_no_room(&pipe.write));
+        let chunk = [7u8; 4096];
+        while nix::unistd::write(&pipe.write, &chunk).is_ok() {}
+        assert!(has_no_room(&pipe.write), "EAGAIN on write means full");
+        let mut buf = [0u8; 4096];
+        nix::unistd::read(pipe.read.as_raw_fd(), &mut buf).unwrap();
+        assert!(!has_no_room(&pipe.write), "a freed slot is room again");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn small_segments_then_close_reach_a_slow_reader_whole() {
+        use std::time::Duration;
+        let (mut app_client, proxy_in) = pair().await;
+        let (proxy_out, mut app_server) = pair().await;
+        app_client.set_nodelay(true).unwrap();
+        let relay = tokio::spawn(async move { splice_bidirectional(&proxy_in, &proxy_out).await });
+        // Many small segments fill the pipe by slots long before by bytes;
+        // the FIN arrives while the reader is not reading yet.
+        let writer = tokio::spawn(async move {
+            for _ in 0..20_000 {
+                app_client.write_all(&[1u8; 100]).await.unwrap();
+            }
+            app_client.shutdown().await.unwrap();
+            app_client
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(20), app_server.read_to_end(&mut got))
+            .await
+            .expect("every byte and the FIN within 20 s")
+            .unwrap();
+        assert_eq!(got.len(), 2_000_000);
+        drop(app_server);
+        drop(writer.await.unwrap());
+        let (t, res) = tokio::time::timeout(Duration::from_secs(5), relay)
+            .await
+            .expect("the relay ends once both sides closed")
+            .unwrap();
+        res.unwrap();
+        assert_eq!(t.sent, 2_000_000);
     }
 
     #[tokio::test]
