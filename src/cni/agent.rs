@@ -920,11 +920,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
                 crate::proxy::admin::TEXT,
                 "not ready\n".into(),
             ),
-            _ => (
-                StatusCode::NOT_FOUND,
-                crate::proxy::admin::TEXT,
-                "not found\n".into(),
-            ),
+            _ => crate::proxy::admin::not_found(),
         }),
     )
     .await
@@ -1044,11 +1040,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
                     ),
                 }
             }
-            _ => (
-                StatusCode::NOT_FOUND,
-                crate::proxy::admin::TEXT,
-                "not found\n".into(),
-            ),
+            _ => crate::proxy::admin::not_found(),
         }),
     )
     .await

@@ -350,7 +350,7 @@ impl Cluster {
     pub async fn daemonset_remains(&self, namespace: &str, pod: &str) -> bool {
         let verdict = async {
             let pods = Api::<Pod>::namespaced(self.client.clone(), namespace);
-            let Some(own) = get_within(&pods, pod).await? else {
+            let Some(own) = get_within(&pods, pod).await.or_else(denied_is_gone)? else {
                 return Ok(false);
             };
             let owner = own.metadata.owner_references.unwrap_or_default();
@@ -358,20 +358,15 @@ impl Cluster {
                 return Ok(false);
             };
             let dss = Api::<DaemonSet>::namespaced(self.client.clone(), namespace);
-            let ds = match get_within(&dss, &ds.name).await? {
+            let ds = match get_within(&dss, &ds.name).await.or_else(denied_is_gone)? {
                 Some(d) if d.metadata.deletion_timestamp.is_none() => d,
                 _ => return Ok(false),
             };
+            // No right to read nodes (an older ClusterRole) is no verdict:
+            // the DaemonSet exists, so the plugin stays.
             let nodes = Api::<Node>::all(self.client.clone());
-            let node = match tokio::time::timeout(Duration::from_secs(5), nodes.get_opt(&self.node))
-                .await
-            {
-                Ok(Ok(Some(n))) => n,
-                Ok(Ok(None)) => return Ok(false),
-                // No right to read nodes (an older ClusterRole) or no answer:
-                // the DaemonSet exists, so assume it still selects this node.
-                Ok(Err(e)) => return Err(format!("node {}: {e}", self.node)),
-                Err(_) => return Err(format!("node {}: no answer within 5 s", self.node)),
+            let Some(node) = get_within(&nodes, &self.node).await.map_err(|e| e.reason)? else {
+                return Ok(false);
             };
             let template = ds.spec.and_then(|s| s.template.spec);
             Ok::<_, String>(schedules_on(template.as_ref(), &node))
@@ -392,7 +387,8 @@ impl Cluster {
 /// conditions, and a taint added for a while (a drain) must not uninstall.
 pub fn schedules_on(spec: Option<&PodSpec>, node: &Node) -> bool {
     let Some(spec) = spec else { return true };
-    let labels = node.metadata.labels.clone().unwrap_or_default();
+    let no_labels = BTreeMap::new();
+    let labels = node.metadata.labels.as_ref().unwrap_or(&no_labels);
     let name = node.metadata.name.as_deref().unwrap_or_default();
     let selector_ok = spec
         .node_selector
@@ -410,7 +406,7 @@ pub fn schedules_on(spec: Option<&PodSpec>, node: &Node) -> bool {
     let affinity_ok = required.is_none_or(|r| {
         r.node_selector_terms
             .iter()
-            .any(|t| term_matches(t, &labels, name))
+            .any(|t| term_matches(t, labels, name))
     });
     selector_ok && affinity_ok
 }
@@ -447,18 +443,39 @@ fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&str>) -> bool
     }
 }
 
-/// A GET with a 5 s budget. Not found, and 401/403 (the caller's account or
-/// its rights are gone, as after an uninstall), are `None`; the error says
-/// why the API server could not answer.
-async fn get_within<K>(api: &Api<K>, name: &str) -> Result<Option<K>, String>
+/// Why a GET got no object and no "not found" either.
+#[derive(Debug)]
+struct GetError {
+    /// 401/403: the caller's account or its rights are gone (or never were).
+    denied: bool,
+    reason: String,
+}
+
+/// A GET with a 5 s budget: `None` when the object is not there.
+async fn get_within<K>(api: &Api<K>, name: &str) -> Result<Option<K>, GetError>
 where
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     match tokio::time::timeout(Duration::from_secs(5), api.get_opt(name)).await {
         Ok(Ok(found)) => Ok(found),
-        Ok(Err(kube::Error::Api(s))) if matches!(s.code, 401 | 403 | 404) => Ok(None),
-        Ok(Err(e)) => Err(e.to_string()),
-        Err(_) => Err("no answer within 5 s".into()),
+        Ok(Err(e)) => Err(GetError {
+            denied: matches!(&e, kube::Error::Api(s) if matches!(s.code, 401 | 403)),
+            reason: format!("{name}: {e}"),
+        }),
+        Err(_) => Err(GetError {
+            denied: false,
+            reason: format!("{name}: no answer within 5 s"),
+        }),
+    }
+}
+
+/// For objects the agent's own account reads: a denied GET means that
+/// account is gone, as after an uninstall, so the object counts as gone too.
+fn denied_is_gone<K>(e: GetError) -> Result<Option<K>, String> {
+    if e.denied {
+        Ok(None)
+    } else {
+        Err(e.reason)
     }
 }
 

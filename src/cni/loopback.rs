@@ -104,6 +104,13 @@ fn write(gso: Option<u32>, gso_ipv4: Option<u32>) -> io::Result<()> {
 /// or the ACK of a SET (an error reply becomes the call's error).
 fn request(msg: RouteNetlinkMessage, flags: u16) -> io::Result<Option<LinkMessage>> {
     let mut sock = Socket::new(NETLINK_ROUTE)?;
+    // The kernel answers at once; a wait this long means it never will, and
+    // the enrollment waiting on this call must not hang with it.
+    nix::sys::socket::setsockopt(
+        &sock,
+        nix::sys::socket::sockopt::ReceiveTimeout,
+        &nix::sys::time::TimeVal::new(2, 0),
+    )?;
     sock.bind_auto()?;
     sock.connect(&SocketAddr::new(0, 0))?;
     let mut header = NetlinkHeader::default();

@@ -14,8 +14,16 @@ use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
+/// What a handler answers: status, content type and body.
+pub type Reply = (StatusCode, &'static str, String);
+
 /// Answers one admin request, given the method and the path with its query.
-pub type Handler = Arc<dyn Fn(&Method, &str) -> (StatusCode, &'static str, String) + Send + Sync>;
+pub type Handler = Arc<dyn Fn(&Method, &str) -> Reply + Send + Sync>;
+
+/// The answer to a path no endpoint serves.
+pub fn not_found() -> Reply {
+    (StatusCode::NOT_FOUND, TEXT, "not found\n".into())
+}
 
 /// Binds `addr` and serves `handler` until the process ends.
 pub async fn serve(

@@ -393,7 +393,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                     admin::TEXT,
                     "not ready\n".into(),
                 ),
-                _ => (StatusCode::NOT_FOUND, admin::TEXT, "not found\n".into()),
+                _ => admin::not_found(),
             }
         }),
     )
@@ -434,7 +434,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                     ),
                 }
             }
-            _ => (StatusCode::NOT_FOUND, admin::TEXT, "not found\n".into()),
+            _ => admin::not_found(),
         }),
     )
     .await
@@ -481,7 +481,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                 "/config_dump\n/logging[?level=<filter>] (POST to change)\n/quitquitquit (POST)\n"
                     .into(),
             ),
-            _ => (StatusCode::NOT_FOUND, admin::TEXT, "not found\n".into()),
+            _ => admin::not_found(),
         }),
     )
     .await
