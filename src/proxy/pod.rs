@@ -155,12 +155,16 @@ pub const TLS_SEND_BUFFER: usize = 1 << 20;
 
 /// How much not-yet-sent data an HBONE connection may queue in the kernel.
 ///
-/// Without a limit the kernel takes up to the whole send buffer (4 MiB by
-/// default) of encrypted records: the memory they sit in has gone cold by the
-/// time it is sent, and every other stream on the connection waits behind
-/// them. With it, the data waits in rustls' buffer instead and is handed over
-/// as the socket drains (a writer is woken at half the limit).
-/// `cargo bench --bench dataplane`: HBONE 0.41x -> 0.46x of direct.
+/// Without a limit the kernel takes encrypted records up to the whole send
+/// buffer (`tcp_wmem`'s maximum, 4 MiB on these machines), and every other
+/// stream on the connection waits behind them. With it, the records wait in
+/// rustls' buffer and are handed over as the socket drains (a writer is woken
+/// when half the limit is left), so the kernel copies from memory that was
+/// just written.
+/// `cargo bench --bench dataplane`: HBONE 0.42x -> 0.48x of direct (medians
+/// of four runs). In a fast-build A/B, 32 KiB gave 0.45x where 64 KiB gave
+/// 0.41x and none 0.38x; 16 KiB was no better than 32 KiB. A writer woken at
+/// 16 KiB left still has 13 µs before a 10 Gbit/s link runs dry.
 pub const HBONE_NOTSENT_LOWAT: u32 = 32 * 1024;
 
 /// Caps the unsent bytes the kernel queues for `stream` (`TCP_NOTSENT_LOWAT`).
