@@ -221,6 +221,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "HTTP/2 max frame size (bytes)",
     },
     Key {
+        name: "hbone_unsent_limit",
+        env: &["AMBIT_HBONE_UNSENT_LIMIT"],
+        default: "131072",
+        help: "unsent bytes the kernel may queue per HBONE connection (TCP_NOTSENT_LOWAT); 0: no limit",
+    },
+    Key {
         name: "worker_threads",
         env: &["ZTUNNEL_WORKER_THREADS", "AMBIT_WORKER_THREADS"],
         default: "2",
@@ -292,6 +298,8 @@ pub struct ProxyConfig {
     pub stream_window: u32,
     pub connection_window: u32,
     pub frame_size: u32,
+    /// `TCP_NOTSENT_LOWAT` on HBONE connections; 0 leaves the kernel's default.
+    pub hbone_unsent_limit: u32,
     pub worker_threads: usize,
     pub ipv6: bool,
     pub drain_timeout: Duration,
@@ -424,6 +432,11 @@ impl ProxyConfig {
                 "http2_frame_size",
                 "a byte count between 16384 and 16777215",
                 |s| parse_u32(s).filter(|v| (16_384..=16_777_215).contains(v)),
+            )?,
+            hbone_unsent_limit: l.require(
+                "hbone_unsent_limit",
+                "0 (no limit) or a byte count between 4096 and 1073741824",
+                |s| parse_u32(s).filter(|v| *v == 0 || (4096..=1 << 30).contains(v)),
             )?,
             worker_threads: l.require("worker_threads", "a number from 1 to 256", |s| {
                 s.parse().ok().filter(|n| (1..=256).contains(n))

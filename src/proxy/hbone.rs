@@ -8,12 +8,15 @@ use http::{Method, Request, StatusCode};
 
 use crate::constants::PROXY_OWN_PORTS;
 
-/// HTTP/2 window and frame sizes.
+/// HTTP/2 window and frame sizes, and how much of an HBONE connection's
+/// output the kernel may hold unsent.
 #[derive(Debug, Clone, Copy)]
 pub struct H2Settings {
     pub stream_window: u32,
     pub connection_window: u32,
     pub frame_size: u32,
+    /// `TCP_NOTSENT_LOWAT` on the connection's socket; 0: the kernel's default.
+    pub unsent_limit: u32,
 }
 
 impl H2Settings {

@@ -301,6 +301,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
             stream_window: cfg.stream_window,
             connection_window: cfg.connection_window,
             frame_size: cfg.frame_size,
+            unsent_limit: cfg.hbone_unsent_limit,
         },
         cluster: cfg.cluster_id.clone(),
         trust_domain: cfg.trust_domain.clone(),

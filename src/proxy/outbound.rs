@@ -13,7 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
-use super::pod::{limit_unsent, tune, PodRef, HBONE_NOTSENT_LOWAT, TLS_SEND_BUFFER};
+use super::pod::{limit_unsent, tune, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
@@ -319,7 +319,7 @@ impl Outbound {
                     addr: proxy,
                     source,
                 })?;
-        if let Err(e) = limit_unsent(&tcp, HBONE_NOTSENT_LOWAT) {
+        if let Err(e) = limit_unsent(&tcp, self.h2.unsent_limit) {
             tracing::debug!(error = %e, "cannot limit the HBONE connection's unsent data");
         }
         let connector = tokio_rustls::TlsConnector::from(self.pod.tls.load().client.clone());

@@ -153,27 +153,25 @@ impl SocketFactory {
 /// 64 KiB, splits a 256 KiB frame into four writes).
 pub const TLS_SEND_BUFFER: usize = 1 << 20;
 
-/// How much not-yet-sent data an HBONE connection may queue in the kernel.
+/// Caps the bytes the kernel queues unsent for `stream` (`TCP_NOTSENT_LOWAT`);
+/// 0 leaves the kernel's default (no cap).
 ///
-/// Without a limit the kernel takes encrypted records up to the whole send
-/// buffer (`tcp_wmem`'s maximum, 4 MiB on these machines), and every other
-/// stream on the connection waits behind them. With it, the records wait in
-/// rustls' buffer and are handed over as the socket drains (a writer is woken
-/// when half the limit is left), so the kernel copies from memory that was
-/// just written.
-/// `cargo bench --bench dataplane`: HBONE 0.42x -> 0.48x of direct (medians
-/// of four runs). In a fast-build A/B, 32 KiB gave 0.45x where 64 KiB gave
-/// 0.41x and none 0.38x; 16 KiB was no better than 32 KiB. A writer woken at
-/// 16 KiB left still has 13 µs before a 10 Gbit/s link runs dry.
-pub const HBONE_NOTSENT_LOWAT: u32 = 32 * 1024;
-
-/// Caps the unsent bytes the kernel queues for `stream` (`TCP_NOTSENT_LOWAT`).
+/// Used on HBONE connections (`hbone_unsent_limit`). Without a cap the kernel
+/// takes encrypted records up to the whole send buffer (`tcp_wmem`'s maximum,
+/// 4 MiB on these machines) when the network is the bottleneck, and every
+/// other stream on the connection waits behind them. With it, the rest waits
+/// in rustls' buffer. The kernel checks the cap before each buffer it fills,
+/// so one write can go over it by up to a buffer, and it wakes the writer
+/// when half the cap is left.
 pub fn limit_unsent(stream: &TcpStream, bytes: u32) -> io::Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
     let bytes = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
     set_int_option(stream, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT, bytes)
 }
 
-/// `setsockopt` of an integer option that socket2 has no setter for.
+/// `setsockopt` of an integer option that socket2 0.5 has no setter for.
 fn set_int_option(
     fd: &impl std::os::fd::AsRawFd,
     level: libc::c_int,
@@ -356,42 +354,42 @@ mod tests {
         }
     }
 
-    async fn stalled_pair(limit: Option<u32>) -> (TcpStream, TcpStream) {
+    /// A connected pair whose receiver never reads; returns the sender, its
+    /// send buffer size, and the receiver.
+    async fn stalled_pair(limit: u32) -> (TcpStream, usize, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let s = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP)).unwrap();
+        // Capped by net.core.wmem_max (208 KiB on a stock kernel): read back below.
         s.set_send_buffer_size(4 << 20).unwrap();
+        let sndbuf = s.send_buffer_size().unwrap();
         s.set_nonblocking(true).unwrap();
         let sock = TcpSocket::from_std_stream(s.into());
-        sock.set_recv_buffer_size(64 * 1024).unwrap();
         let (a, b) = tokio::join!(sock.connect(l.local_addr().unwrap()), l.accept());
-        let a = a.unwrap();
+        let (a, b) = (a.unwrap(), b.unwrap().0);
         // A small receive window on the idle peer leaves the rest unsent.
-        SockRef::from(&b.as_ref().unwrap().0)
-            .set_recv_buffer_size(64 * 1024)
-            .unwrap();
-        if let Some(limit) = limit {
-            limit_unsent(&a, limit).unwrap();
-        }
-        (a, b.unwrap().0)
+        SockRef::from(&b).set_recv_buffer_size(64 * 1024).unwrap();
+        limit_unsent(&a, limit).unwrap();
+        (a, sndbuf, b)
     }
 
     #[tokio::test]
-    async fn an_hbone_connection_queues_little_unsent_data_in_the_kernel() {
-        let (limited, _peer) = stalled_pair(Some(HBONE_NOTSENT_LOWAT)).await;
+    async fn limit_unsent_caps_the_kernels_unsent_queue_and_zero_leaves_it() {
+        const LIMIT: u32 = 32 * 1024;
+        let (limited, _, _peer) = stalled_pair(LIMIT).await;
         fill(&limited).await;
-        let queued = unsent(&limited);
-        // One write may overshoot the limit by what it was copying when it was reached.
+        let capped = unsent(&limited);
+        // One write may go over the cap by the buffer it was filling.
         assert!(
-            queued <= HBONE_NOTSENT_LOWAT as usize + 128 * 1024,
-            "{queued} bytes unsent with a {HBONE_NOTSENT_LOWAT}-byte limit"
+            capped <= LIMIT as usize + 128 * 1024,
+            "{capped} bytes unsent with a {LIMIT}-byte cap"
         );
 
-        let (unlimited, _peer) = stalled_pair(None).await;
+        let (unlimited, sndbuf, _peer) = stalled_pair(0).await;
         fill(&unlimited).await;
         let queued = unsent(&unlimited);
         assert!(
-            queued > 1 << 20,
-            "without the limit the kernel takes the send buffer ({queued} bytes)"
+            queued > sndbuf / 4 && queued > 2 * capped,
+            "without a cap the kernel fills the send buffer ({queued} of {sndbuf} bytes unsent, {capped} with the cap)"
         );
     }
 }
