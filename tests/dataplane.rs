@@ -623,3 +623,101 @@ fn access_logs_name_workloads_identities_bytes_and_decision_and_quitquitquit_dra
         "{log}"
     );
 }
+
+/// The most bytes `ss` saw unsent on `pod`'s connections to port 15008 while
+/// `during` ran (sampled every 50 ms), and `during`'s result.
+fn max_unsent_to_hbone<T>(pod: &ambit::lab::LabPod, during: impl FnOnce() -> T) -> (usize, T) {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (pod, stop) = (pod.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut max = 0usize;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let out = pod
+                    .ns
+                    .command("ss")
+                    .args(["-tniH", "dport", "=", ":15008"])
+                    .output()
+                    .expect("ss (iproute2)");
+                for tok in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                    if let Some(n) = tok.strip_prefix("notsent:") {
+                        max = max.max(n.parse().unwrap_or(0));
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            max
+        })
+    };
+    let result = during();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    (sampler.join().unwrap(), result)
+}
+
+#[test]
+fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() {
+    let mut m = Mesh::new("unsent");
+    let (capped, uncapped, server) = (m.pod("capped"), m.pod("uncapped"), m.pod("server"));
+    m.write_config(&format!(
+        "workloads:\n{}{}{}",
+        workload(&capped, "capped-sa", "HBONE"),
+        workload(&uncapped, "uncapped-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh(&capped, "capped-sa");
+    m.mesh_env(
+        &uncapped,
+        "uncapped-sa",
+        &[("AMBIT_HBONE_UNSENT_LIMIT", "0")],
+    );
+    m.mesh(&server, "server-sa");
+    m.lab
+        .spawn("iperf3-server", {
+            let mut c = server.ns.command("iperf3");
+            c.args(["-s", "-p", "5201"]);
+            c
+        })
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+
+    let mut unsent = Vec::new();
+    for pod in [&capped, &uncapped] {
+        // A 200 Mbit/s link out of the pod: the network, not the proxy, is the bottleneck.
+        let tc = pod
+            .ns
+            .command("tc")
+            .args("qdisc add dev eth0 root tbf rate 200mbit burst 64kb latency 20ms".split(' '))
+            .status()
+            .unwrap();
+        assert!(tc.success(), "tc tbf on {}'s eth0", pod.name);
+        let (max, iperf) = max_unsent_to_hbone(pod, || {
+            pod.ns
+                .command("iperf3")
+                .args(["-c", &server.ip.to_string(), "-t", "3", "-J"])
+                .output()
+                .unwrap()
+        });
+        let v: serde_json::Value = serde_json::from_slice(&iperf.stdout)
+            .unwrap_or_else(|_| panic!("iperf3: {}", String::from_utf8_lossy(&iperf.stdout)));
+        let gbps = v["end"]["sum_received"]["bits_per_second"]
+            .as_f64()
+            .unwrap_or(0.0)
+            / 1e9;
+        assert!(
+            (0.1..0.25).contains(&gbps),
+            "{} reached the server over HBONE at the link's rate: {gbps} Gbit/s",
+            pod.name
+        );
+        unsent.push(max);
+    }
+    let (capped_max, uncapped_max) = (unsent[0], unsent[1]);
+    // The default cap (128 KiB), plus at most one buffer a write was filling.
+    assert!(
+        capped_max <= (128 + 128) * 1024,
+        "with the default cap the kernel held up to {capped_max} bytes unsent"
+    );
+    assert!(
+        uncapped_max > 2 * capped_max.max(128 * 1024),
+        "with AMBIT_HBONE_UNSENT_LIMIT=0 the kernel queued up to {uncapped_max} bytes (capped: {capped_max})"
+    );
+}
