@@ -160,7 +160,8 @@ pub const TLS_SEND_BUFFER: usize = 1 << 20;
 /// takes encrypted records up to the whole send buffer (`tcp_wmem`'s maximum,
 /// 4 MiB on these machines) when the network is the bottleneck, and every
 /// other stream on the connection waits behind them. With it, the rest waits
-/// in rustls' buffer. The kernel checks the cap before each buffer it fills,
+/// in rustls' buffer ([`TLS_SEND_BUFFER`]), which is then the whole backlog
+/// ahead of a new frame. The kernel checks the cap before each buffer it fills,
 /// so one write can go over it by up to a buffer, and it wakes the writer
 /// when half the cap is left.
 pub fn limit_unsent(stream: &TcpStream, bytes: u32) -> io::Result<()> {
