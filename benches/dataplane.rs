@@ -14,7 +14,25 @@ use std::time::{Duration, Instant};
 use ambit::lab::rss_kb;
 use ambit::lab::{connect_from, write_ca, EchoServer, Lab, LabPod, ProxySpec};
 
-fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> f64 {
+/// Busy and total CPU time of the whole machine so far (`/proc/stat`, ticks).
+fn cpu_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let ticks: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|t| t.parse().ok())
+        .collect();
+    let idle = ticks.get(3).unwrap_or(&0) + ticks.get(4).unwrap_or(&0);
+    let total: u64 = ticks.iter().sum();
+    (total - idle, total)
+}
+
+/// One iperf3 run: Gbit/s received, and the machine's busy CPU seconds per Gbit.
+fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> (f64, f64) {
+    let before = cpu_ticks();
     let out = client
         .ns
         .command("iperf3")
@@ -26,8 +44,11 @@ fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> f64 {
     let bps = v["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .unwrap_or(0.0);
-
-    bps / 1e9
+    let after = cpu_ticks();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let busy_share = (after.0 - before.0) as f64 / (after.1 - before.1).max(1) as f64;
+    let gbps = bps / 1e9;
+    (gbps, busy_share * cores / gbps.max(1e-9))
 }
 
 fn ping_pong(client: &LabPod, target: SocketAddr, rounds: usize) -> Duration {
@@ -104,10 +125,17 @@ fn main() {
         std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap_or_default();
     println!("ambit data-path benchmark: iperf3 single stream, {secs}s per path, {rounds_n} interleaved rounds (median); 20000 1-byte round trips; TCP congestion control {}\n", cc.trim());
     let (mut ds, mut hs, mut ps) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut dc, mut hc, mut pc) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..rounds_n {
-        ds.push(iperf(&lab, &plain_client, &outsider, secs));
-        hs.push(iperf(&lab, &client, &server, secs));
-        ps.push(iperf(&lab, &client, &outsider, secs));
+        for (rate, cost, c, s) in [
+            (&mut ds, &mut dc, &plain_client, &outsider),
+            (&mut hs, &mut hc, &client, &server),
+            (&mut ps, &mut pc, &client, &outsider),
+        ] {
+            let (gbps, cpu) = iperf(&lab, c, s, secs);
+            rate.push(gbps);
+            cost.push(cpu);
+        }
     }
     let ratios = |v: &[f64], d: &[f64]| {
         v.iter()
@@ -136,6 +164,20 @@ fn main() {
         ("passthrough (splice)", pass),
     ] {
         println!("{name:<34} {v:>10.2} {:>9.2}x", v / direct);
+    }
+    // Throughput hides how much of the machine a path uses (BBR paces; a
+    // path may leave a core idle): CPU per byte does not.
+    let (dcpu, hcpu, pcpu) = (median(dc), median(hc), median(pc));
+    println!(
+        "\n{:<34} {:>10} {:>10}",
+        "CPU per byte (whole machine)", "cpu-s/Gbit", "vs direct"
+    );
+    for (name, v) in [
+        ("direct (no proxy)", dcpu),
+        ("HBONE", hcpu),
+        ("passthrough", pcpu),
+    ] {
+        println!("{name:<34} {v:>10.3} {:>9.2}x", v / dcpu);
     }
 
     let echo_server = EchoServer::start(&server, 7000).unwrap();
