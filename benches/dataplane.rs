@@ -2,7 +2,8 @@
 //! single-stream throughput and 1-byte ping-pong latency, direct (no proxy,
 //! no rules) vs through HBONE (a dedicated ambit proxy in each pod) vs
 //! passthrough (meshed client, destination outside the mesh). Every number
-//! is printed as a ratio to direct, measured side by side on this machine.
+//! is printed as a ratio to direct, measured side by side on this machine,
+//! and so is the CPU the whole machine spent per byte on each path.
 //!
 //! Run: `cargo bench --bench dataplane` (as root). `AMBIT_BENCH_SECS` sets
 //! the iperf3 duration (default 5).
@@ -14,8 +15,10 @@ use std::time::{Duration, Instant};
 use ambit::lab::rss_kb;
 use ambit::lab::{connect_from, write_ca, EchoServer, Lab, LabPod, ProxySpec};
 
-/// Busy and total CPU time of the whole machine so far (`/proc/stat`, ticks).
-fn cpu_ticks() -> (u64, u64) {
+/// Busy CPU seconds of the whole machine so far (`/proc/stat`, all CPUs):
+/// user, nice, system, irq and softirq. Idle, iowait and steal are not ours;
+/// guest time is already inside user and nice.
+fn busy_cpu_seconds() -> f64 {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let ticks: Vec<u64> = stat
         .lines()
@@ -25,14 +28,19 @@ fn cpu_ticks() -> (u64, u64) {
         .skip(1)
         .filter_map(|t| t.parse().ok())
         .collect();
-    let idle = ticks.get(3).unwrap_or(&0) + ticks.get(4).unwrap_or(&0);
-    let total: u64 = ticks.iter().sum();
-    (total - idle, total)
+    let busy: u64 = [0, 1, 2, 5, 6]
+        .iter()
+        .map(|&i| ticks.get(i).copied().unwrap_or(0))
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
+    busy as f64 / hz as f64
 }
 
-/// One iperf3 run: Gbit/s received, and the machine's busy CPU seconds per Gbit.
+/// One iperf3 run: Gbit/s received, and the machine's busy CPU seconds per
+/// Gbit received (over the whole run, set-up included, which is small).
 fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> (f64, f64) {
-    let before = cpu_ticks();
+    let before = busy_cpu_seconds();
     let out = client
         .ns
         .command("iperf3")
@@ -44,11 +52,9 @@ fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> (f64, f64) 
     let bps = v["end"]["sum_received"]["bits_per_second"]
         .as_f64()
         .unwrap_or(0.0);
-    let after = cpu_ticks();
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let busy_share = (after.0 - before.0) as f64 / (after.1 - before.1).max(1) as f64;
-    let gbps = bps / 1e9;
-    (gbps, busy_share * cores / gbps.max(1e-9))
+    let busy = (busy_cpu_seconds() - before).max(0.0);
+    let gbit = v["end"]["sum_received"]["bytes"].as_f64().unwrap_or(0.0) * 8.0 / 1e9;
+    (bps / 1e9, busy / gbit.max(1e-9))
 }
 
 fn ping_pong(client: &LabPod, target: SocketAddr, rounds: usize) -> Duration {

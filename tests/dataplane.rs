@@ -678,7 +678,21 @@ fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() 
             c
         })
         .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while server
+        .ns
+        .command("ss")
+        .args(["-ltnH", "sport", "=", ":5201"])
+        .output()
+        .map(|o| o.stdout.is_empty())
+        .unwrap_or(true)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "iperf3 -s never listened"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     let mut unsent = Vec::new();
     for pod in [&capped, &uncapped] {
@@ -705,13 +719,20 @@ fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() 
             / 1e9;
         assert!(
             (0.1..0.25).contains(&gbps),
-            "{} reached the server over HBONE at the link's rate: {gbps} Gbit/s",
-            pod.name
+            "{} reached the server over HBONE at the link's rate: {gbps} Gbit/s {}",
+            pod.name,
+            v["error"]
         );
         unsent.push(max);
     }
     let (capped_max, uncapped_max) = (unsent[0], unsent[1]);
-    // The default cap (128 KiB), plus at most one buffer a write was filling.
+    assert!(
+        capped_max > 0,
+        "ss never saw unsent bytes on the capped HBONE connection"
+    );
+    // The default cap (128 KiB), plus at most the one buffer a write was
+    // filling: 64 KiB, eth0's GSO limit (the lab raises it only on lo).
+    // "0" means the kernel default, unless net.ipv4.tcp_notsent_lowat is set.
     assert!(
         capped_max <= (128 + 128) * 1024,
         "with the default cap the kernel held up to {capped_max} bytes unsent"

@@ -505,7 +505,35 @@ mod tests {
         assert_eq!(c.connection_window, 16 << 20);
         assert_eq!(c.frame_size, 1 << 20);
         assert_eq!(c.pool_max_streams, 100);
+        assert_eq!(c.hbone_unsent_limit, 128 * 1024);
         assert_eq!(c.workload_info.unwrap().service_account, "web-sa");
+    }
+
+    #[test]
+    fn the_hbone_unsent_limit_is_zero_or_a_sane_byte_count() {
+        for (v, want) in [
+            ("0", Some(0)),
+            ("0x8000", Some(32 * 1024)),
+            ("4096", Some(4096)),
+        ] {
+            let mut env = BASE.to_vec();
+            env.push(("AMBIT_HBONE_UNSENT_LIMIT", v));
+            assert_eq!(
+                layers(&env, &[]).ok().map(|c| c.hbone_unsent_limit),
+                want,
+                "{v}"
+            );
+        }
+        for v in ["100", "2147483648", "-1", "lots"] {
+            let mut env = BASE.to_vec();
+            env.push(("AMBIT_HBONE_UNSENT_LIMIT", v));
+            let err = layers(&env, &[]).unwrap_err().to_string();
+            assert!(
+                err.contains("`hbone_unsent_limit`")
+                    && err.contains("0 (no limit) or a byte count"),
+                "{v}: {err}"
+            );
+        }
     }
 
     #[test]
