@@ -12,8 +12,7 @@ use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use ambit::lab::rss_kb;
-use ambit::lab::{connect_from, write_ca, EchoServer, Lab, LabPod, ProxySpec};
+use ambit::lab::{connect_from, iperf3, rss_kb, write_ca, EchoServer, Lab, LabPod, ProxySpec};
 
 /// Busy CPU seconds of the whole machine so far (`/proc/stat`, all CPUs):
 /// user, nice, system, irq and softirq. Idle, iowait and steal are not ours;
@@ -39,22 +38,19 @@ fn busy_cpu_seconds() -> f64 {
 
 /// One iperf3 run: Gbit/s received, and the machine's busy CPU seconds per
 /// Gbit received (over the whole run, set-up included, which is small).
-fn iperf(_lab: &Lab, client: &LabPod, server: &LabPod, secs: u64) -> (f64, f64) {
+fn iperf(client: &LabPod, server: &LabPod, secs: u64) -> (f64, f64) {
     let before = busy_cpu_seconds();
-    let out = client
-        .ns
-        .command("iperf3")
-        .args(["-c", &server.ip.to_string(), "-t", &secs.to_string(), "-J"])
-        .output()
-        .expect("iperf3");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|_| panic!("iperf3: {}", String::from_utf8_lossy(&out.stdout)));
-    let bps = v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .unwrap_or(0.0);
+    let run = iperf3(client, server.ip, secs, &[]).expect("iperf3");
     let busy = (busy_cpu_seconds() - before).max(0.0);
-    let gbit = v["end"]["sum_received"]["bytes"].as_f64().unwrap_or(0.0) * 8.0 / 1e9;
-    (bps / 1e9, busy / gbit.max(1e-9))
+    (run.gbps, busy / run.gbit.max(1e-9))
+}
+
+/// Prints a table of the three paths, each also as a ratio to the first.
+fn table(title: &str, unit: &str, rows: [(&str, f64); 3], decimals: usize) {
+    println!("\n{title:<34} {unit:>10} {:>10}", "vs direct");
+    for (name, v) in rows {
+        println!("{name:<34} {v:>10.decimals$} {:>9.2}x", v / rows[0].1);
+    }
 }
 
 fn ping_pong(client: &LabPod, target: SocketAddr, rounds: usize) -> Duration {
@@ -113,14 +109,8 @@ fn main() {
         lab.start_proxy(pod, &spec).unwrap();
     }
     for pod in [&server, &outsider] {
-        lab.spawn(&format!("iperf3-{}", pod.name), {
-            let mut c = pod.ns.command("iperf3");
-            c.arg("-s");
-            c
-        })
-        .unwrap();
+        lab.start_iperf3_server(pod).unwrap();
     }
-    std::thread::sleep(Duration::from_millis(500));
 
     let rounds_n: usize = std::env::var("AMBIT_BENCH_ROUNDS")
         .ok()
@@ -138,7 +128,7 @@ fn main() {
             (&mut hs, &mut hc, &client, &server),
             (&mut ps, &mut pc, &client, &outsider),
         ] {
-            let (gbps, cpu) = iperf(&lab, c, s, secs);
+            let (gbps, cpu) = iperf(c, s, secs);
             rate.push(gbps);
             cost.push(cpu);
         }
@@ -160,31 +150,28 @@ fn main() {
         v[v.len() / 2]
     };
     let (direct, hbone, pass) = (median(ds), median(hs), median(ps));
-    println!(
-        "{:<34} {:>10} {:>10}",
-        "throughput (iperf3, 1 stream)", "Gbit/s", "vs direct"
+    table(
+        "throughput (iperf3, 1 stream)",
+        "Gbit/s",
+        [
+            ("direct (no proxy)", direct),
+            ("HBONE (mTLS + HTTP/2 CONNECT)", hbone),
+            ("passthrough (splice)", pass),
+        ],
+        2,
     );
-    for (name, v) in [
-        ("direct (no proxy)", direct),
-        ("HBONE (mTLS + HTTP/2 CONNECT)", hbone),
-        ("passthrough (splice)", pass),
-    ] {
-        println!("{name:<34} {v:>10.2} {:>9.2}x", v / direct);
-    }
     // Throughput hides how much of the machine a path uses (BBR paces; a
     // path may leave a core idle): CPU per byte does not.
-    let (dcpu, hcpu, pcpu) = (median(dc), median(hc), median(pc));
-    println!(
-        "\n{:<34} {:>10} {:>10}",
-        "CPU per byte (whole machine)", "cpu-s/Gbit", "vs direct"
+    table(
+        "CPU per byte (whole machine)",
+        "cpu-s/Gbit",
+        [
+            ("direct (no proxy)", median(dc)),
+            ("HBONE", median(hc)),
+            ("passthrough", median(pc)),
+        ],
+        3,
     );
-    for (name, v) in [
-        ("direct (no proxy)", dcpu),
-        ("HBONE", hcpu),
-        ("passthrough", pcpu),
-    ] {
-        println!("{name:<34} {v:>10.3} {:>9.2}x", v / dcpu);
-    }
 
     let echo_server = EchoServer::start(&server, 7000).unwrap();
     let echo_outsider = EchoServer::start(&outsider, 7000).unwrap();
@@ -192,17 +179,13 @@ fn main() {
     let d = ping_pong(&plain_client, echo_outsider.addr, rounds);
     let h = ping_pong(&client, echo_server.addr, rounds);
     let p = ping_pong(&client, echo_outsider.addr, rounds);
-    println!(
-        "\n{:<34} {:>10} {:>10}",
-        "latency (1-byte ping-pong, p50)", "µs", "vs direct"
+    table(
+        "latency (1-byte ping-pong, p50)",
+        "µs",
+        [("direct (no proxy)", d), ("HBONE", h), ("passthrough", p)]
+            .map(|(name, t)| (name, t.as_secs_f64() * 1e6)),
+        1,
     );
-    for (name, v) in [("direct (no proxy)", d), ("HBONE", h), ("passthrough", p)] {
-        println!(
-            "{name:<34} {:>10.1} {:>9.2}x",
-            v.as_secs_f64() * 1e6,
-            v.as_secs_f64() / d.as_secs_f64()
-        );
-    }
     let rss: Vec<u64> = ["proxy-client", "proxy-server"]
         .iter()
         .filter_map(|l| lab.pid(l))

@@ -671,28 +671,7 @@ fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() 
         &[("AMBIT_HBONE_UNSENT_LIMIT", "0")],
     );
     m.mesh(&server, "server-sa");
-    m.lab
-        .spawn("iperf3-server", {
-            let mut c = server.ns.command("iperf3");
-            c.args(["-s", "-p", "5201"]);
-            c
-        })
-        .unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while server
-        .ns
-        .command("ss")
-        .args(["-ltnH", "sport", "=", ":5201"])
-        .output()
-        .map(|o| o.stdout.is_empty())
-        .unwrap_or(true)
-    {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "iperf3 -s never listened"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    m.lab.start_iperf3_server(&server).unwrap();
 
     let mut unsent = Vec::new();
     for pod in [&capped, &uncapped] {
@@ -704,24 +683,13 @@ fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() 
             .status()
             .unwrap();
         assert!(tc.success(), "tc tbf on {}'s eth0", pod.name);
-        let (max, iperf) = max_unsent_to_hbone(pod, || {
-            pod.ns
-                .command("iperf3")
-                .args(["-c", &server.ip.to_string(), "-t", "3", "-J"])
-                .output()
-                .unwrap()
-        });
-        let v: serde_json::Value = serde_json::from_slice(&iperf.stdout)
-            .unwrap_or_else(|_| panic!("iperf3: {}", String::from_utf8_lossy(&iperf.stdout)));
-        let gbps = v["end"]["sum_received"]["bits_per_second"]
-            .as_f64()
-            .unwrap_or(0.0)
-            / 1e9;
+        let (max, run) = max_unsent_to_hbone(pod, || ambit::lab::iperf3(pod, server.ip, 3, &[]));
+        let run = run.unwrap();
         assert!(
-            (0.1..0.25).contains(&gbps),
-            "{} reached the server over HBONE at the link's rate: {gbps} Gbit/s {}",
+            (0.1..0.25).contains(&run.gbps),
+            "{} reached the server over HBONE at the link's rate: {} Gbit/s",
             pod.name,
-            v["error"]
+            run.gbps
         );
         unsent.push(max);
     }

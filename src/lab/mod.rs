@@ -172,6 +172,31 @@ impl Lab {
         Ok(())
     }
 
+    /// Starts `iperf3 -s` in `pod` (label `iperf3-<pod>`) and returns once it listens on 5201.
+    pub fn start_iperf3_server(&self, pod: &LabPod) -> io::Result<()> {
+        let mut cmd = pod.ns.command("iperf3");
+        cmd.args(["-s", "-p", "5201"]);
+        self.spawn(&format!("iperf3-{}", pod.name), cmd)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ss = pod
+                .ns
+                .command("ss")
+                .args(["-ltnH", "sport", "=", ":5201"])
+                .output()?;
+            if !ss.stdout.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("iperf3 -s in {} never listened", pod.name),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Where a spawned process's output goes.
     pub fn log_path(&self, label: &str) -> PathBuf {
         self.dir.join(format!("{label}.log"))
@@ -354,6 +379,43 @@ pub fn connect_from(pod: &LabPod, addr: SocketAddr) -> io::Result<TcpStream> {
 }
 
 /// An echo application inside a pod: sends back every byte, records who connected.
+/// What one `iperf3 -c` run moved.
+#[derive(Debug, Clone, Copy)]
+pub struct Iperf {
+    /// Gbit/s received, over the test time.
+    pub gbps: f64,
+    /// Gbit received in all.
+    pub gbit: f64,
+}
+
+/// Runs `iperf3 -c server -t secs -J` (plus `extra`) from `client`; an error
+/// carries iperf3's own reason.
+pub fn iperf3(client: &LabPod, server: Ipv4Addr, secs: u64, extra: &[&str]) -> io::Result<Iperf> {
+    let out = client
+        .ns
+        .command("iperf3")
+        .args(["-c", &server.to_string(), "-t", &secs.to_string(), "-J"])
+        .args(extra)
+        .output()?;
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| {
+        io::Error::other(format!(
+            "iperf3 output is not JSON ({e}): {}",
+            String::from_utf8_lossy(&out.stdout)
+        ))
+    })?;
+    let received = &v["end"]["sum_received"];
+    match (
+        received["bits_per_second"].as_f64(),
+        received["bytes"].as_f64(),
+    ) {
+        (Some(bps), Some(bytes)) => Ok(Iperf {
+            gbps: bps / 1e9,
+            gbit: bytes * 8.0 / 1e9,
+        }),
+        _ => Err(io::Error::other(format!("iperf3: {}", v["error"]))),
+    }
+}
+
 pub struct EchoServer {
     pub addr: SocketAddr,
     peers: Arc<Mutex<Vec<SocketAddr>>>,
