@@ -127,11 +127,12 @@ impl SocketFactory {
         let s = self.socket(&addr)?;
         if let Some(src) = src {
             if src.is_ipv4() {
-                s.set_ip_transparent(true)?;
+                s.set_ip_transparent_v4(true)?;
+                s.set_freebind_v4(true)?;
             } else {
-                set_int_option(&s, libc::SOL_IPV6, libc::IPV6_TRANSPARENT, 1)?;
+                s.set_ip_transparent_v6(true)?;
+                s.set_freebind_v6(true)?;
             }
-            s.set_freebind(true)?;
             s.bind(&SocketAddr::new(src, 0).into())?;
         }
         let sock = TcpSocket::from_std_stream(s.into());
@@ -168,31 +169,7 @@ pub fn limit_unsent(stream: &TcpStream, bytes: u32) -> io::Result<()> {
     if bytes == 0 {
         return Ok(());
     }
-    let bytes = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
-    set_int_option(stream, libc::IPPROTO_TCP, libc::TCP_NOTSENT_LOWAT, bytes)
-}
-
-/// `setsockopt` of an integer option that socket2 0.5 has no setter for.
-fn set_int_option(
-    fd: &impl std::os::fd::AsRawFd,
-    level: libc::c_int,
-    name: libc::c_int,
-    value: libc::c_int,
-) -> io::Result<()> {
-    // SAFETY: setsockopt on an fd the caller keeps open, with a c_int value of the size given.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd.as_raw_fd(),
-            level,
-            name,
-            &value as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    SockRef::from(stream).set_tcp_notsent_lowat(bytes)
 }
 
 /// NODELAY and keepalive, for every connection the proxy holds.
