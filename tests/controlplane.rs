@@ -24,6 +24,18 @@ fn start_cp(m: &Mesh, label: &str) {
 }
 
 fn proxy_via_cp(m: &Mesh, pod: &LabPod, sa: &str, token: &str) {
+    proxy_via_cp_env(m, pod, sa, token, &[]).unwrap();
+}
+
+/// Like [`proxy_via_cp`], with extra environment (set last, so it wins);
+/// returns the error of a proxy that never becomes ready.
+fn proxy_via_cp_env(
+    m: &Mesh,
+    pod: &LabPod,
+    sa: &str,
+    token: &str,
+    env: &[(&str, &str)],
+) -> std::io::Result<()> {
     m.lab.redirect(pod).unwrap();
     let tok = m.lab.dir.join(format!("token-{}", pod.name));
     std::fs::write(&tok, token).unwrap();
@@ -40,9 +52,12 @@ fn proxy_via_cp(m: &Mesh, pod: &LabPod, sa: &str, token: &str) {
             ("XDS_ROOT_CA".into(), m.ca.0.display().to_string()),
             ("AUTH_TOKEN".into(), tok.display().to_string()),
             ("SECRET_TTL".into(), "10s".into()),
-        ],
+        ]
+        .into_iter()
+        .chain(env.iter().map(|(k, v)| (k.to_string(), v.to_string())))
+        .collect(),
     };
-    m.lab.start_proxy(pod, &spec).unwrap();
+    m.lab.start_proxy(pod, &spec)
 }
 
 fn dump(pod: &LabPod) -> String {
@@ -183,6 +198,60 @@ fn proxies_run_from_the_control_plane_alone() {
     assert!(
         log.contains("token") || log.contains("Unauthenticated") || log.contains("unauthenticated"),
         "{log}"
+    );
+}
+
+#[test]
+fn xds_root_ca_system_trusts_the_system_store_and_nothing_else() {
+    let mut m = Mesh::new("cpsys");
+    let (client, server, stranger) = (m.pod("client"), m.pod("server"), m.pod("stranger"));
+    std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
+    std::fs::write(
+        m.lab.dir.join("cp.yaml"),
+        format!(
+            "workloads:\n{}{}",
+            workload(&client, "client-sa", "HBONE"),
+            workload(&server, "server-sa", "HBONE")
+        ),
+    )
+    .unwrap();
+    start_cp(&m, "cp");
+    std::thread::sleep(Duration::from_millis(300));
+    // `SYSTEM` is the OS trust store; SSL_CERT_FILE stands in for it here,
+    // the way operators point it at a bundle: the mesh CA is in it.
+    let mesh_ca = m.ca.0.display().to_string();
+    let system = [
+        ("XDS_ROOT_CA", "SYSTEM"),
+        ("SSL_CERT_FILE", mesh_ca.as_str()),
+    ];
+    proxy_via_cp_env(&m, &client, "client-sa", "s3cret", &system).unwrap();
+    proxy_via_cp_env(&m, &server, "server-sa", "s3cret", &system).unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let mut c = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"trusted by the system store").unwrap(),
+        b"trusted by the system store"
+    );
+
+    // A system store without the mesh CA: the control plane is not trusted,
+    // so the proxy gets neither config nor a certificate.
+    let other = ambit::lab::write_ca(&m.lab.dir, "other", TD).unwrap();
+    let other_ca = other.0.display().to_string();
+    let err = proxy_via_cp_env(
+        &m,
+        &stranger,
+        "client-sa",
+        "s3cret",
+        &[
+            ("XDS_ROOT_CA", "SYSTEM"),
+            ("SSL_CERT_FILE", other_ca.as_str()),
+        ],
+    )
+    .expect_err("a proxy must not trust a control plane outside its roots");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("InvalidCertificate"),
+        "the log says the control plane's certificate was refused: {msg}"
     );
 }
 
