@@ -101,7 +101,7 @@ pub async fn channel(
         Endpoint::from_shared(addr.to_string()).map_err(|_| GrpcError::Address(addr.into()))?;
     let connect_err = |e: tonic::transport::Error| GrpcError::Connect {
         addr: addr.into(),
-        reason: format!("{e:?}"),
+        reason: causes(&e),
     };
     if uri.scheme_str() != Some("https") {
         return endpoint
@@ -143,6 +143,22 @@ pub async fn channel(
         }))
         .await
         .map_err(connect_err)
+}
+
+/// An error and its causes, outermost first ("transport error: ... : invalid
+/// peer certificate: BadSignature"), so a log line says what really failed.
+fn causes(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = cause.source();
+    }
+    out
 }
 
 /// A server-side TLS stream that tonic can serve.
@@ -220,6 +236,25 @@ pub fn tls_incoming(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connect_error_names_its_innermost_cause() {
+        let tls = std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::InvalidCertificate(rustls::CertificateError::BadSignature),
+        );
+        let outer = std::io::Error::other(tls);
+        let text = causes(&outer);
+        assert!(
+            text.ends_with("invalid peer certificate: BadSignature"),
+            "{text}"
+        );
+        assert_eq!(
+            text.matches("BadSignature").count(),
+            1,
+            "a cause whose text its wrapper repeats is said once: {text}"
+        );
+    }
 
     #[test]
     fn roots_from_a_file_or_the_system() {
