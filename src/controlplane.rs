@@ -2,10 +2,13 @@
 //! Envoy delta ADS (Istio's `Address` and `Authorization` types) and Istio's
 //! `IstioCertificateService`, both from a local-config YAML and a CA root,
 //! over TLS. Edits of the file are pushed to every connected proxy as deltas.
+//! A proxy takes every resource (wildcard) or, on demand, only the names it
+//! subscribes to: a resource's name or one of its aliases (`network/IP`); a
+//! name that matches nothing is answered in `removed_resources`.
 //! Production uses istiod; this speaks the same protocol so the proxy's
 //! client is the same either way.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -28,20 +31,22 @@ use crate::proto::discovery::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
 };
 use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
+use crate::xds::client::address_name;
 use crate::xds::convert::{self, ADDRESS_TYPE, AUTHORIZATION_TYPE};
 
-/// One served resource: its version and encoded body.
+/// One served resource: its version, encoded body and alias names.
 #[derive(Debug, Clone, PartialEq)]
 struct Served {
     version: String,
     body: prost_types::Any,
+    aliases: Vec<String>,
 }
 
 /// Everything served, by type URL and resource name.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Snapshot(HashMap<&'static str, BTreeMap<String, Served>>);
 
-fn served(type_url: &str, bytes: Vec<u8>) -> Served {
+fn served(type_url: &str, bytes: Vec<u8>, aliases: Vec<String>) -> Served {
     let mut h = std::collections::hash_map::DefaultHasher::new();
     bytes.hash(&mut h);
     Served {
@@ -50,6 +55,63 @@ fn served(type_url: &str, bytes: Vec<u8>) -> Served {
             type_url: type_url.to_string(),
             value: bytes,
         },
+        aliases,
+    }
+}
+
+/// What one stream subscribes to, for one type, and what it holds.
+#[derive(Debug, Default)]
+struct Subscription {
+    wildcard: bool,
+    names: HashSet<String>,
+    /// Name → version the client holds.
+    holds: HashMap<String, String>,
+}
+
+impl Subscription {
+    /// From a stream's first request of a type: wildcard unless it names
+    /// resources or unsubscribes `*` (Envoy's delta xDS rules).
+    fn first(req: &DeltaDiscoveryRequest) -> Self {
+        let star = |v: &[String]| v.iter().any(|n| n == "*");
+        let mut sub = Subscription {
+            wildcard: !star(&req.resource_names_unsubscribe)
+                && (req.resource_names_subscribe.is_empty() || star(&req.resource_names_subscribe)),
+            holds: req.initial_resource_versions.clone(),
+            ..Default::default()
+        };
+        sub.names.extend(
+            req.resource_names_subscribe
+                .iter()
+                .filter(|n| *n != "*")
+                .cloned(),
+        );
+        sub
+    }
+
+    /// Applies a later request's changes; returns the names newly subscribed.
+    fn change(&mut self, req: &DeltaDiscoveryRequest) -> Vec<String> {
+        let mut added = Vec::new();
+        for n in &req.resource_names_subscribe {
+            if n == "*" {
+                self.wildcard = true;
+            } else if self.names.insert(n.clone()) {
+                added.push(n.clone());
+            }
+        }
+        for n in &req.resource_names_unsubscribe {
+            if n == "*" {
+                self.wildcard = false;
+            } else {
+                self.names.remove(n);
+            }
+        }
+        added
+    }
+
+    fn wants(&self, name: &str, s: &Served) -> bool {
+        self.wildcard
+            || self.names.contains(name)
+            || s.aliases.iter().any(|a| self.names.contains(a))
     }
 }
 
@@ -58,15 +120,33 @@ impl Snapshot {
     pub fn from_state(st: &crate::xds::State) -> Self {
         let mut addresses = BTreeMap::new();
         for w in st.workloads() {
+            let aliases = w
+                .workload_ips
+                .iter()
+                .map(|ip| address_name(&w.network, *ip))
+                .collect();
             addresses.insert(
                 w.uid.clone(),
-                served(ADDRESS_TYPE, convert::workload_to_proto(w).encode_to_vec()),
+                served(
+                    ADDRESS_TYPE,
+                    convert::workload_to_proto(w).encode_to_vec(),
+                    aliases,
+                ),
             );
         }
         for s in st.services() {
+            let aliases = s
+                .vips
+                .iter()
+                .map(|v| address_name(&v.network, v.address))
+                .collect();
             addresses.insert(
                 s.key(),
-                served(ADDRESS_TYPE, convert::service_to_proto(s).encode_to_vec()),
+                served(
+                    ADDRESS_TYPE,
+                    convert::service_to_proto(s).encode_to_vec(),
+                    aliases,
+                ),
             );
         }
         let mut policies = BTreeMap::new();
@@ -76,6 +156,7 @@ impl Snapshot {
                 served(
                     AUTHORIZATION_TYPE,
                     convert::authorization_to_proto(p).encode_to_vec(),
+                    vec![],
                 ),
             );
         }
@@ -85,25 +166,44 @@ impl Snapshot {
         ]))
     }
 
-    /// What a client holding `has` (name → version) must receive and drop.
-    fn diff(&self, type_url: &str, has: &HashMap<String, String>) -> (Vec<Resource>, Vec<String>) {
+    /// What `sub`'s client must receive and drop so that it holds exactly
+    /// what it subscribes to; `fresh` names were just subscribed, so their
+    /// resources go out even if held, and those matching nothing are answered
+    /// as removed.
+    fn diff(
+        &self,
+        type_url: &str,
+        sub: &Subscription,
+        fresh: &[String],
+    ) -> (Vec<Resource>, Vec<String>) {
         let empty = BTreeMap::new();
         let now = self.0.get(type_url).unwrap_or(&empty);
+        let is_fresh = |name: &String, s: &Served| {
+            fresh.contains(name) || s.aliases.iter().any(|a| fresh.contains(a))
+        };
         let send = now
             .iter()
-            .filter(|(name, s)| has.get(*name) != Some(&s.version))
+            .filter(|(name, s)| sub.wants(name, s))
+            .filter(|(name, s)| sub.holds.get(*name) != Some(&s.version) || is_fresh(name, s))
             .map(|(name, s)| Resource {
                 version: s.version.clone(),
                 resource: Some(s.body.clone()),
                 name: name.clone(),
-                aliases: vec![],
+                aliases: s.aliases.clone(),
             })
             .collect();
-        let removed = has
+        let mut removed: Vec<String> = sub
+            .holds
             .keys()
-            .filter(|n| !now.contains_key(*n))
+            .filter(|n| !now.get(*n).is_some_and(|s| sub.wants(n, s)))
             .cloned()
             .collect();
+        removed.extend(
+            fresh
+                .iter()
+                .filter(|f| !now.iter().any(|(n, s)| n == *f || s.aliases.contains(f)))
+                .cloned(),
+        );
         (send, removed)
     }
 }
@@ -152,24 +252,26 @@ impl AggregatedDiscoveryService for Ads {
         let mut snapshot = self.snapshot.clone();
         let (tx, rx) = mpsc::channel::<Result<DeltaDiscoveryResponse, Status>>(16);
         tokio::spawn(async move {
-            // What the client holds, per subscribed type.
-            let mut holds: HashMap<String, HashMap<String, String>> = HashMap::new();
+            let mut subs: HashMap<String, Subscription> = HashMap::new();
             let mut nonce = 0u64;
-            let send = |type_url: &str,
-                        holds: &mut HashMap<String, String>,
-                        snap: &Snapshot,
-                        nonce: &mut u64| {
-                let (resources, removed) = snap.diff(type_url, holds);
-                if resources.is_empty() && removed.is_empty() && !holds.is_empty() {
+            // The response that brings `sub` up to `snap`, if any is due;
+            // `always`: answer even with nothing to say (a first request).
+            let mut respond = |type_url: &str,
+                               sub: &mut Subscription,
+                               snap: &Snapshot,
+                               fresh: &[String],
+                               always: bool| {
+                let (resources, removed) = snap.diff(type_url, sub, fresh);
+                if resources.is_empty() && removed.is_empty() && !always {
                     return None;
                 }
                 for r in &resources {
-                    holds.insert(r.name.clone(), r.version.clone());
+                    sub.holds.insert(r.name.clone(), r.version.clone());
                 }
                 for n in &removed {
-                    holds.remove(n);
+                    sub.holds.remove(n);
                 }
-                *nonce += 1;
+                nonce += 1;
                 Some(DeltaDiscoveryResponse {
                     type_url: type_url.into(),
                     resources,
@@ -186,24 +288,33 @@ impl AggregatedDiscoveryService for Ads {
                             tracing::warn!(peer = ?peer, type_url = %req.type_url, nonce = %req.response_nonce, error = %err.message, "proxy NACKed");
                             continue;
                         }
-                        if !req.response_nonce.is_empty() {
-                            continue; // an ACK
-                        }
-                        // A (re)subscription: start from what the client says it holds.
-                        let held = holds.entry(req.type_url.clone()).or_default();
-                        *held = req.initial_resource_versions.clone();
                         let snap = snapshot.borrow().clone();
-                        let first = send(&req.type_url, held, &snap, &mut nonce).unwrap_or_else(|| {
-                            nonce += 1;
-                            DeltaDiscoveryResponse { type_url: req.type_url.clone(), nonce: nonce.to_string(), ..Default::default() }
-                        });
-                        if tx.send(Ok(first)).await.is_err() { break }
+                        let resp = match subs.get_mut(&req.type_url) {
+                            // A stream's first request of a type: start from what the client holds.
+                            None => {
+                                let mut sub = Subscription::first(&req);
+                                let fresh: Vec<String> = sub.names.iter().cloned().collect();
+                                let resp = respond(&req.type_url, &mut sub, &snap, &fresh, true);
+                                subs.insert(req.type_url.clone(), sub);
+                                resp
+                            }
+                            // An ACK, perhaps carrying subscription changes.
+                            Some(sub) => {
+                                let fresh = sub.change(&req);
+                                let changed = !fresh.is_empty() || !req.resource_names_unsubscribe.is_empty();
+                                if !changed { continue }
+                                respond(&req.type_url, sub, &snap, &fresh, false)
+                            }
+                        };
+                        if let Some(resp) = resp {
+                            if tx.send(Ok(resp)).await.is_err() { break }
+                        }
                     }
                     changed = snapshot.changed() => {
                         if changed.is_err() { break }
                         let snap = snapshot.borrow().clone();
-                        for (type_url, held) in holds.iter_mut() {
-                            if let Some(resp) = send(type_url, held, &snap, &mut nonce) {
+                        for (type_url, sub) in subs.iter_mut() {
+                            if let Some(resp) = respond(type_url, sub, &snap, &[], false) {
                                 if tx.send(Ok(resp)).await.is_err() { return }
                             }
                         }
@@ -328,4 +439,74 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
         })
         .await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snapshot() -> Snapshot {
+        let st = crate::xds::local::parse(
+            std::path::Path::new("mesh.yaml"),
+            "workloads:\n- {uid: a, name: a, namespace: ns, workloadIps: [\"10.0.0.1\"], protocol: HBONE}\n- {uid: b, name: b, namespace: ns, workloadIps: [\"10.0.0.2\"], protocol: HBONE}\nservices:\n- {name: s, namespace: ns, hostname: s.ns.svc.cluster.local, vips: [\"/10.96.0.1\"], ports: {80: 8080}}\n",
+        )
+        .unwrap();
+        Snapshot::from_state(&st)
+    }
+
+    fn names(r: &[Resource]) -> Vec<&str> {
+        r.iter().map(|r| r.name.as_str()).collect()
+    }
+
+    #[test]
+    fn a_first_request_without_names_is_the_wildcard() {
+        let sub = Subscription::first(&DeltaDiscoveryRequest::default());
+        assert!(sub.wildcard);
+        let (send, removed) = snapshot().diff(ADDRESS_TYPE, &sub, &[]);
+        assert_eq!(names(&send), ["a", "b", "ns/s.ns.svc.cluster.local"]);
+        assert!(removed.is_empty());
+        let w = send.iter().find(|r| r.name == "a").unwrap();
+        assert_eq!(w.aliases, ["/10.0.0.1"], "a workload's alias is network/IP");
+    }
+
+    #[test]
+    fn on_demand_gets_what_it_names_by_alias_and_absent_names_as_removed() {
+        let snap = snapshot();
+        let mut sub = Subscription::first(&DeltaDiscoveryRequest {
+            resource_names_unsubscribe: vec!["*".into()],
+            ..Default::default()
+        });
+        assert!(!sub.wildcard);
+        let (send, removed) = snap.diff(ADDRESS_TYPE, &sub, &[]);
+        assert!(send.is_empty() && removed.is_empty(), "nothing asked yet");
+
+        let fresh = sub.change(&DeltaDiscoveryRequest {
+            resource_names_subscribe: vec![
+                "/10.0.0.2".into(),
+                "/10.96.0.1".into(),
+                "/192.0.2.9".into(),
+            ],
+            ..Default::default()
+        });
+        let (send, removed) = snap.diff(ADDRESS_TYPE, &sub, &fresh);
+        assert_eq!(names(&send), ["b", "ns/s.ns.svc.cluster.local"]);
+        assert_eq!(removed, ["/192.0.2.9"], "an unknown name is answered");
+        for r in &send {
+            sub.holds.insert(r.name.clone(), r.version.clone());
+        }
+
+        // Held and unchanged: nothing more, until the name is asked again.
+        let (send, _) = snap.diff(ADDRESS_TYPE, &sub, &[]);
+        assert!(send.is_empty());
+        let (send, _) = snap.diff(ADDRESS_TYPE, &sub, &["/10.0.0.2".to_string()]);
+        assert_eq!(names(&send), ["b"], "asked again: answered again");
+
+        // Unsubscribed: what only that name brought is removed.
+        sub.change(&DeltaDiscoveryRequest {
+            resource_names_unsubscribe: vec!["/10.0.0.2".into()],
+            ..Default::default()
+        });
+        let (_, removed) = snap.diff(ADDRESS_TYPE, &sub, &[]);
+        assert_eq!(removed, ["b"]);
+    }
 }

@@ -256,6 +256,88 @@ fn xds_root_ca_system_trusts_the_system_store_and_nothing_else() {
 }
 
 #[test]
+fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
+    let mut m = Mesh::new("cpod");
+    let (client, server, other, outside) = (
+        m.pod("client"),
+        m.pod("server"),
+        m.pod("other"),
+        m.pod("outside"),
+    );
+    std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
+    std::fs::write(
+        m.lab.dir.join("cp.yaml"),
+        format!(
+            "workloads:\n{}{}{}",
+            workload(&client, "client-sa", "HBONE"),
+            workload(&server, "server-sa", "HBONE"),
+            workload(&other, "other-sa", "HBONE")
+        ),
+    )
+    .unwrap();
+    start_cp(&m, "cp");
+    std::thread::sleep(Duration::from_millis(300));
+    proxy_via_cp_env(
+        &m,
+        &client,
+        "client-sa",
+        "s3cret",
+        &[("XDS_ON_DEMAND", "true")],
+    )
+    .unwrap();
+    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    let held = |pod: &LabPod, name: &str| dump(pod).contains(&format!("\"name\":\"{name}\""));
+    assert!(held(&client, "client"), "its own workload, by its address");
+    assert!(
+        !held(&client, "server") && !held(&client, "other"),
+        "nothing else up front: {}",
+        dump(&client)
+    );
+
+    // The first connection to the server's IP asks for it, then goes over HBONE.
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let mut c = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"fetched on demand").unwrap(),
+        b"fetched on demand"
+    );
+    let metrics = http_get(&server, "127.0.0.1:15020", "/metrics").unwrap().1;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("istio_tcp_connections_opened_total")
+                && l.contains("reporter=\"destination\"")
+                && l.contains(
+                    "source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\""
+                )
+                && l.contains("mutual_tls")),
+        "the server's proxy saw the client's identity over mTLS:\n{metrics}"
+    );
+    assert!(held(&client, "server") && !held(&client, "other"));
+
+    // Outside the mesh: the control plane answers "unknown" once; passthrough.
+    let echo_out = EchoServer::start(&outside, 8080).unwrap();
+    for round in ["first", "second"] {
+        let t = Instant::now();
+        let mut c = connect_from(&client, echo_out.addr).unwrap();
+        assert_eq!(
+            echo_roundtrip(&mut c, round.as_bytes()).unwrap(),
+            round.as_bytes()
+        );
+        assert!(
+            t.elapsed() < Duration::from_millis(1500),
+            "{round} passthrough took {:?}: the answer must not be waited out",
+            t.elapsed()
+        );
+    }
+    assert_eq!(
+        echo_out.peers()[0].ip(),
+        std::net::IpAddr::V4(client.ip),
+        "passthrough keeps the client's address"
+    );
+}
+
+#[test]
 fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
     use ambit::lab::node::Node;
     let mesh = "workloads:\n- {uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.79.0.2\"], protocol: HBONE}\n";

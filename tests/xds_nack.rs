@@ -101,6 +101,18 @@ async fn serve_and_connect<S>(
 where
     S: AggregatedDiscoveryService,
 {
+    let (state, _, task) = serve_and_connect_with(svc, false).await;
+    (state, task)
+}
+
+/// Like [`serve_and_connect`], also returning the client; `on_demand` as `XDS_ON_DEMAND`.
+async fn serve_and_connect_with<S>(
+    svc: AggregatedDiscoveryServiceServer<S>,
+    on_demand: bool,
+) -> (StateHandle, Arc<XdsClient>, tokio::task::JoinHandle<()>)
+where
+    S: AggregatedDiscoveryService,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let incoming = futures_util::stream::unfold(listener, |l| async move {
@@ -120,9 +132,11 @@ where
         node_id: "ztunnel~10.0.0.9~ambit.istio-system~istio-system.svc.cluster.local".into(),
         metadata: vec![],
         mark: 1337,
+        on_demand,
     };
-    let task = tokio::spawn(XdsClient::new(cfg, state.clone()).run());
-    (state, task)
+    let client = XdsClient::new(cfg, state.clone());
+    let task = tokio::spawn(client.clone().run());
+    (state, client, task)
 }
 
 #[tokio::test]
@@ -268,5 +282,135 @@ async fn a_response_of_tens_of_megabytes_is_applied() {
     }
     let size = workload(&format!("w0-{}", "x".repeat(300)), vec![10, 0, 0, 0]).encoded_len() * n;
     assert!(size > 15 << 20, "the response is tens of MB ({size} bytes)");
+    task.abort();
+}
+
+/// Answers on-demand names: `/10.0.0.1` with a workload (by alias), any
+/// other as removed; ends the stream after its first answer so the client
+/// must reconnect.
+#[derive(Default, Clone)]
+struct OnDemand {
+    seen: Arc<Mutex<Vec<DeltaDiscoveryRequest>>>,
+}
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for OnDemand {
+    type DeltaAggregatedResourcesStream =
+        Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
+
+    async fn delta_aggregated_resources(
+        &self,
+        req: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let mut inbound = req.into_inner();
+        let seen = self.seen.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            let mut nonce = 0;
+            while let Ok(Some(r)) = inbound.message().await {
+                seen.lock().unwrap().push(r.clone());
+                if !r.response_nonce.is_empty() && r.resource_names_subscribe.is_empty() {
+                    if r.type_url == ADDRESS_TYPE && r.response_nonce != "1" {
+                        break; // an answer was ACKed: hang up
+                    }
+                    continue;
+                }
+                let (mut resources, mut removed_resources) = (Vec::new(), Vec::new());
+                for name in r.resource_names_subscribe.iter().filter(|n| *n != "*") {
+                    if name == "/10.0.0.1" {
+                        let mut w = workload("w1", vec![10, 0, 0, 1]);
+                        w.aliases = vec![name.clone()];
+                        resources.push(w);
+                    } else {
+                        removed_resources.push(name.clone());
+                    }
+                }
+                nonce += 1;
+                let _ = tx
+                    .send(Ok(DeltaDiscoveryResponse {
+                        type_url: r.type_url.clone(),
+                        nonce: nonce.to_string(),
+                        resources,
+                        removed_resources,
+                        ..Default::default()
+                    }))
+                    .await;
+            }
+        });
+        let out =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
+        Ok(Response::new(Box::pin(out)))
+    }
+}
+
+#[tokio::test]
+async fn on_demand_opts_out_of_the_wildcard_fetches_by_name_and_resubscribes_after_reconnect() {
+    let script = OnDemand::default();
+    let (state, client, task) =
+        serve_and_connect_with(AggregatedDiscoveryServiceServer::new(script.clone()), true).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !client.connected() {
+        assert!(tokio::time::Instant::now() < deadline, "no stream");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let first = script.seen.lock().unwrap()[0].clone();
+    assert_eq!(first.type_url, ADDRESS_TYPE);
+    assert_eq!(first.resource_names_unsubscribe, ["*"], "not the wildcard");
+
+    assert!(
+        client
+            .fetch("/10.0.0.1".into(), Duration::from_secs(5))
+            .await,
+        "answered"
+    );
+    assert!(
+        state
+            .load()
+            .workload_by_addr("", "10.0.0.1".parse().unwrap())
+            .is_some(),
+        "the answer is in the state when fetch returns"
+    );
+    let t = std::time::Instant::now();
+    assert!(
+        client
+            .fetch("/10.0.0.1".into(), Duration::from_secs(5))
+            .await
+    );
+    assert!(t.elapsed() < Duration::from_millis(50), "asked once only");
+
+    // The server hung up after that answer: the next stream asks again for
+    // what was subscribed, and an unknown name is answered as such.
+    assert!(
+        client
+            .fetch("/10.0.0.7".into(), Duration::from_secs(20))
+            .await,
+        "an unknown name is answered, on the new stream if need be"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let resub = script
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .skip(1)
+            .find(|r| r.type_url == ADDRESS_TYPE && r.node.is_some())
+            .cloned();
+        if let Some(r) = resub {
+            assert!(
+                r.resource_names_subscribe
+                    .contains(&"/10.0.0.1".to_string()),
+                "{:?}",
+                r.resource_names_subscribe
+            );
+            assert_eq!(r.resource_names_unsubscribe, ["*"]);
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no reconnect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     task.abort();
 }

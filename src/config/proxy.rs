@@ -239,6 +239,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "listen on [::] as well as 0.0.0.0",
     },
     Key {
+        name: "xds_on_demand",
+        env: &["XDS_ON_DEMAND"],
+        default: "false",
+        help: "fetch addresses from the control plane as connections need them, not all up front",
+    },
+    Key {
         name: "dns_proxy",
         env: &["AMBIT_DNS_PROXY"],
         default: "true",
@@ -304,6 +310,8 @@ pub struct ProxyConfig {
     pub ipv6: bool,
     pub drain_timeout: Duration,
     pub dns_proxy: bool,
+    /// Subscribe to each address as a connection needs it (`XDS_ON_DEMAND`).
+    pub xds_on_demand: bool,
     /// Empty: read /etc/resolv.conf at start.
     pub dns_upstreams: Vec<SocketAddr>,
     pub log_format: LogFormat,
@@ -457,6 +465,7 @@ impl ProxyConfig {
                 }
             },
             dns_proxy: l.require("dns_proxy", "true or false", parse_bool)?,
+            xds_on_demand: l.require("xds_on_demand", "true or false", parse_bool)?,
             dns_upstreams: l
                 .get(
                     "dns_upstreams",

@@ -74,7 +74,13 @@ pub struct ProxyShared {
     pub tracker: Arc<reauth::Tracker>,
     /// Resolvers for non-mesh names; `None`: no DNS proxy.
     pub dns_upstreams: Option<Arc<Vec<SocketAddr>>>,
+    /// Fetches addresses the state lacks (`XDS_ON_DEMAND` with a control plane).
+    pub demand: Option<Arc<xds::client::XdsClient>>,
 }
+
+/// How long a connection waits for the control plane's answer about an
+/// address it does not know yet (on demand), before going on without it.
+pub const ON_DEMAND_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
 #[derive(Debug, Clone)]
@@ -96,15 +102,33 @@ impl ProxyShared {
         netns: Option<&Netns>,
     ) -> anyhow::Result<PodRef> {
         let identity = Identity::new(&self.trust_domain, &info.namespace, &info.service_account);
-        let snapshot = self.state.load();
-        let workload = snapshot.workload_by_name(&info.namespace, &info.name);
-        let ips = match (workload, netns) {
-            (Some(w), _) => w.workload_ips.clone(),
-            (None, None) => interface_ips(),
-            (None, Some(ns)) => {
-                let home = Netns::current()?;
-                ns.with(&home, || Ok(interface_ips()))?
+        let mut snapshot = self.state.load();
+        let interfaces = || -> anyhow::Result<Vec<IpAddr>> {
+            Ok(match netns {
+                None => interface_ips(),
+                Some(ns) => {
+                    let home = Netns::current()?;
+                    ns.with(&home, || Ok(interface_ips()))?
+                }
+            })
+        };
+        if snapshot
+            .workload_by_name(&info.namespace, &info.name)
+            .is_none()
+        {
+            if let Some(demand) = &self.demand {
+                // On demand, the pod's own workload comes by its addresses.
+                let asks = interfaces()?.into_iter().map(|ip| {
+                    demand.fetch(xds::client::address_name(&self.network, ip), ON_DEMAND_WAIT)
+                });
+                futures_util::future::join_all(asks).await;
+                snapshot = self.state.load();
             }
+        }
+        let workload = snapshot.workload_by_name(&info.namespace, &info.name);
+        let ips = match workload {
+            Some(w) => w.workload_ips.clone(),
+            None => interfaces()?,
         };
         Ok(Arc::new(Pod {
             uid: info.uid.clone(),
@@ -156,6 +180,7 @@ impl ProxyShared {
         let outbound = Arc::new(outbound::Outbound {
             pod: pod.clone(),
             state: self.state.clone(),
+            demand: self.demand.clone(),
             pool: self.pool.clone(),
             metrics: self.metrics.clone(),
             h2: self.h2,
@@ -210,6 +235,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     let mut registry = Registry::default();
     // Mesh state: from the control plane over xDS, or from the local config file.
     let mut xds_synced = Arc::new(AtomicBool::new(true));
+    let mut demand = None;
     let state = match (&cfg.xds_address, &cfg.local_xds_path) {
         (Some(addr), _) => {
             let state = StateHandle::default();
@@ -230,11 +256,15 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                         ("INSTANCE_IPS".into(), cfg.instance_ip.clone()),
                     ],
                     mark: cfg.packet_mark,
+                    on_demand: cfg.xds_on_demand,
                 },
                 state.clone(),
             );
             xds_synced.clone_from(&client.synced);
             client.metrics.register(&mut registry);
+            if client.on_demand() {
+                demand = Some(client.clone());
+            }
             tokio::spawn(client.run());
             state
         }
@@ -325,6 +355,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
             );
             Arc::new(upstreams)
         }),
+        demand,
     });
     shared.tracker.spawn_watcher(state.clone());
 

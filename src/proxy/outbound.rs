@@ -15,8 +15,10 @@ use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::pod::{limit_unsent, tune, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
+use super::ON_DEMAND_WAIT;
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
+use crate::xds::client::{address_name, XdsClient};
 use crate::xds::types::{Protocol, Service, Workload};
 use crate::xds::{State, StateHandle};
 
@@ -146,6 +148,8 @@ pub enum OutboundError {
 pub struct Outbound {
     pub pod: PodRef,
     pub state: StateHandle,
+    /// Asks the control plane about destinations the state lacks (on demand).
+    pub demand: Option<Arc<XdsClient>>,
     pub pool: Arc<Pool>,
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
@@ -184,12 +188,30 @@ impl Outbound {
                 return;
             }
         };
-        let route = route(
+        let mut route = route(
             &self.state.load(),
             &self.pod.network,
             dst,
             &self.trust_domain,
         );
+        if let (Route::Passthrough { .. }, Some(demand)) = (&route, &self.demand) {
+            // Unknown here; maybe not to the control plane. Ask once, then decide.
+            // With no stream open, nobody answers now: subscribe, but do not wait.
+            let name = address_name(&self.pod.network, dst.ip());
+            let wait = if demand.connected() {
+                ON_DEMAND_WAIT
+            } else {
+                std::time::Duration::ZERO
+            };
+            if demand.fetch(name, wait).await {
+                route = self::route(
+                    &self.state.load(),
+                    &self.pod.network,
+                    dst,
+                    &self.trust_domain,
+                );
+            }
+        }
         let mut labels = self.labels(&route);
         let kind = match &route {
             Route::Hbone { .. } => "hbone",

@@ -4,6 +4,11 @@
 //! while applying the good ones — and reconnects with jittered backoff,
 //! sending the versions it holds (`initial_resource_versions`). The last good
 //! state keeps serving while the control plane is away.
+//!
+//! On demand (`XDS_ON_DEMAND`), the client does not take every address: it
+//! opts out of the wildcard and subscribes to each `network/IP` the data path
+//! asks about ([`XdsClient::fetch`]), keeping those subscriptions across
+//! reconnects. Authorization is always wildcard, as in ztunnel.
 
 use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
@@ -35,6 +40,47 @@ pub struct XdsConfig {
     pub metadata: Vec<(String, String)>,
     /// `SO_MARK` of the connection (the proxy's own mark, so pod rules let it out).
     pub mark: u32,
+    /// Addresses by subscription to each name asked for, not the wildcard.
+    pub on_demand: bool,
+}
+
+/// The name under which istiod answers an on-demand address subscription.
+pub fn address_name(network: &str, ip: std::net::IpAddr) -> String {
+    format!("{network}/{ip}")
+}
+
+/// On-demand subscriptions and the callers waiting for their answers.
+#[derive(Debug, Default)]
+struct Demand {
+    /// Every name subscribed so far; re-subscribed on each new stream.
+    subscribed: HashSet<String>,
+    /// Names the control plane has answered (found or not) on some stream.
+    answered: HashSet<String>,
+    /// Subscribed, not yet sent on the current stream.
+    unsent: Vec<String>,
+    waiters: HashMap<String, Vec<tokio::sync::oneshot::Sender<()>>>,
+}
+
+impl Demand {
+    /// Marks the names a response speaks of as answered; returns their waiters.
+    fn answered_by(
+        &mut self,
+        resp: &DeltaDiscoveryResponse,
+    ) -> Vec<tokio::sync::oneshot::Sender<()>> {
+        let names = resp
+            .resources
+            .iter()
+            .flat_map(|r| std::iter::once(&r.name).chain(&r.aliases))
+            .chain(&resp.removed_resources);
+        let mut woken = Vec::new();
+        for name in names {
+            if self.subscribed.contains(name) {
+                self.answered.insert(name.clone());
+                woken.extend(self.waiters.remove(name).unwrap_or_default());
+            }
+        }
+        woken
+    }
 }
 
 /// The resources held, with their versions.
@@ -164,6 +210,9 @@ pub struct XdsClient {
     /// Set once the first response of each type is applied.
     pub synced: Arc<AtomicBool>,
     pub metrics: XdsMetrics,
+    demand: std::sync::Mutex<Demand>,
+    /// Wakes the stream to send newly demanded names.
+    demand_added: tokio::sync::Notify,
 }
 
 fn node(cfg: &XdsConfig) -> Node {
@@ -201,7 +250,42 @@ impl XdsClient {
             held: Default::default(),
             synced: Arc::default(),
             metrics: XdsMetrics::default(),
+            demand: Default::default(),
+            demand_added: tokio::sync::Notify::new(),
         })
+    }
+
+    /// Whether addresses are fetched on demand.
+    pub fn on_demand(&self) -> bool {
+        self.cfg.on_demand
+    }
+
+    /// Whether a stream to the control plane is open now.
+    pub fn connected(&self) -> bool {
+        self.metrics.connected.get() == 1
+    }
+
+    /// Asks the control plane about `name` (see [`address_name`]) and waits up
+    /// to `wait` for its answer, which is then in the state. Returns false on
+    /// timeout (the subscription stays, and goes with the next stream). A name is asked once: later calls return at once, as the
+    /// subscription stays and the control plane pushes its changes.
+    pub async fn fetch(&self, name: String, wait: Duration) -> bool {
+        let rx = {
+            let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+            if d.answered.contains(&name) {
+                return true;
+            }
+            if d.subscribed.insert(name.clone()) {
+                d.unsent.push(name.clone());
+                self.demand_added.notify_one();
+            }
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let waiting = d.waiters.entry(name).or_default();
+            waiting.retain(|w| !w.is_closed()); // callers that gave up
+            waiting.push(tx);
+            rx
+        };
+        matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(())))
     }
 
     /// Connects and reconnects forever (jittered backoff, 10 ms → 15 s).
@@ -245,13 +329,20 @@ impl XdsClient {
         {
             let held = self.held.lock().await;
             for type_url in [ADDRESS_TYPE, AUTHORIZATION_TYPE] {
-                tx.send(DeltaDiscoveryRequest {
+                let mut req = DeltaDiscoveryRequest {
                     node: Some(node(&self.cfg)),
                     type_url: type_url.into(),
                     initial_resource_versions: held.versions(type_url),
                     ..Default::default()
-                })
-                .await?;
+                };
+                if self.cfg.on_demand && type_url == ADDRESS_TYPE {
+                    // Not the wildcard: only the names asked for so far.
+                    let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+                    d.unsent.clear();
+                    req.resource_names_subscribe = d.subscribed.iter().cloned().collect();
+                    req.resource_names_unsubscribe = vec!["*".into()];
+                }
+                tx.send(req).await?;
             }
         }
         let outbound =
@@ -272,11 +363,28 @@ impl XdsClient {
         tracing::info!(addr = %self.cfg.address, "xDS stream open");
         self.metrics.connected.set(1);
         let mut seen: HashSet<String> = HashSet::new();
-        while let Some(resp) = responses.message().await? {
-            self.metrics
-                .messages
-                .get_or_create(&vec![("url".into(), resp.type_url.clone())])
-                .inc();
+        loop {
+            let resp = tokio::select! {
+                r = responses.message() => match r? {
+                    Some(r) => r,
+                    None => break,
+                },
+                _ = self.demand_added.notified(), if self.cfg.on_demand => {
+                    let names = std::mem::take(
+                        &mut self.demand.lock().unwrap_or_else(|e| e.into_inner()).unsent,
+                    );
+                    if !names.is_empty() {
+                        tracing::debug!(?names, "on-demand subscription");
+                        tx.send(DeltaDiscoveryRequest {
+                            type_url: ADDRESS_TYPE.into(),
+                            resource_names_subscribe: names,
+                            ..Default::default()
+                        })
+                        .await?;
+                    }
+                    continue;
+                }
+            };
             self.metrics
                 .messages
                 .get_or_create(&vec![("url".into(), resp.type_url.clone())])
@@ -289,6 +397,17 @@ impl XdsClient {
                 self.state.store(state);
                 rejected
             };
+            if self.cfg.on_demand && resp.type_url == ADDRESS_TYPE {
+                // After the store: a woken caller reads the new state.
+                let woken = self
+                    .demand
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .answered_by(&resp);
+                for w in woken {
+                    let _ = w.send(());
+                }
+            }
             seen.insert(resp.type_url.clone());
             if seen.len() == 2 && !self.synced.swap(true, Ordering::AcqRel) {
                 tracing::info!("xDS initial sync complete");
@@ -383,6 +502,38 @@ mod tests {
             .0
             .workload_by_addr("", "10.0.0.1".parse().unwrap())
             .is_none());
+    }
+
+    #[test]
+    fn an_answer_by_name_alias_or_removal_wakes_only_its_waiters() {
+        let mut d = Demand::default();
+        let mut rxs = Vec::new();
+        for name in ["/10.0.0.1", "/10.0.0.2", "/10.0.0.3"] {
+            d.subscribed.insert(name.into());
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            d.waiters.entry(name.into()).or_default().push(tx);
+            rxs.push(rx);
+        }
+        let mut found = res("w1", wl("w1", [10, 0, 0, 1]));
+        found.aliases = vec!["/10.0.0.1".into()];
+        let resp = DeltaDiscoveryResponse {
+            type_url: ADDRESS_TYPE.into(),
+            resources: vec![found],
+            removed_resources: vec!["/10.0.0.2".into(), "unrelated".into()],
+            ..Default::default()
+        };
+        let woken = d.answered_by(&resp);
+        assert_eq!(woken.len(), 2, "the found alias and the absent name");
+        for w in woken {
+            w.send(()).unwrap();
+        }
+        assert!(rxs[0].try_recv().is_ok() && rxs[1].try_recv().is_ok());
+        assert!(rxs[2].try_recv().is_err(), "not answered yet");
+        assert!(d.answered.contains("/10.0.0.2") && !d.answered.contains("/10.0.0.3"));
+        assert!(
+            !d.answered.contains("unrelated"),
+            "only subscribed names count"
+        );
     }
 
     #[test]
