@@ -285,7 +285,14 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
         &[("XDS_ON_DEMAND", "true")],
     )
     .unwrap();
-    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    proxy_via_cp_env(
+        &m,
+        &server,
+        "server-sa",
+        "s3cret",
+        &[("XDS_ON_DEMAND", "true")],
+    )
+    .unwrap();
     let held = |pod: &LabPod, name: &str| dump(pod).contains(&format!("\"name\":\"{name}\""));
     assert!(held(&client, "client"), "its own workload, by its address");
     assert!(
@@ -310,10 +317,12 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
                 && l.contains(
                     "source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\""
                 )
-                && l.contains("mutual_tls")),
-        "the server's proxy saw the client's identity over mTLS:\n{metrics}"
+                && l.contains("mutual_tls")
+            && l.contains("source_workload=\"client\"")),
+        "the server's proxy saw the client's identity over mTLS, and fetched its workload:\n{metrics}"
     );
     assert!(held(&client, "server") && !held(&client, "other"));
+    assert!(held(&server, "client") && !held(&server, "other"));
 
     // Outside the mesh: the control plane answers "unknown" once; passthrough.
     let echo_out = EchoServer::start(&outside, 8080).unwrap();

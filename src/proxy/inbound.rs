@@ -17,8 +17,10 @@ use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{limit_unsent, tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
+use super::ON_DEMAND_WAIT;
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
+use crate::xds::client::{address_name, XdsClient};
 use crate::xds::StateHandle;
 
 /// How long a peer has to finish the TLS handshake.
@@ -28,6 +30,8 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 pub struct Inbound {
     pub pod: PodRef,
     pub state: StateHandle,
+    /// Asks the control plane about sources the state lacks (on demand).
+    pub demand: Option<Arc<XdsClient>>,
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
     pub trust_domain: String,
@@ -156,7 +160,7 @@ impl Inbound {
         local_ip: IpAddr,
     ) {
         let src = forwarded_for(&req);
-        let mut labels = self.labels(src.map(|s| s.ip()), Some(&peer_id));
+        let mut labels = self.labels(src.map(|s| s.ip()), Some(&peer_id)).await;
         labels.connection_security_policy = "mutual_tls";
         let target = match validate_connect(&req, local_ip) {
             Ok(t) => t,
@@ -234,7 +238,7 @@ impl Inbound {
                 return;
             }
         };
-        let mut labels = self.labels(Some(peer.ip()), None);
+        let mut labels = self.labels(Some(peer.ip()), None).await;
         labels.connection_security_policy = "unknown";
         let auth = self.authorized(None, peer.ip(), target);
         let allowed_by = match auth.check(&self.state.load()) {
@@ -294,7 +298,7 @@ impl Inbound {
         }
     }
 
-    fn labels(&self, src_ip: Option<IpAddr>, peer: Option<&Identity>) -> ConnectionLabels {
+    async fn labels(&self, src_ip: Option<IpAddr>, peer: Option<&Identity>) -> ConnectionLabels {
         let pod = &self.pod;
         let mut l = ConnectionLabels {
             reporter: "destination",
@@ -308,7 +312,17 @@ impl Inbound {
         if let Some(id) = peer {
             l.source_principal = id.to_string();
         }
-        let state = self.state.load();
+        let mut state = self.state.load();
+        if let (Some(ip), Some(demand)) = (src_ip, &self.demand) {
+            // On demand, a source not known yet is asked for (once) while a
+            // stream is open, so its connection is labelled like the rest.
+            if state.workload_by_addr(&pod.network, ip).is_none() && demand.connected() {
+                demand
+                    .fetch(address_name(&pod.network, ip), ON_DEMAND_WAIT)
+                    .await;
+                state = self.state.load();
+            }
+        }
         if let Some(w) = src_ip.and_then(|ip| state.workload_by_addr(&pod.network, ip)) {
             l.source_workload = w.name.clone();
             l.source_workload_namespace = w.namespace.clone();

@@ -190,6 +190,7 @@ impl ProxyShared {
         let inbound = Arc::new(inbound::Inbound {
             pod: pod.clone(),
             state: self.state.clone(),
+            demand: self.demand.clone(),
             metrics: self.metrics.clone(),
             h2: self.h2,
             trust_domain: self.trust_domain.clone(),
