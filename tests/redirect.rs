@@ -198,6 +198,21 @@ fn apply_gives_the_pods_loopback_big_tcp_and_remove_takes_it_back() {
     drop(c);
     assert_eq!(server.join().unwrap(), 32 << 20);
 
+    // Turned off (AMBIT_POD_LOOPBACK_BIG_TCP=false), a re-apply puts the
+    // default back, and applying again keeps it.
+    let off = RedirectRules::new(RedirectOptions {
+        loopback_big_tcp: false,
+        ..RedirectOptions::default()
+    });
+    off.apply(&ns).unwrap();
+    assert_eq!(
+        limits(&ns).unwrap().gso,
+        65536,
+        "re-applied with BIG TCP off"
+    );
+    off.apply(&ns).unwrap();
+    assert_eq!(limits(&ns).unwrap().gso_ipv4, Some(65536));
+
     r.remove(&ns).unwrap();
     assert_eq!(limits(&ns).unwrap(), before, "remove restores the default");
 }

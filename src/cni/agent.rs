@@ -941,6 +941,7 @@ pub async fn serve(cfg: AgentConfig, stop: Option<Arc<tokio::sync::Notify>>) -> 
         bypass_inbound: false,
         ipv6: cfg.ipv6,
         virtual_interfaces: Vec::new(),
+        loopback_big_tcp: cfg.pod_loopback_big_tcp,
     });
     let mesh = match &cfg.local_xds_path {
         Some(path) => {

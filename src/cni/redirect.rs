@@ -78,6 +78,8 @@ pub struct RedirectOptions {
     /// Interfaces of virtual machines inside the pod (KubeVirt): TCP arriving
     /// on them is the VM's outbound traffic and goes to the proxy's 15001.
     pub virtual_interfaces: Vec<String>,
+    /// Raise the pod's loopback GSO limit (BIG TCP, see [`loopback`]).
+    pub loopback_big_tcp: bool,
 }
 
 impl Default for RedirectOptions {
@@ -87,6 +89,7 @@ impl Default for RedirectOptions {
             bypass_inbound: false,
             ipv6: true,
             virtual_interfaces: Vec::new(),
+            loopback_big_tcp: true,
         }
     }
 }
@@ -368,7 +371,12 @@ impl RedirectRules {
         });
         if result.is_ok() {
             migrate_queued_connections(netns);
-            if let Err(e) = loopback::enable(netns) {
+            if !self.opts.loopback_big_tcp {
+                // Off: a limit an earlier apply raised goes back to the default.
+                if let Err(e) = loopback::disable(netns) {
+                    tracing::debug!(netns = %netns.path().display(), error = %e, "loopback GSO limit not restored");
+                }
+            } else if let Err(e) = loopback::enable(netns) {
                 tracing::warn!(netns = %netns.path().display(), error = %e, "BIG TCP not enabled on the pod's loopback: traffic through the proxy works, with more per-packet work");
             }
         }

@@ -67,6 +67,12 @@ pub static AGENT_KEYS: &[Key] = &[
         help: "redirect pod DNS to the proxy's 15053",
     },
     Key {
+        name: "pod_loopback_big_tcp",
+        env: &["AMBIT_POD_LOOPBACK_BIG_TCP"],
+        default: "true",
+        help: "raise each meshed pod's loopback GSO limit (BIG TCP) for the proxy's loopback legs",
+    },
+    Key {
         name: "ipv6",
         env: &["AMBIENT_IPV6"],
         default: "true",
@@ -135,6 +141,7 @@ pub struct AgentConfig {
     pub enroll: EnrollRule,
     pub exclude_namespaces: Vec<String>,
     pub dns_capture: bool,
+    pub pod_loopback_big_tcp: bool,
     pub ipv6: bool,
     pub local_xds_path: Option<PathBuf>,
     pub node_name: String,
@@ -185,6 +192,7 @@ impl AgentConfig {
                 })?
                 .unwrap_or_default(),
             dns_capture: l.require("dns_capture", "true or false", parse_bool)?,
+            pod_loopback_big_tcp: l.require("pod_loopback_big_tcp", "true or false", parse_bool)?,
             ipv6: l.require("ipv6", "true or false", parse_bool)?,
             local_xds_path: l.get("local_xds_path", "a file path", path)?,
             node_name: l

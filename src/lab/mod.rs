@@ -151,6 +151,7 @@ impl Lab {
             bypass_inbound: false,
             ipv6: true,
             virtual_interfaces: Vec::new(),
+            loopback_big_tcp: true,
         };
         RedirectRules::new(opts)
             .apply(&pod.ns)
