@@ -40,6 +40,9 @@ struct Served {
     version: String,
     body: prost_types::Any,
     aliases: Vec<String>,
+    /// Resources that go along when this one is asked for by name: a
+    /// service's workloads, as istiod sends them.
+    with: Vec<String>,
 }
 
 /// Everything served, by type URL and resource name.
@@ -56,6 +59,7 @@ fn served(type_url: &str, bytes: Vec<u8>, aliases: Vec<String>) -> Served {
             value: bytes,
         },
         aliases,
+        with: Vec::new(),
     }
 }
 
@@ -69,13 +73,14 @@ struct Subscription {
 }
 
 impl Subscription {
-    /// From a stream's first request of a type: wildcard unless it names
-    /// resources or unsubscribes `*` (Envoy's delta xDS rules).
+    /// From a stream's first request of a type, read as istiod reads it: an
+    /// empty subscribe list is the wildcard; otherwise `*` subscribed and not
+    /// unsubscribed is. On-demand clients send `*` in both lists.
     fn first(req: &DeltaDiscoveryRequest) -> Self {
         let star = |v: &[String]| v.iter().any(|n| n == "*");
         let mut sub = Subscription {
-            wildcard: !star(&req.resource_names_unsubscribe)
-                && (req.resource_names_subscribe.is_empty() || star(&req.resource_names_subscribe)),
+            wildcard: req.resource_names_subscribe.is_empty()
+                || (star(&req.resource_names_subscribe) && !star(&req.resource_names_unsubscribe)),
             holds: req.initial_resource_versions.clone(),
             ..Default::default()
         };
@@ -88,14 +93,16 @@ impl Subscription {
         sub
     }
 
-    /// Applies a later request's changes; returns the names newly subscribed.
-    fn change(&mut self, req: &DeltaDiscoveryRequest) -> Vec<String> {
-        let mut added = Vec::new();
+    /// Applies a later request's changes; returns the names it asks for,
+    /// new or not (asking again is a request to be answered again).
+    fn change(&mut self, req: &DeltaDiscoveryRequest) -> HashSet<String> {
+        let mut asked = HashSet::new();
         for n in &req.resource_names_subscribe {
             if n == "*" {
                 self.wildcard = true;
-            } else if self.names.insert(n.clone()) {
-                added.push(n.clone());
+            } else {
+                self.names.insert(n.clone());
+                asked.insert(n.clone());
             }
         }
         for n in &req.resource_names_unsubscribe {
@@ -103,15 +110,10 @@ impl Subscription {
                 self.wildcard = false;
             } else {
                 self.names.remove(n);
+                asked.remove(n);
             }
         }
-        added
-    }
-
-    fn wants(&self, name: &str, s: &Served) -> bool {
-        self.wildcard
-            || self.names.contains(name)
-            || s.aliases.iter().any(|a| self.names.contains(a))
+        asked
     }
 }
 
@@ -140,14 +142,18 @@ impl Snapshot {
                 .iter()
                 .map(|v| address_name(&v.network, v.address))
                 .collect();
-            addresses.insert(
-                s.key(),
-                served(
-                    ADDRESS_TYPE,
-                    convert::service_to_proto(s).encode_to_vec(),
-                    aliases,
-                ),
+            let mut svc = served(
+                ADDRESS_TYPE,
+                convert::service_to_proto(s).encode_to_vec(),
+                aliases,
             );
+            let key = s.key();
+            svc.with = st
+                .workloads()
+                .filter(|w| w.services.contains_key(&key))
+                .map(|w| w.uid.clone())
+                .collect();
+            addresses.insert(key, svc);
         }
         let mut policies = BTreeMap::new();
         for p in st.policies() {
@@ -167,24 +173,38 @@ impl Snapshot {
     }
 
     /// What `sub`'s client must receive and drop so that it holds exactly
-    /// what it subscribes to; `fresh` names were just subscribed, so their
-    /// resources go out even if held, and those matching nothing are answered
-    /// as removed.
+    /// what it subscribes to (and what goes along). `fresh` names were just
+    /// asked for: their resources go out even if held, and those matching
+    /// nothing are answered as removed.
     fn diff(
         &self,
         type_url: &str,
         sub: &Subscription,
-        fresh: &[String],
+        fresh: &HashSet<String>,
     ) -> (Vec<Resource>, Vec<String>) {
         let empty = BTreeMap::new();
         let now = self.0.get(type_url).unwrap_or(&empty);
-        let is_fresh = |name: &String, s: &Served| {
-            fresh.contains(name) || s.aliases.iter().any(|a| fresh.contains(a))
+        let named = |names: &HashSet<String>, n: &String, s: &Served| {
+            names.contains(n) || s.aliases.iter().any(|a| names.contains(a))
         };
+        let (mut wanted, mut resend) = (HashSet::new(), HashSet::new());
+        for (n, s) in now {
+            let asked = named(fresh, n, s);
+            if sub.wildcard || asked || named(&sub.names, n, s) {
+                for m in std::iter::once(n).chain(&s.with) {
+                    wanted.insert(m.as_str());
+                    if asked {
+                        resend.insert(m.as_str());
+                    }
+                }
+            }
+        }
         let send = now
             .iter()
-            .filter(|(name, s)| sub.wants(name, s))
-            .filter(|(name, s)| sub.holds.get(*name) != Some(&s.version) || is_fresh(name, s))
+            .filter(|(n, s)| {
+                wanted.contains(n.as_str())
+                    && (sub.holds.get(*n) != Some(&s.version) || resend.contains(n.as_str()))
+            })
             .map(|(name, s)| Resource {
                 version: s.version.clone(),
                 resource: Some(s.body.clone()),
@@ -195,15 +215,22 @@ impl Snapshot {
         let mut removed: Vec<String> = sub
             .holds
             .keys()
-            .filter(|n| !now.get(*n).is_some_and(|s| sub.wants(n, s)))
+            .filter(|n| !now.contains_key(*n) || !wanted.contains(n.as_str()))
             .cloned()
             .collect();
-        removed.extend(
-            fresh
+        if !fresh.is_empty() {
+            let known: HashSet<&String> = now
                 .iter()
-                .filter(|f| !now.iter().any(|(n, s)| n == *f || s.aliases.contains(f)))
-                .cloned(),
-        );
+                .flat_map(|(n, s)| std::iter::once(n).chain(&s.aliases))
+                .collect();
+            let mut absent: Vec<String> = fresh
+                .iter()
+                .filter(|f| !known.contains(f) && !removed.contains(f))
+                .cloned()
+                .collect();
+            absent.sort();
+            removed.extend(absent);
+        }
         (send, removed)
     }
 }
@@ -259,7 +286,7 @@ impl AggregatedDiscoveryService for Ads {
             let mut respond = |type_url: &str,
                                sub: &mut Subscription,
                                snap: &Snapshot,
-                               fresh: &[String],
+                               fresh: &HashSet<String>,
                                always: bool| {
                 let (resources, removed) = snap.diff(type_url, sub, fresh);
                 if resources.is_empty() && removed.is_empty() && !always {
@@ -293,7 +320,7 @@ impl AggregatedDiscoveryService for Ads {
                             // A stream's first request of a type: start from what the client holds.
                             None => {
                                 let mut sub = Subscription::first(&req);
-                                let fresh: Vec<String> = sub.names.iter().cloned().collect();
+                                let fresh = sub.names.clone();
                                 let resp = respond(&req.type_url, &mut sub, &snap, &fresh, true);
                                 subs.insert(req.type_url.clone(), sub);
                                 resp
@@ -314,7 +341,7 @@ impl AggregatedDiscoveryService for Ads {
                         if changed.is_err() { break }
                         let snap = snapshot.borrow().clone();
                         for (type_url, sub) in subs.iter_mut() {
-                            if let Some(resp) = respond(type_url, sub, &snap, &[], false) {
+                            if let Some(resp) = respond(type_url, sub, &snap, &HashSet::new(), false) {
                                 if tx.send(Ok(resp)).await.is_err() { return }
                             }
                         }
@@ -448,7 +475,7 @@ mod tests {
     fn snapshot() -> Snapshot {
         let st = crate::xds::local::parse(
             std::path::Path::new("mesh.yaml"),
-            "workloads:\n- {uid: a, name: a, namespace: ns, workloadIps: [\"10.0.0.1\"], protocol: HBONE}\n- {uid: b, name: b, namespace: ns, workloadIps: [\"10.0.0.2\"], protocol: HBONE}\nservices:\n- {name: s, namespace: ns, hostname: s.ns.svc.cluster.local, vips: [\"/10.96.0.1\"], ports: {80: 8080}}\n",
+            "workloads:\n- {uid: a, name: a, namespace: ns, workloadIps: [\"10.0.0.1\"], protocol: HBONE}\n- {uid: b, name: b, namespace: ns, workloadIps: [\"10.0.0.2\"], protocol: HBONE, services: {\"ns/s.ns.svc.cluster.local\": {80: 8080}}}\nservices:\n- {name: s, namespace: ns, hostname: s.ns.svc.cluster.local, vips: [\"/10.96.0.1\"], ports: {80: 8080}}\n",
         )
         .unwrap();
         Snapshot::from_state(&st)
@@ -462,7 +489,7 @@ mod tests {
     fn a_first_request_without_names_is_the_wildcard() {
         let sub = Subscription::first(&DeltaDiscoveryRequest::default());
         assert!(sub.wildcard);
-        let (send, removed) = snapshot().diff(ADDRESS_TYPE, &sub, &[]);
+        let (send, removed) = snapshot().diff(ADDRESS_TYPE, &sub, &HashSet::new());
         assert_eq!(names(&send), ["a", "b", "ns/s.ns.svc.cluster.local"]);
         assert!(removed.is_empty());
         let w = send.iter().find(|r| r.name == "a").unwrap();
@@ -472,41 +499,72 @@ mod tests {
     #[test]
     fn on_demand_gets_what_it_names_by_alias_and_absent_names_as_removed() {
         let snap = snapshot();
+        let none = HashSet::new();
+        // What on-demand clients send (ztunnel, and ours): `*` in both lists.
         let mut sub = Subscription::first(&DeltaDiscoveryRequest {
+            resource_names_subscribe: vec!["*".into()],
             resource_names_unsubscribe: vec!["*".into()],
             ..Default::default()
         });
         assert!(!sub.wildcard);
-        let (send, removed) = snap.diff(ADDRESS_TYPE, &sub, &[]);
+        let (send, removed) = snap.diff(ADDRESS_TYPE, &sub, &none);
         assert!(send.is_empty() && removed.is_empty(), "nothing asked yet");
+        assert!(
+            Subscription::first(&DeltaDiscoveryRequest {
+                resource_names_unsubscribe: vec!["*".into()],
+                ..Default::default()
+            })
+            .wildcard,
+            "an empty subscribe list is the wildcard, as istiod reads it"
+        );
 
         let fresh = sub.change(&DeltaDiscoveryRequest {
-            resource_names_subscribe: vec![
-                "/10.0.0.2".into(),
-                "/10.96.0.1".into(),
-                "/192.0.2.9".into(),
-            ],
+            resource_names_subscribe: vec!["/10.0.0.1".into(), "/192.0.2.9".into()],
             ..Default::default()
         });
         let (send, removed) = snap.diff(ADDRESS_TYPE, &sub, &fresh);
-        assert_eq!(names(&send), ["b", "ns/s.ns.svc.cluster.local"]);
+        assert_eq!(names(&send), ["a"]);
         assert_eq!(removed, ["/192.0.2.9"], "an unknown name is answered");
         for r in &send {
             sub.holds.insert(r.name.clone(), r.version.clone());
         }
 
         // Held and unchanged: nothing more, until the name is asked again.
-        let (send, _) = snap.diff(ADDRESS_TYPE, &sub, &[]);
-        assert!(send.is_empty());
-        let (send, _) = snap.diff(ADDRESS_TYPE, &sub, &["/10.0.0.2".to_string()]);
-        assert_eq!(names(&send), ["b"], "asked again: answered again");
+        let (send, removed) = snap.diff(ADDRESS_TYPE, &sub, &none);
+        assert!(send.is_empty() && removed.is_empty());
+        let again = sub.change(&DeltaDiscoveryRequest {
+            resource_names_subscribe: vec!["/10.0.0.1".into()],
+            ..Default::default()
+        });
+        let (send, _) = snap.diff(ADDRESS_TYPE, &sub, &again);
+        assert_eq!(names(&send), ["a"], "asked again: answered again");
+
+        // A service's address brings the service and its workloads.
+        let fresh = sub.change(&DeltaDiscoveryRequest {
+            resource_names_subscribe: vec!["/10.96.0.1".into()],
+            ..Default::default()
+        });
+        let (send, _) = snap.diff(ADDRESS_TYPE, &sub, &fresh);
+        assert_eq!(
+            names(&send),
+            ["b", "ns/s.ns.svc.cluster.local"],
+            "the service and its endpoint b"
+        );
+        for r in &send {
+            sub.holds.insert(r.name.clone(), r.version.clone());
+        }
 
         // Unsubscribed: what only that name brought is removed.
         sub.change(&DeltaDiscoveryRequest {
-            resource_names_unsubscribe: vec!["/10.0.0.2".into()],
+            resource_names_unsubscribe: vec!["/10.96.0.1".into()],
             ..Default::default()
         });
-        let (_, removed) = snap.diff(ADDRESS_TYPE, &sub, &[]);
-        assert_eq!(removed, ["b"]);
+        let (_, mut removed) = snap.diff(ADDRESS_TYPE, &sub, &none);
+        removed.sort();
+        assert_eq!(
+            removed,
+            ["b", "ns/s.ns.svc.cluster.local"],
+            "a stays: its own address is still subscribed"
+        );
     }
 }

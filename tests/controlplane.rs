@@ -268,10 +268,14 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
     std::fs::write(
         m.lab.dir.join("cp.yaml"),
         format!(
-            "workloads:\n{}{}{}",
+            "workloads:\n{}{}{}services:\n- {{name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {{80: 8080}}}}\n",
             workload(&client, "client-sa", "HBONE"),
             workload(&server, "server-sa", "HBONE"),
-            workload(&other, "other-sa", "HBONE")
+            // `other` is the service's endpoint; it is reached only by the VIP.
+            workload(&other, "other-sa", "HBONE").replace(
+                "protocol: HBONE}",
+                "protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}"
+            )
         ),
     )
     .unwrap();
@@ -293,8 +297,20 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
         &[("XDS_ON_DEMAND", "true")],
     )
     .unwrap();
+    proxy_via_cp_env(
+        &m,
+        &other,
+        "other-sa",
+        "s3cret",
+        &[("XDS_ON_DEMAND", "true")],
+    )
+    .unwrap();
     let held = |pod: &LabPod, name: &str| dump(pod).contains(&format!("\"name\":\"{name}\""));
-    assert!(held(&client, "client"), "its own workload, by its address");
+    wait_for(
+        "its own workload, by its address",
+        Duration::from_secs(5),
+        || held(&client, "client"),
+    );
     assert!(
         !held(&client, "server") && !held(&client, "other"),
         "nothing else up front: {}",
@@ -323,6 +339,16 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
     );
     assert!(held(&client, "server") && !held(&client, "other"));
     assert!(held(&server, "client") && !held(&server, "other"));
+
+    // A service VIP brings the service and its endpoints, as istiod sends them.
+    let echo_other = EchoServer::start(&other, 8080).unwrap();
+    let mut c = connect_from(&client, "10.96.0.10:80".parse().unwrap()).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"by the service").unwrap(),
+        b"by the service"
+    );
+    assert_eq!(echo_other.peers().len(), 1, "the endpoint answered");
+    assert!(held(&client, "other") && dump(&client).contains("echo.default.svc.cluster.local"));
 
     // Outside the mesh: the control plane answers "unknown" once; passthrough.
     let echo_out = EchoServer::start(&outside, 8080).unwrap();

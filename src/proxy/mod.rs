@@ -118,9 +118,16 @@ impl ProxyShared {
         {
             if let Some(demand) = &self.demand {
                 // On demand, the pod's own workload comes by its addresses.
-                let asks = interfaces()?.into_iter().map(|ip| {
-                    demand.fetch(xds::client::address_name(&self.network, ip), ON_DEMAND_WAIT)
-                });
+                // With no stream open, subscribe but do not hold up the pod:
+                // its addresses come from its interfaces meanwhile.
+                let wait = if demand.connected() {
+                    ON_DEMAND_WAIT
+                } else {
+                    std::time::Duration::ZERO
+                };
+                let asks = interfaces()?
+                    .into_iter()
+                    .map(|ip| demand.fetch(xds::client::address_name(&self.network, ip), wait));
                 futures_util::future::join_all(asks).await;
                 snapshot = self.state.load();
             }
@@ -377,6 +384,14 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
             // The pod needs its certificate: retry (not ready meanwhile) while the CA is away.
             let (shared, ready, mark) = (shared.clone(), ready.clone(), cfg.packet_mark);
             tokio::spawn(async move {
+                if let Some(demand) = &shared.demand {
+                    // On demand, the pod's workload is fetched by its addresses:
+                    // give the first stream a moment to open.
+                    let since = std::time::Instant::now();
+                    while !demand.connected() && since.elapsed() < ON_DEMAND_WAIT {
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    }
+                }
                 let (trigger, drain) = Drain::new();
                 let mut backoff = std::time::Duration::from_millis(100);
                 loop {

@@ -49,33 +49,50 @@ pub fn address_name(network: &str, ip: std::net::IpAddr) -> String {
     format!("{network}/{ip}")
 }
 
+/// How long an answer about a name stands while the state still lacks the
+/// address: after that, a connection asks again (it may have joined the mesh,
+/// or the resource that answered may have gone).
+const ANSWER_TTL: Duration = Duration::from_secs(30);
+
+/// The most names subscribed on demand. Past it, an unknown address is not
+/// asked about (its connection is routed on what the proxy holds), so no
+/// peer or application can grow the subscription without bound.
+const MAX_DEMANDED: usize = 16_384;
+
 /// On-demand subscriptions and the callers waiting for their answers.
 #[derive(Debug, Default)]
 struct Demand {
     /// Every name subscribed so far; re-subscribed on each new stream.
     subscribed: HashSet<String>,
-    /// Names the control plane has answered (found or not) on some stream.
-    answered: HashSet<String>,
-    /// Subscribed, not yet sent on the current stream.
+    /// When the control plane last answered each name (found or not).
+    answered: HashMap<String, std::time::Instant>,
+    /// To ask on the current stream.
     unsent: Vec<String>,
     waiters: HashMap<String, Vec<tokio::sync::oneshot::Sender<()>>>,
+    /// The cap was hit (logged once).
+    full: bool,
 }
 
 impl Demand {
-    /// Marks the names a response speaks of as answered; returns their waiters.
+    /// Marks the names a response answers (by a resource's name or alias, or
+    /// as removed) and returns their waiters. A resource that was rejected
+    /// (`refused`, by name) answers nothing: asking again may get a good one.
     fn answered_by(
         &mut self,
         resp: &DeltaDiscoveryResponse,
+        refused: &HashSet<&str>,
     ) -> Vec<tokio::sync::oneshot::Sender<()>> {
         let names = resp
             .resources
             .iter()
+            .filter(|r| !refused.contains(r.name.as_str()))
             .flat_map(|r| std::iter::once(&r.name).chain(&r.aliases))
             .chain(&resp.removed_resources);
+        let now = std::time::Instant::now();
         let mut woken = Vec::new();
         for name in names {
             if self.subscribed.contains(name) {
-                self.answered.insert(name.clone());
+                self.answered.insert(name.clone(), now);
                 woken.extend(self.waiters.remove(name).unwrap_or_default());
             }
         }
@@ -266,23 +283,40 @@ impl XdsClient {
     }
 
     /// Asks the control plane about `name` (see [`address_name`]) and waits up
-    /// to `wait` for its answer, which is then in the state. Returns false on
-    /// timeout (the subscription stays, and goes with the next stream). A name is asked once: later calls return at once, as the
-    /// subscription stays and the control plane pushes its changes.
+    /// to `wait` for its answer, which is then in the state. Returns true once
+    /// answered, at once if answered in the last [`ANSWER_TTL`]; false on
+    /// timeout (the subscription stays, and goes with the next stream) or
+    /// when [`MAX_DEMANDED`] names are subscribed already.
     pub async fn fetch(&self, name: String, wait: Duration) -> bool {
         let rx = {
             let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
-            if d.answered.contains(&name) {
+            if d.answered
+                .get(&name)
+                .is_some_and(|t| t.elapsed() < ANSWER_TTL)
+            {
                 return true;
             }
-            if d.subscribed.insert(name.clone()) {
+            if !d.subscribed.contains(&name) {
+                if d.subscribed.len() >= MAX_DEMANDED {
+                    if !std::mem::replace(&mut d.full, true) {
+                        tracing::warn!(max = MAX_DEMANDED, "on-demand subscriptions full: unknown addresses are no longer asked about");
+                    }
+                    return false;
+                }
+                d.subscribed.insert(name.clone());
+            }
+            let waiting = d.waiters.entry(name.clone()).or_default();
+            waiting.retain(|w| !w.is_closed()); // callers that gave up
+            if waiting.is_empty() {
+                // Not in flight: ask (again, if an old answer expired).
                 d.unsent.push(name.clone());
                 self.demand_added.notify_one();
             }
+            if wait.is_zero() {
+                return false;
+            }
             let (tx, rx) = tokio::sync::oneshot::channel();
-            let waiting = d.waiters.entry(name).or_default();
-            waiting.retain(|w| !w.is_closed()); // callers that gave up
-            waiting.push(tx);
+            d.waiters.entry(name).or_default().push(tx);
             rx
         };
         matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(())))
@@ -336,10 +370,14 @@ impl XdsClient {
                     ..Default::default()
                 };
                 if self.cfg.on_demand && type_url == ADDRESS_TYPE {
-                    // Not the wildcard: only the names asked for so far.
+                    // Not the wildcard: only the names asked for so far. `*` goes
+                    // in both lists, as ztunnel does: istiod reads an empty
+                    // subscribe list as the wildcard, whatever is unsubscribed.
                     let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
                     d.unsent.clear();
-                    req.resource_names_subscribe = d.subscribed.iter().cloned().collect();
+                    req.resource_names_subscribe = std::iter::once("*".to_string())
+                        .chain(d.subscribed.iter().cloned())
+                        .collect();
                     req.resource_names_unsubscribe = vec!["*".into()];
                 }
                 tx.send(req).await?;
@@ -399,11 +437,12 @@ impl XdsClient {
             };
             if self.cfg.on_demand && resp.type_url == ADDRESS_TYPE {
                 // After the store: a woken caller reads the new state.
+                let refused = rejected.iter().map(|(n, _)| n.as_str()).collect();
                 let woken = self
                     .demand
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .answered_by(&resp);
+                    .answered_by(&resp, &refused);
                 for w in woken {
                     let _ = w.send(());
                 }
@@ -522,18 +561,31 @@ mod tests {
             removed_resources: vec!["/10.0.0.2".into(), "unrelated".into()],
             ..Default::default()
         };
-        let woken = d.answered_by(&resp);
+        let woken = d.answered_by(&resp, &HashSet::new());
         assert_eq!(woken.len(), 2, "the found alias and the absent name");
         for w in woken {
             w.send(()).unwrap();
         }
         assert!(rxs[0].try_recv().is_ok() && rxs[1].try_recv().is_ok());
         assert!(rxs[2].try_recv().is_err(), "not answered yet");
-        assert!(d.answered.contains("/10.0.0.2") && !d.answered.contains("/10.0.0.3"));
+        assert!(d.answered.contains_key("/10.0.0.2") && !d.answered.contains_key("/10.0.0.3"));
         assert!(
-            !d.answered.contains("unrelated"),
+            !d.answered.contains_key("unrelated"),
             "only subscribed names count"
         );
+
+        // A rejected resource answers nothing: the caller keeps waiting.
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        d.waiters.entry("/10.0.0.3".into()).or_default().push(tx);
+        let mut bad = res("w3", wl("w3", [10, 0, 0, 3]));
+        bad.aliases = vec!["/10.0.0.3".into()];
+        let resp = DeltaDiscoveryResponse {
+            type_url: ADDRESS_TYPE.into(),
+            resources: vec![bad],
+            ..Default::default()
+        };
+        assert!(d.answered_by(&resp, &HashSet::from(["w3"])).is_empty());
+        assert!(rx.try_recv().is_err() && !d.answered.contains_key("/10.0.0.3"));
     }
 
     #[test]
