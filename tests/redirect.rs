@@ -320,3 +320,53 @@ fn a_virtual_interfaces_tcp_reaches_the_outbound_port_with_its_destination() {
     vms.remove(&pod).unwrap();
     assert!(dial(&vm).is_err());
 }
+
+#[test]
+fn a_transparent_ipv6_dial_keeps_the_callers_address_through_the_pods_rules() {
+    // The shared proxy delivers inbound traffic to the app from the original
+    // caller's address (IPV6_TRANSPARENT + IPV6_FREEBIND); the pod's connmark
+    // rules and table 100 bring the replies back to that socket.
+    let (_guard, ns) = TempNetns::new("tproxy6");
+    // A pod's interface, address and default route (the reply is routed
+    // there first, then re-routed to table 100 by its restored mark).
+    for args in [
+        &[
+            "link", "add", "eth0", "type", "veth", "peer", "name", "peer0",
+        ][..],
+        &["link", "set", "eth0", "up"],
+        &["link", "set", "peer0", "up"],
+        &["-6", "addr", "add", "fd01::1/64", "dev", "eth0", "nodad"],
+        &["-6", "route", "add", "default", "dev", "eth0"],
+    ] {
+        assert!(
+            ns.command("ip").args(args).status().unwrap().success(),
+            "ip {args:?}"
+        );
+    }
+    RedirectRules::new(RedirectOptions::default())
+        .apply(&ns)
+        .unwrap();
+    let listener = ns
+        .run(|| std::net::TcpListener::bind("[fd01::1]:0"))
+        .unwrap()
+        .unwrap();
+    let app = listener.local_addr().unwrap();
+    let caller: std::net::IpAddr = "fd00::7".parse().unwrap();
+    let dialed = ns
+        .run(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let factory = ambit::proxy::pod::SocketFactory::local(0x539);
+                let s = factory.connect_as(app, caller).await?;
+                s.local_addr()
+            })
+        })
+        .unwrap()
+        .expect("transparent IPv6 dial");
+    assert_eq!(dialed.ip(), caller, "not the fallback to the pod's address");
+    let (_conn, peer) = listener.accept().unwrap();
+    assert_eq!(peer.ip(), caller, "the app sees the original caller");
+}
