@@ -93,15 +93,15 @@ impl Subscription {
         sub
     }
 
-    /// Applies a later request's changes; returns the names it asks for,
-    /// new or not (asking again is a request to be answered again).
+    /// Applies a later request's changes; returns the names newly
+    /// subscribed. As in istiod, only a change is answered: a name asked
+    /// again is not, and its later changes are pushed anyway.
     fn change(&mut self, req: &DeltaDiscoveryRequest) -> HashSet<String> {
         let mut asked = HashSet::new();
         for n in &req.resource_names_subscribe {
             if n == "*" {
                 self.wildcard = true;
-            } else {
-                self.names.insert(n.clone());
+            } else if self.names.insert(n.clone()) {
                 asked.insert(n.clone());
             }
         }
@@ -327,9 +327,10 @@ impl AggregatedDiscoveryService for Ads {
                             }
                             // An ACK, perhaps carrying subscription changes.
                             Some(sub) => {
+                                // Unsubscribing is not answered (the client drops what it
+                                // no longer wants), as in istiod.
                                 let fresh = sub.change(&req);
-                                let changed = !fresh.is_empty() || !req.resource_names_unsubscribe.is_empty();
-                                if !changed { continue }
+                                if fresh.is_empty() { continue }
                                 respond(&req.type_url, sub, &snap, &fresh, false)
                             }
                         };
@@ -529,15 +530,15 @@ mod tests {
             sub.holds.insert(r.name.clone(), r.version.clone());
         }
 
-        // Held and unchanged: nothing more, until the name is asked again.
+        // Held and unchanged: nothing more. Asking again is no change, and
+        // istiod does not answer it.
         let (send, removed) = snap.diff(ADDRESS_TYPE, &sub, &none);
         assert!(send.is_empty() && removed.is_empty());
         let again = sub.change(&DeltaDiscoveryRequest {
             resource_names_subscribe: vec!["/10.0.0.1".into()],
             ..Default::default()
         });
-        let (send, _) = snap.diff(ADDRESS_TYPE, &sub, &again);
-        assert_eq!(names(&send), ["a"], "asked again: answered again");
+        assert!(again.is_empty());
 
         // A service's address brings the service and its workloads.
         let fresh = sub.change(&DeltaDiscoveryRequest {

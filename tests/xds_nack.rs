@@ -133,6 +133,7 @@ where
         metadata: vec![],
         mark: 1337,
         on_demand,
+        on_demand_wait: Duration::from_secs(2),
     };
     let client = XdsClient::new(cfg, state.clone());
     let task = tokio::spawn(client.clone().run());

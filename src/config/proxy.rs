@@ -245,6 +245,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "fetch addresses from the control plane as connections need them, not all up front",
     },
     Key {
+        name: "xds_on_demand_wait",
+        env: &["AMBIT_XDS_ON_DEMAND_WAIT"],
+        default: "2s",
+        help: "on demand: how long a connection waits for the control plane's answer about an unknown address",
+    },
+    Key {
         name: "dns_proxy",
         env: &["AMBIT_DNS_PROXY"],
         default: "true",
@@ -312,6 +318,8 @@ pub struct ProxyConfig {
     pub dns_proxy: bool,
     /// Subscribe to each address as a connection needs it (`XDS_ON_DEMAND`).
     pub xds_on_demand: bool,
+    /// How long a connection waits for an on-demand answer.
+    pub xds_on_demand_wait: Duration,
     /// Empty: read /etc/resolv.conf at start.
     pub dns_upstreams: Vec<SocketAddr>,
     pub log_format: LogFormat,
@@ -466,6 +474,15 @@ impl ProxyConfig {
             },
             dns_proxy: l.require("dns_proxy", "true or false", parse_bool)?,
             xds_on_demand: l.require("xds_on_demand", "true or false", parse_bool)?,
+            xds_on_demand_wait: l.require(
+                "xds_on_demand_wait",
+                "a duration from 1ms to 60s, like 2s",
+                |s| {
+                    parse_duration(s).filter(|d| {
+                        (Duration::from_millis(1)..=Duration::from_secs(60)).contains(d)
+                    })
+                },
+            )?,
             dns_upstreams: l
                 .get(
                     "dns_upstreams",
@@ -516,6 +533,27 @@ mod tests {
         assert_eq!(c.pool_max_streams, 100);
         assert_eq!(c.hbone_unsent_limit, 128 * 1024);
         assert_eq!(c.workload_info.unwrap().service_account, "web-sa");
+    }
+
+    #[test]
+    fn the_on_demand_wait_is_a_duration_up_to_a_minute() {
+        let wait = |v: &str| {
+            let mut env = BASE.to_vec();
+            env.push(("AMBIT_XDS_ON_DEMAND_WAIT", v));
+            layers(&env, &[]).map(|c| c.xds_on_demand_wait)
+        };
+        assert_eq!(wait("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(
+            layers(BASE, &[]).unwrap().xds_on_demand_wait,
+            Duration::from_secs(2)
+        );
+        for v in ["0s", "2m", "soon"] {
+            let err = wait(v).unwrap_err().to_string();
+            assert!(
+                err.contains("`xds_on_demand_wait`") && err.contains("from 1ms to 60s"),
+                "{v}: {err}"
+            );
+        }
     }
 
     #[test]

@@ -17,7 +17,6 @@ use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{limit_unsent, tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
-use super::ON_DEMAND_WAIT;
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
 use crate::xds::client::{address_name, XdsClient};
@@ -318,7 +317,7 @@ impl Inbound {
             // stream is open, so its connection is labelled like the rest.
             if state.workload_by_addr(&pod.network, ip).is_none() && demand.connected() {
                 demand
-                    .fetch(address_name(&pod.network, ip), ON_DEMAND_WAIT)
+                    .fetch(address_name(&pod.network, ip), demand.wait())
                     .await;
                 state = self.state.load();
             }

@@ -78,10 +78,6 @@ pub struct ProxyShared {
     pub demand: Option<Arc<xds::client::XdsClient>>,
 }
 
-/// How long a connection waits for the control plane's answer about an
-/// address it does not know yet (on demand), before going on without it.
-pub const ON_DEMAND_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
 /// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
 #[derive(Debug, Clone)]
 pub struct PodInfo {
@@ -120,11 +116,7 @@ impl ProxyShared {
                 // On demand, the pod's own workload comes by its addresses.
                 // With no stream open, subscribe but do not hold up the pod:
                 // its addresses come from its interfaces meanwhile.
-                let wait = if demand.connected() {
-                    ON_DEMAND_WAIT
-                } else {
-                    std::time::Duration::ZERO
-                };
+                let wait = demand.wait();
                 let asks = interfaces()?
                     .into_iter()
                     .map(|ip| demand.fetch(xds::client::address_name(&self.network, ip), wait));
@@ -265,6 +257,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                     ],
                     mark: cfg.packet_mark,
                     on_demand: cfg.xds_on_demand,
+                    on_demand_wait: cfg.xds_on_demand_wait,
                 },
                 state.clone(),
             );
@@ -383,12 +376,13 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
             };
             // The pod needs its certificate: retry (not ready meanwhile) while the CA is away.
             let (shared, ready, mark) = (shared.clone(), ready.clone(), cfg.packet_mark);
+            let cfg_wait = cfg.xds_on_demand_wait;
             tokio::spawn(async move {
                 if let Some(demand) = &shared.demand {
                     // On demand, the pod's workload is fetched by its addresses:
                     // give the first stream a moment to open.
                     let since = std::time::Instant::now();
-                    while !demand.connected() && since.elapsed() < ON_DEMAND_WAIT {
+                    while !demand.connected() && since.elapsed() < cfg_wait {
                         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                     }
                 }

@@ -15,7 +15,6 @@ use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::pod::{limit_unsent, tune, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
-use super::ON_DEMAND_WAIT;
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
 use crate::xds::client::{address_name, XdsClient};
@@ -198,11 +197,7 @@ impl Outbound {
             // Unknown here; maybe not to the control plane. Ask once, then decide.
             // With no stream open, nobody answers now: subscribe, but do not wait.
             let name = address_name(&self.pod.network, dst.ip());
-            let wait = if demand.connected() {
-                ON_DEMAND_WAIT
-            } else {
-                std::time::Duration::ZERO
-            };
+            let wait = demand.wait();
             if demand.fetch(name, wait).await {
                 route = self::route(
                     &self.state.load(),

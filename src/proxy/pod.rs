@@ -93,7 +93,8 @@ impl SocketFactory {
     }
 
     /// Connects to the pod's application at `addr` with the original client's
-    /// address `src` as source (`IP_TRANSPARENT` + `IP_FREEBIND`), so the
+    /// address `src` as source (`IP_TRANSPARENT` + `IP_FREEBIND`, or for IPv6
+    /// `IPV6_TRANSPARENT` + `IPV6_FREEBIND`, Linux 4.15+), so the
     /// application sees who really called. The in-pod connmark rules and
     /// table 100 bring the replies back to this socket. Falls back to the
     /// pod's own address where spoofing is not possible.

@@ -42,6 +42,8 @@ pub struct XdsConfig {
     pub mark: u32,
     /// Addresses by subscription to each name asked for, not the wildcard.
     pub on_demand: bool,
+    /// How long a connection waits for an on-demand answer.
+    pub on_demand_wait: Duration,
 }
 
 /// The name under which istiod answers an on-demand address subscription.
@@ -49,54 +51,81 @@ pub fn address_name(network: &str, ip: std::net::IpAddr) -> String {
     format!("{network}/{ip}")
 }
 
-/// How long an answer about a name stands while the state still lacks the
-/// address: after that, a connection asks again (it may have joined the mesh,
-/// or the resource that answered may have gone).
-const ANSWER_TTL: Duration = Duration::from_secs(30);
-
-/// The most names subscribed on demand. Past it, an unknown address is not
-/// asked about (its connection is routed on what the proxy holds), so no
-/// peer or application can grow the subscription without bound.
-const MAX_DEMANDED: usize = 16_384;
+/// The most names subscribed on demand. At the cap, the names answered
+/// "unknown" longest ago are unsubscribed to make room; if every name is a
+/// known address, an unknown one is not asked about (its connection is
+/// routed on what the proxy holds). No peer or application can grow the
+/// subscription without bound.
+pub const MAX_DEMANDED: usize = 16_384;
 
 /// On-demand subscriptions and the callers waiting for their answers.
+///
+/// A name is asked once per stream: istiod answers a subscription change, not
+/// a repeat, and pushes later changes of what stays subscribed (a workload
+/// that appears at an address it once answered as unknown included).
 #[derive(Debug, Default)]
 struct Demand {
-    /// Every name subscribed so far; re-subscribed on each new stream.
+    /// Every name subscribed; re-subscribed on each new stream.
     subscribed: HashSet<String>,
-    /// When the control plane last answered each name (found or not).
-    answered: HashMap<String, std::time::Instant>,
-    /// To ask on the current stream.
+    /// Names the control plane has answered (found or not).
+    answered: HashSet<String>,
+    /// Names answered as unknown (removed), oldest first: evicted first.
+    unknown: std::collections::VecDeque<String>,
+    /// To subscribe and unsubscribe on the current stream.
     unsent: Vec<String>,
+    unsubscribe: Vec<String>,
     waiters: HashMap<String, Vec<tokio::sync::oneshot::Sender<()>>>,
-    /// The cap was hit (logged once).
+    /// The cap was hit with nothing to evict (logged once).
     full: bool,
 }
 
 impl Demand {
     /// Marks the names a response answers (by a resource's name or alias, or
-    /// as removed) and returns their waiters. A resource that was rejected
-    /// (`refused`, by name) answers nothing: asking again may get a good one.
+    /// as removed) and returns their waiters.
     fn answered_by(
         &mut self,
         resp: &DeltaDiscoveryResponse,
-        refused: &HashSet<&str>,
     ) -> Vec<tokio::sync::oneshot::Sender<()>> {
-        let names = resp
+        let found = resp
             .resources
             .iter()
-            .filter(|r| !refused.contains(r.name.as_str()))
-            .flat_map(|r| std::iter::once(&r.name).chain(&r.aliases))
-            .chain(&resp.removed_resources);
-        let now = std::time::Instant::now();
+            .flat_map(|r| std::iter::once(&r.name).chain(&r.aliases));
         let mut woken = Vec::new();
-        for name in names {
+        for name in found {
             if self.subscribed.contains(name) {
-                self.answered.insert(name.clone(), now);
+                self.answered.insert(name.clone());
+                self.unknown.retain(|u| u != name);
+                woken.extend(self.waiters.remove(name).unwrap_or_default());
+            }
+        }
+        for name in &resp.removed_resources {
+            if self.subscribed.contains(name) {
+                if self.answered.insert(name.clone()) {
+                    self.unknown.push_back(name.clone());
+                }
                 woken.extend(self.waiters.remove(name).unwrap_or_default());
             }
         }
         woken
+    }
+
+    /// Makes room for one more name; false if none can be made.
+    fn make_room(&mut self) -> bool {
+        if self.subscribed.len() < MAX_DEMANDED {
+            return true;
+        }
+        // Evict a batch, so a stream of new addresses does not send one
+        // unsubscribe per connection.
+        let batch = (MAX_DEMANDED / 16).max(1);
+        while self.subscribed.len() > MAX_DEMANDED - batch {
+            let Some(old) = self.unknown.pop_front() else {
+                break;
+            };
+            self.subscribed.remove(&old);
+            self.answered.remove(&old);
+            self.unsubscribe.push(old);
+        }
+        self.subscribed.len() < MAX_DEMANDED
     }
 }
 
@@ -282,33 +311,35 @@ impl XdsClient {
         self.metrics.connected.get() == 1
     }
 
+    /// How long a connection waits for an answer (`xds_on_demand_wait`):
+    /// that, with a stream open, or nothing.
+    pub fn wait(&self) -> Duration {
+        if self.connected() {
+            self.cfg.on_demand_wait
+        } else {
+            Duration::ZERO
+        }
+    }
+
     /// Asks the control plane about `name` (see [`address_name`]) and waits up
     /// to `wait` for its answer, which is then in the state. Returns true once
-    /// answered, at once if answered in the last [`ANSWER_TTL`]; false on
-    /// timeout (the subscription stays, and goes with the next stream) or
-    /// when [`MAX_DEMANDED`] names are subscribed already.
+    /// answered (at once if answered before); false on timeout (the
+    /// subscription stays, and goes with the next stream) or when no room is
+    /// left (see [`MAX_DEMANDED`]).
     pub async fn fetch(&self, name: String, wait: Duration) -> bool {
         let rx = {
             let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
-            if d.answered
-                .get(&name)
-                .is_some_and(|t| t.elapsed() < ANSWER_TTL)
-            {
+            if d.answered.contains(&name) {
                 return true;
             }
             if !d.subscribed.contains(&name) {
-                if d.subscribed.len() >= MAX_DEMANDED {
+                if !d.make_room() {
                     if !std::mem::replace(&mut d.full, true) {
-                        tracing::warn!(max = MAX_DEMANDED, "on-demand subscriptions full: unknown addresses are no longer asked about");
+                        tracing::warn!(max = MAX_DEMANDED, "on-demand subscriptions full of known addresses: unknown ones are no longer asked about");
                     }
                     return false;
                 }
                 d.subscribed.insert(name.clone());
-            }
-            let waiting = d.waiters.entry(name.clone()).or_default();
-            waiting.retain(|w| !w.is_closed()); // callers that gave up
-            if waiting.is_empty() {
-                // Not in flight: ask (again, if an old answer expired).
                 d.unsent.push(name.clone());
                 self.demand_added.notify_one();
             }
@@ -316,7 +347,9 @@ impl XdsClient {
                 return false;
             }
             let (tx, rx) = tokio::sync::oneshot::channel();
-            d.waiters.entry(name).or_default().push(tx);
+            let waiting = d.waiters.entry(name).or_default();
+            waiting.retain(|w| !w.is_closed()); // callers that gave up
+            waiting.push(tx);
             rx
         };
         matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(())))
@@ -375,6 +408,7 @@ impl XdsClient {
                     // subscribe list as the wildcard, whatever is unsubscribed.
                     let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
                     d.unsent.clear();
+                    d.unsubscribe.clear(); // a new stream starts from the list below
                     req.resource_names_subscribe = std::iter::once("*".to_string())
                         .chain(d.subscribed.iter().cloned())
                         .collect();
@@ -408,14 +442,16 @@ impl XdsClient {
                     None => break,
                 },
                 _ = self.demand_added.notified(), if self.cfg.on_demand => {
-                    let names = std::mem::take(
-                        &mut self.demand.lock().unwrap_or_else(|e| e.into_inner()).unsent,
-                    );
-                    if !names.is_empty() {
-                        tracing::debug!(?names, "on-demand subscription");
+                    let (names, dropped) = {
+                        let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
+                        (std::mem::take(&mut d.unsent), std::mem::take(&mut d.unsubscribe))
+                    };
+                    if !names.is_empty() || !dropped.is_empty() {
+                        tracing::debug!(?names, unsubscribed = dropped.len(), "on-demand subscription");
                         tx.send(DeltaDiscoveryRequest {
                             type_url: ADDRESS_TYPE.into(),
                             resource_names_subscribe: names,
+                            resource_names_unsubscribe: dropped,
                             ..Default::default()
                         })
                         .await?;
@@ -437,12 +473,13 @@ impl XdsClient {
             };
             if self.cfg.on_demand && resp.type_url == ADDRESS_TYPE {
                 // After the store: a woken caller reads the new state.
-                let refused = rejected.iter().map(|(n, _)| n.as_str()).collect();
+                // A rejected resource answers too (as in ztunnel): asking again
+                // would get no reply, and the NACK names it.
                 let woken = self
                     .demand
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .answered_by(&resp, &refused);
+                    .answered_by(&resp);
                 for w in woken {
                     let _ = w.send(());
                 }
@@ -561,31 +598,42 @@ mod tests {
             removed_resources: vec!["/10.0.0.2".into(), "unrelated".into()],
             ..Default::default()
         };
-        let woken = d.answered_by(&resp, &HashSet::new());
+        let woken = d.answered_by(&resp);
         assert_eq!(woken.len(), 2, "the found alias and the absent name");
         for w in woken {
             w.send(()).unwrap();
         }
         assert!(rxs[0].try_recv().is_ok() && rxs[1].try_recv().is_ok());
         assert!(rxs[2].try_recv().is_err(), "not answered yet");
-        assert!(d.answered.contains_key("/10.0.0.2") && !d.answered.contains_key("/10.0.0.3"));
+        assert!(d.answered.contains("/10.0.0.2") && !d.answered.contains("/10.0.0.3"));
         assert!(
-            !d.answered.contains_key("unrelated"),
+            !d.answered.contains("unrelated"),
             "only subscribed names count"
         );
+        assert_eq!(d.unknown, ["/10.0.0.2"], "answered as unknown");
+    }
 
-        // A rejected resource answers nothing: the caller keeps waiting.
-        let (tx, mut rx) = tokio::sync::oneshot::channel();
-        d.waiters.entry("/10.0.0.3".into()).or_default().push(tx);
-        let mut bad = res("w3", wl("w3", [10, 0, 0, 3]));
-        bad.aliases = vec!["/10.0.0.3".into()];
+    #[test]
+    fn at_the_cap_the_oldest_unknown_names_make_room_and_known_ones_stay() {
+        let mut d = Demand::default();
+        for i in 0..MAX_DEMANDED {
+            d.subscribed.insert(format!("/n{i}"));
+        }
+        assert!(!d.make_room(), "all known: no room, nothing unsubscribed");
+        assert!(d.unsubscribe.is_empty());
         let resp = DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
-            resources: vec![bad],
+            removed_resources: (0..MAX_DEMANDED / 8).map(|i| format!("/n{i}")).collect(),
             ..Default::default()
         };
-        assert!(d.answered_by(&resp, &HashSet::from(["w3"])).is_empty());
-        assert!(rx.try_recv().is_err() && !d.answered.contains_key("/10.0.0.3"));
+        d.answered_by(&resp);
+        assert!(d.make_room());
+        let batch = MAX_DEMANDED / 16;
+        assert_eq!(d.unsubscribe.len(), batch, "one batch, not one per name");
+        assert_eq!(d.unsubscribe[0], "/n0", "oldest unknown first");
+        assert!(!d.subscribed.contains("/n0") && !d.answered.contains("/n0"));
+        assert!(d.subscribed.contains(&format!("/n{}", MAX_DEMANDED - 1)));
+        assert_eq!(d.subscribed.len(), MAX_DEMANDED - batch);
     }
 
     #[test]
