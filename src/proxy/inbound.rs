@@ -19,7 +19,7 @@ use super::pod::{limit_unsent, tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
-use crate::xds::client::{address_name, XdsClient};
+use crate::xds::client::OnDemand;
 use crate::xds::StateHandle;
 
 /// How long a peer has to finish the TLS handshake.
@@ -30,7 +30,7 @@ pub struct Inbound {
     pub pod: PodRef,
     pub state: StateHandle,
     /// Asks the control plane about sources the state lacks (on demand).
-    pub demand: Option<Arc<XdsClient>>,
+    pub demand: Option<OnDemand>,
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
     pub trust_domain: String,
@@ -313,12 +313,11 @@ impl Inbound {
         }
         let mut state = self.state.load();
         if let (Some(ip), Some(demand)) = (src_ip, &self.demand) {
-            // On demand, a source not known yet is asked for (once) while a
-            // stream is open, so its connection is labelled like the rest.
-            if state.workload_by_addr(&pod.network, ip).is_none() && demand.connected() {
-                demand
-                    .fetch(address_name(&pod.network, ip), demand.wait())
-                    .await;
+            // On demand, a source not known yet is asked for (once); with a
+            // stream open the answer is awaited, so the connection is
+            // labelled like the rest.
+            if state.workload_by_addr(&pod.network, ip).is_none() {
+                demand.fetch_address(&pod.network, ip).await;
                 state = self.state.load();
             }
         }

@@ -75,7 +75,7 @@ pub struct ProxyShared {
     /// Resolvers for non-mesh names; `None`: no DNS proxy.
     pub dns_upstreams: Option<Arc<Vec<SocketAddr>>>,
     /// Fetches addresses the state lacks (`XDS_ON_DEMAND` with a control plane).
-    pub demand: Option<Arc<xds::client::XdsClient>>,
+    pub demand: Option<xds::client::OnDemand>,
 }
 
 /// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
@@ -116,10 +116,9 @@ impl ProxyShared {
                 // On demand, the pod's own workload comes by its addresses.
                 // With no stream open, subscribe but do not hold up the pod:
                 // its addresses come from its interfaces meanwhile.
-                let wait = demand.wait();
                 let asks = interfaces()?
                     .into_iter()
-                    .map(|ip| demand.fetch(xds::client::address_name(&self.network, ip), wait));
+                    .map(|ip| demand.fetch_address(&self.network, ip));
                 futures_util::future::join_all(asks).await;
                 snapshot = self.state.load();
             }
@@ -263,9 +262,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
             );
             xds_synced.clone_from(&client.synced);
             client.metrics.register(&mut registry);
-            if client.on_demand() {
-                demand = Some(client.clone());
-            }
+            demand = xds::client::OnDemand::of(&client);
             tokio::spawn(client.run());
             state
         }
@@ -376,15 +373,11 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
             };
             // The pod needs its certificate: retry (not ready meanwhile) while the CA is away.
             let (shared, ready, mark) = (shared.clone(), ready.clone(), cfg.packet_mark);
-            let cfg_wait = cfg.xds_on_demand_wait;
             tokio::spawn(async move {
                 if let Some(demand) = &shared.demand {
                     // On demand, the pod's workload is fetched by its addresses:
                     // give the first stream a moment to open.
-                    let since = std::time::Instant::now();
-                    while !demand.connected() && since.elapsed() < cfg_wait {
-                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                    }
+                    demand.until_connected().await;
                 }
                 let (trigger, drain) = Drain::new();
                 let mut backoff = std::time::Duration::from_millis(100);

@@ -17,7 +17,7 @@ use super::pod::{limit_unsent, tune, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
-use crate::xds::client::{address_name, XdsClient};
+use crate::xds::client::OnDemand;
 use crate::xds::types::{Protocol, Service, Workload};
 use crate::xds::{State, StateHandle};
 
@@ -148,7 +148,7 @@ pub struct Outbound {
     pub pod: PodRef,
     pub state: StateHandle,
     /// Asks the control plane about destinations the state lacks (on demand).
-    pub demand: Option<Arc<XdsClient>>,
+    pub demand: Option<OnDemand>,
     pub pool: Arc<Pool>,
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
@@ -195,10 +195,7 @@ impl Outbound {
         );
         if let (Route::Passthrough { .. }, Some(demand)) = (&route, &self.demand) {
             // Unknown here; maybe not to the control plane. Ask once, then decide.
-            // With no stream open, nobody answers now: subscribe, but do not wait.
-            let name = address_name(&self.pod.network, dst.ip());
-            let wait = demand.wait();
-            if demand.fetch(name, wait).await {
+            if demand.fetch_address(&self.pod.network, dst.ip()).await {
                 route = self::route(
                     &self.state.load(),
                     &self.pod.network,

@@ -58,6 +58,35 @@ pub fn address_name(network: &str, ip: std::net::IpAddr) -> String {
 /// subscription without bound.
 pub const MAX_DEMANDED: usize = 16_384;
 
+/// The data path's one way to ask the control plane for something: an
+/// address the state lacks (on demand). Everything else flows one way,
+/// control plane → state snapshot → data path; this handle only asks, and the
+/// answer arrives as a new snapshot. It exists only with `XDS_ON_DEMAND`.
+#[derive(Clone)]
+pub struct OnDemand(Arc<XdsClient>);
+
+impl OnDemand {
+    /// The handle of `client`, if it fetches on demand.
+    pub fn of(client: &Arc<XdsClient>) -> Option<Self> {
+        client.cfg.on_demand.then(|| OnDemand(client.clone()))
+    }
+
+    /// Asks about `ip` on `network`; returns true once the control plane has
+    /// answered (the state then holds the address, if it exists). Waits up to
+    /// `xds_on_demand_wait` while a stream is open, else only subscribes.
+    pub async fn fetch_address(&self, network: &str, ip: std::net::IpAddr) -> bool {
+        self.0.fetch(address_name(network, ip), self.0.wait()).await
+    }
+
+    /// Waits up to `xds_on_demand_wait` for a stream to open (at start-up).
+    pub async fn until_connected(&self) {
+        let since = std::time::Instant::now();
+        while !self.0.connected() && since.elapsed() < self.0.cfg.on_demand_wait {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
 /// On-demand subscriptions and the callers waiting for their answers.
 ///
 /// A name is asked once per stream: istiod answers a subscription change, not
@@ -301,11 +330,6 @@ impl XdsClient {
         })
     }
 
-    /// Whether addresses are fetched on demand.
-    pub fn on_demand(&self) -> bool {
-        self.cfg.on_demand
-    }
-
     /// Whether a stream to the control plane is open now.
     pub fn connected(&self) -> bool {
         self.metrics.connected.get() == 1
@@ -313,7 +337,7 @@ impl XdsClient {
 
     /// How long a connection waits for an answer (`xds_on_demand_wait`):
     /// that, with a stream open, or nothing.
-    pub fn wait(&self) -> Duration {
+    fn wait(&self) -> Duration {
         if self.connected() {
             self.cfg.on_demand_wait
         } else {
