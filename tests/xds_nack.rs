@@ -426,3 +426,101 @@ async fn on_demand_opts_out_of_the_wildcard_fetches_by_name_and_resubscribes_aft
     }
     task.abort();
 }
+
+/// Answers every subscribed name as unknown (removed), and keeps the stream.
+#[derive(Default, Clone)]
+struct AllUnknown {
+    seen: Arc<Mutex<Vec<DeltaDiscoveryRequest>>>,
+}
+
+#[tonic::async_trait]
+impl AggregatedDiscoveryService for AllUnknown {
+    type DeltaAggregatedResourcesStream =
+        Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
+
+    async fn delta_aggregated_resources(
+        &self,
+        req: Request<Streaming<DeltaDiscoveryRequest>>,
+    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
+        let mut inbound = req.into_inner();
+        let seen = self.seen.clone();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        tokio::spawn(async move {
+            let mut nonce = 0;
+            while let Ok(Some(r)) = inbound.message().await {
+                seen.lock().unwrap().push(r.clone());
+                let names: Vec<String> = r
+                    .resource_names_subscribe
+                    .iter()
+                    .filter(|n| *n != "*")
+                    .cloned()
+                    .collect();
+                if !r.response_nonce.is_empty() && names.is_empty() {
+                    continue; // an ACK
+                }
+                nonce += 1;
+                let resp = DeltaDiscoveryResponse {
+                    type_url: r.type_url.clone(),
+                    nonce: nonce.to_string(),
+                    removed_resources: names,
+                    ..Default::default()
+                };
+                if tx.send(Ok(resp)).await.is_err() {
+                    break;
+                }
+            }
+        });
+        let out =
+            futures_util::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
+            );
+        Ok(Response::new(Box::pin(out)))
+    }
+}
+
+#[tokio::test]
+async fn at_the_cap_on_demand_unsubscribes_the_oldest_unknown_names_in_one_batch() {
+    use ambit::xds::client::MAX_DEMANDED;
+    let script = AllUnknown::default();
+    let (_state, client, task) =
+        serve_and_connect_with(AggregatedDiscoveryServiceServer::new(script.clone()), true).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !client.connected() {
+        assert!(tokio::time::Instant::now() < deadline, "no stream");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Fill the cap with external addresses, all answered "unknown".
+    let name = |i: usize| format!("/10.1.{}.{}", i / 256, i % 256);
+    for i in 0..MAX_DEMANDED {
+        client.fetch(name(i), Duration::ZERO).await;
+    }
+    assert!(
+        client
+            .fetch(name(MAX_DEMANDED - 1), Duration::from_secs(20))
+            .await,
+        "the last (and so every) name answered"
+    );
+    // One more address makes room: the oldest unknown names go, in one request.
+    assert!(
+        client
+            .fetch("/10.2.0.1".into(), Duration::from_secs(20))
+            .await,
+        "a new address is still asked about at the cap"
+    );
+    let seen = script.seen.lock().unwrap();
+    let evicting = seen
+        .iter()
+        .find(|r| r.resource_names_unsubscribe.len() > 1)
+        .expect("an unsubscribe request");
+    assert_eq!(evicting.resource_names_unsubscribe.len(), MAX_DEMANDED / 16);
+    assert_eq!(
+        evicting.resource_names_unsubscribe[0],
+        name(0),
+        "oldest first"
+    );
+    assert!(evicting
+        .resource_names_subscribe
+        .contains(&"/10.2.0.1".to_string()));
+    task.abort();
+}
