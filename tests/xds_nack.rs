@@ -1,6 +1,7 @@
 //! The xDS client against a scripted delta ADS server (tonic, in this test):
 //! a response with one bad resource is NACKed naming it, the good ones are
-//! applied; a reconnect sends `initial_resource_versions`.
+//! applied; a reconnect sends `initial_resource_versions`; a huge response is
+//! applied; on demand, the wire shape, resubscription and the cap.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -16,11 +17,6 @@ use ambit::xds::convert::ADDRESS_TYPE;
 use ambit::xds::StateHandle;
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
-
-#[derive(Default, Clone)]
-struct Script {
-    seen: Arc<Mutex<Vec<DeltaDiscoveryRequest>>>,
-}
 
 fn workload(uid: &str, ip: Vec<u8>) -> Resource {
     let a = pb::Address {
@@ -44,8 +40,41 @@ fn workload(uid: &str, ip: Vec<u8>) -> Resource {
     }
 }
 
+/// What a scripted server does with one request.
+enum Step {
+    Answer(DeltaDiscoveryResponse),
+    Quiet,
+    HangUp,
+}
+
+type Script = Box<dyn FnMut(&DeltaDiscoveryRequest) -> Step + Send>;
+
+/// A delta ADS server that records every request (`seen`) and runs a fresh
+/// script on each stream, so a script can keep state for its stream.
+#[derive(Clone)]
+struct Scripted {
+    seen: Arc<Mutex<Vec<DeltaDiscoveryRequest>>>,
+    per_stream: Arc<dyn Fn() -> Script + Send + Sync>,
+}
+
+impl Scripted {
+    fn new<F>(per_stream: impl Fn() -> F + Send + Sync + 'static) -> Self
+    where
+        F: FnMut(&DeltaDiscoveryRequest) -> Step + Send + 'static,
+    {
+        Scripted {
+            seen: Arc::default(),
+            per_stream: Arc::new(move || Box::new(per_stream()) as Script),
+        }
+    }
+
+    fn server(&self) -> AggregatedDiscoveryServiceServer<Scripted> {
+        AggregatedDiscoveryServiceServer::new(self.clone())
+    }
+}
+
 #[tonic::async_trait]
-impl AggregatedDiscoveryService for Script {
+impl AggregatedDiscoveryService for Scripted {
     type DeltaAggregatedResourcesStream =
         Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
 
@@ -54,33 +83,19 @@ impl AggregatedDiscoveryService for Script {
         req: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
         let mut inbound = req.into_inner();
-        let seen = self.seen.clone();
+        let (seen, mut script) = (self.seen.clone(), (self.per_stream)());
         let (tx, rx) = tokio::sync::mpsc::channel(8);
         tokio::spawn(async move {
-            let mut sent = false;
             while let Ok(Some(r)) = inbound.message().await {
-                let first_address_sub = r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty();
-                let nacked = r.response_nonce == "n1";
-                seen.lock().unwrap().push(r);
-                if nacked {
-                    // End this stream after the NACK: the client must reconnect.
-                    break;
-                }
-                if first_address_sub && !sent {
-                    sent = true;
-                    let resp = DeltaDiscoveryResponse {
-                        type_url: ADDRESS_TYPE.into(),
-                        nonce: "n1".into(),
-                        resources: vec![
-                            workload("good", vec![10, 0, 0, 1]),
-                            workload("broken", vec![10, 0]),
-                        ],
-                        ..Default::default()
-                    };
-                    let _ = tx.send(Ok(resp)).await;
-                } else if first_address_sub {
-                    // Second stream: hang up at once, so the client reconnects again.
-                    break;
+                seen.lock().unwrap().push(r.clone());
+                match script(&r) {
+                    Step::Answer(resp) => {
+                        if tx.send(Ok(resp)).await.is_err() {
+                            break;
+                        }
+                    }
+                    Step::Quiet => {}
+                    Step::HangUp => break,
                 }
             }
         });
@@ -90,6 +105,39 @@ impl AggregatedDiscoveryService for Script {
                 |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
             );
         Ok(Response::new(Box::pin(out)))
+    }
+}
+
+/// Answers an on-demand stream: each named subscription (not `*`) gets one
+/// response, with the resources `found` gives and the other names removed.
+fn answer_names(
+    r: &DeltaDiscoveryRequest,
+    nonce: &mut u64,
+    found: impl Fn(&str) -> Option<Resource>,
+) -> DeltaDiscoveryResponse {
+    let (mut resources, mut removed_resources) = (Vec::new(), Vec::new());
+    for name in r.resource_names_subscribe.iter().filter(|n| *n != "*") {
+        match found(name) {
+            Some(res) => resources.push(res),
+            None => removed_resources.push(name.clone()),
+        }
+    }
+    *nonce += 1;
+    DeltaDiscoveryResponse {
+        type_url: r.type_url.clone(),
+        nonce: nonce.to_string(),
+        resources,
+        removed_resources,
+        ..Default::default()
+    }
+}
+
+/// Waits until `client` has a stream open and `server` has its first request.
+async fn until_connected(client: &XdsClient, server: &Scripted) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while !client.connected() || server.seen.lock().unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "no stream");
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 
@@ -140,11 +188,41 @@ where
     (state, client, task)
 }
 
+/// One response with a good and a broken workload; hangs up after the NACK,
+/// and at once on a later subscription of the same stream.
+fn nack_script() -> Scripted {
+    Scripted::new(|| {
+        let mut sent = false;
+        move |r: &DeltaDiscoveryRequest| {
+            let first_address_sub = r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty();
+            if r.response_nonce == "n1" {
+                // End this stream after the NACK: the client must reconnect.
+                return Step::HangUp;
+            }
+            match (first_address_sub, sent) {
+                (true, false) => {
+                    sent = true;
+                    Step::Answer(DeltaDiscoveryResponse {
+                        type_url: ADDRESS_TYPE.into(),
+                        nonce: "n1".into(),
+                        resources: vec![
+                            workload("good", vec![10, 0, 0, 1]),
+                            workload("broken", vec![10, 0]),
+                        ],
+                        ..Default::default()
+                    })
+                }
+                (true, true) => Step::HangUp,
+                _ => Step::Quiet,
+            }
+        }
+    })
+}
+
 #[tokio::test]
 async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends_versions() {
-    let script = Script::default();
-    let (state, task) =
-        serve_and_connect(AggregatedDiscoveryServiceServer::new(script.clone())).await;
+    let script = nack_script();
+    let (state, task) = serve_and_connect(script.server()).await;
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     loop {
@@ -218,61 +296,35 @@ async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends
 }
 
 /// Serves one response of `n` workloads, each with a long name.
-#[derive(Clone)]
-struct Big {
-    n: usize,
-}
-
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for Big {
-    type DeltaAggregatedResourcesStream =
-        Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
-
-    async fn delta_aggregated_resources(
-        &self,
-        req: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let mut inbound = req.into_inner();
-        let n = self.n;
-        let (tx, rx) = tokio::sync::mpsc::channel(4);
-        tokio::spawn(async move {
-            while let Ok(Some(r)) = inbound.message().await {
-                if r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty() {
-                    let resources = (0..n)
-                        .map(|i| {
-                            let ip = (0x0a00_0000u32 + i as u32).to_be_bytes().to_vec();
-                            let mut res = workload(&format!("w{i}-{}", "x".repeat(300)), ip);
-                            res.name = format!("w{i}");
-                            res
-                        })
-                        .collect();
-                    let _ = tx
-                        .send(Ok(DeltaDiscoveryResponse {
-                            type_url: ADDRESS_TYPE.into(),
-                            nonce: "big".into(),
-                            resources,
-                            ..Default::default()
-                        }))
-                        .await;
-                }
+fn big_script(n: usize) -> Scripted {
+    Scripted::new(move || {
+        move |r: &DeltaDiscoveryRequest| {
+            if r.type_url != ADDRESS_TYPE || !r.response_nonce.is_empty() {
+                return Step::Quiet;
             }
-        });
-        let out =
-            futures_util::stream::unfold(
-                rx,
-                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
-            );
-        Ok(Response::new(Box::pin(out)))
-    }
+            let resources = (0..n)
+                .map(|i| {
+                    let ip = (0x0a00_0000u32 + i as u32).to_be_bytes().to_vec();
+                    let mut res = workload(&format!("w{i}-{}", "x".repeat(300)), ip);
+                    res.name = format!("w{i}");
+                    res
+                })
+                .collect();
+            Step::Answer(DeltaDiscoveryResponse {
+                type_url: ADDRESS_TYPE.into(),
+                nonce: "big".into(),
+                resources,
+                ..Default::default()
+            })
+        }
+    })
 }
 
 #[tokio::test]
 async fn a_response_of_tens_of_megabytes_is_applied() {
     let n = 50_000;
-    let (state, task) = serve_and_connect(
-        AggregatedDiscoveryServiceServer::new(Big { n }).max_encoding_message_size(256 << 20),
-    )
-    .await;
+    let (state, task) =
+        serve_and_connect(big_script(n).server().max_encoding_message_size(256 << 20)).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while state.load().workloads().count() < n {
         assert!(
@@ -287,76 +339,34 @@ async fn a_response_of_tens_of_megabytes_is_applied() {
 }
 
 /// Answers on-demand names: `/10.0.0.1` with a workload (by alias), any
-/// other as removed; ends the stream after its first answer so the client
-/// must reconnect.
-#[derive(Default, Clone)]
-struct OnDemand {
-    seen: Arc<Mutex<Vec<DeltaDiscoveryRequest>>>,
-}
-
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for OnDemand {
-    type DeltaAggregatedResourcesStream =
-        Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
-
-    async fn delta_aggregated_resources(
-        &self,
-        req: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let mut inbound = req.into_inner();
-        let seen = self.seen.clone();
-        let (tx, rx) = tokio::sync::mpsc::channel(8);
-        tokio::spawn(async move {
-            let mut nonce = 0;
-            while let Ok(Some(r)) = inbound.message().await {
-                seen.lock().unwrap().push(r.clone());
-                if !r.response_nonce.is_empty() && r.resource_names_subscribe.is_empty() {
-                    if r.type_url == ADDRESS_TYPE && r.response_nonce != "1" {
-                        break; // an answer was ACKed: hang up
-                    }
-                    continue;
+/// other as removed; ends the stream after its first answer is ACKed so the
+/// client must reconnect.
+fn on_demand_script() -> Scripted {
+    Scripted::new(|| {
+        let mut nonce = 0;
+        move |r: &DeltaDiscoveryRequest| {
+            if !r.response_nonce.is_empty() && r.resource_names_subscribe.is_empty() {
+                if r.type_url == ADDRESS_TYPE && r.response_nonce != "1" {
+                    return Step::HangUp; // an answer was ACKed
                 }
-                let (mut resources, mut removed_resources) = (Vec::new(), Vec::new());
-                for name in r.resource_names_subscribe.iter().filter(|n| *n != "*") {
-                    if name == "/10.0.0.1" {
-                        let mut w = workload("w1", vec![10, 0, 0, 1]);
-                        w.aliases = vec![name.clone()];
-                        resources.push(w);
-                    } else {
-                        removed_resources.push(name.clone());
-                    }
-                }
-                nonce += 1;
-                let _ = tx
-                    .send(Ok(DeltaDiscoveryResponse {
-                        type_url: r.type_url.clone(),
-                        nonce: nonce.to_string(),
-                        resources,
-                        removed_resources,
-                        ..Default::default()
-                    }))
-                    .await;
+                return Step::Quiet;
             }
-        });
-        let out =
-            futures_util::stream::unfold(
-                rx,
-                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
-            );
-        Ok(Response::new(Box::pin(out)))
-    }
+            Step::Answer(answer_names(r, &mut nonce, |name| {
+                (name == "/10.0.0.1").then(|| {
+                    let mut w = workload("w1", vec![10, 0, 0, 1]);
+                    w.aliases = vec![name.to_string()];
+                    w
+                })
+            }))
+        }
+    })
 }
 
 #[tokio::test]
 async fn on_demand_opts_out_of_the_wildcard_fetches_by_name_and_resubscribes_after_reconnect() {
-    let script = OnDemand::default();
-    let (state, client, task) =
-        serve_and_connect_with(AggregatedDiscoveryServiceServer::new(script.clone()), true).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while !client.connected() || script.seen.lock().unwrap().is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "no stream");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let script = on_demand_script();
+    let (state, client, task) = serve_and_connect_with(script.server(), true).await;
+    until_connected(&client, &script).await;
     let first = script.seen.lock().unwrap()[0].clone();
     assert_eq!(first.type_url, ADDRESS_TYPE);
     // istiod reads an empty subscribe list as the wildcard: `*` in both lists opts out.
@@ -428,68 +438,25 @@ async fn on_demand_opts_out_of_the_wildcard_fetches_by_name_and_resubscribes_aft
 }
 
 /// Answers every subscribed name as unknown (removed), and keeps the stream.
-#[derive(Default, Clone)]
-struct AllUnknown {
-    seen: Arc<Mutex<Vec<DeltaDiscoveryRequest>>>,
-}
-
-#[tonic::async_trait]
-impl AggregatedDiscoveryService for AllUnknown {
-    type DeltaAggregatedResourcesStream =
-        Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
-
-    async fn delta_aggregated_resources(
-        &self,
-        req: Request<Streaming<DeltaDiscoveryRequest>>,
-    ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        let mut inbound = req.into_inner();
-        let seen = self.seen.clone();
-        let (tx, rx) = tokio::sync::mpsc::channel(8);
-        tokio::spawn(async move {
-            let mut nonce = 0;
-            while let Ok(Some(r)) = inbound.message().await {
-                seen.lock().unwrap().push(r.clone());
-                let names: Vec<String> = r
-                    .resource_names_subscribe
-                    .iter()
-                    .filter(|n| *n != "*")
-                    .cloned()
-                    .collect();
-                if !r.response_nonce.is_empty() && names.is_empty() {
-                    continue; // an ACK
-                }
-                nonce += 1;
-                let resp = DeltaDiscoveryResponse {
-                    type_url: r.type_url.clone(),
-                    nonce: nonce.to_string(),
-                    removed_resources: names,
-                    ..Default::default()
-                };
-                if tx.send(Ok(resp)).await.is_err() {
-                    break;
-                }
+fn all_unknown_script() -> Scripted {
+    Scripted::new(|| {
+        let mut nonce = 0;
+        move |r: &DeltaDiscoveryRequest| {
+            let named = r.resource_names_subscribe.iter().any(|n| n != "*");
+            if !r.response_nonce.is_empty() && !named {
+                return Step::Quiet; // an ACK
             }
-        });
-        let out =
-            futures_util::stream::unfold(
-                rx,
-                |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
-            );
-        Ok(Response::new(Box::pin(out)))
-    }
+            Step::Answer(answer_names(r, &mut nonce, |_| None))
+        }
+    })
 }
 
 #[tokio::test]
 async fn at_the_cap_on_demand_unsubscribes_the_oldest_unknown_names_in_one_batch() {
     use ambit::xds::client::MAX_DEMANDED;
-    let script = AllUnknown::default();
-    let (_state, client, task) =
-        serve_and_connect_with(AggregatedDiscoveryServiceServer::new(script.clone()), true).await;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while !client.connected() {
-        assert!(tokio::time::Instant::now() < deadline, "no stream");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let script = all_unknown_script();
+    let (_state, client, task) = serve_and_connect_with(script.server(), true).await;
+    until_connected(&client, &script).await;
     // Fill the cap with external addresses, all answered "unknown".
     let name = |i: usize| format!("/10.1.{}.{}", i / 256, i % 256);
     for i in 0..MAX_DEMANDED {
