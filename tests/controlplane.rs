@@ -23,6 +23,14 @@ fn start_cp(m: &Mesh, label: &str) {
     m.lab.spawn(label, cmd).unwrap();
 }
 
+/// Starts the control plane ("cp") serving `mesh`, with the token `s3cret`.
+fn serve_mesh(m: &Mesh, mesh: &str) {
+    std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
+    std::fs::write(m.lab.dir.join("cp.yaml"), mesh).unwrap();
+    start_cp(m, "cp");
+    std::thread::sleep(Duration::from_millis(300));
+}
+
 fn proxy_via_cp(m: &Mesh, pod: &LabPod, sa: &str, token: &str) {
     proxy_via_cp_env(m, pod, sa, token, &[]).unwrap();
 }
@@ -79,16 +87,13 @@ fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duratio
 fn proxies_run_from_the_control_plane_alone() {
     let mut m = Mesh::new("cp");
     let (client, server) = (m.pod("client"), m.pod("server"));
-    std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
     let workloads = format!(
         "workloads:\n{}{}",
         workload(&client, "client-sa", "HBONE"),
         workload(&server, "server-sa", "HBONE")
     );
     let cp_yaml = m.lab.dir.join("cp.yaml");
-    std::fs::write(&cp_yaml, &workloads).unwrap();
-    start_cp(&m, "cp");
-    std::thread::sleep(Duration::from_millis(300));
+    serve_mesh(&m, &workloads);
     proxy_via_cp(&m, &client, "client-sa", "s3cret");
     proxy_via_cp(&m, &server, "server-sa", "s3cret");
     let echo = EchoServer::start(&server, 8080).unwrap();
@@ -205,18 +210,14 @@ fn proxies_run_from_the_control_plane_alone() {
 fn xds_root_ca_system_trusts_the_system_store_and_nothing_else() {
     let mut m = Mesh::new("cpsys");
     let (client, server, stranger) = (m.pod("client"), m.pod("server"), m.pod("stranger"));
-    std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
-    std::fs::write(
-        m.lab.dir.join("cp.yaml"),
-        format!(
+    serve_mesh(
+        &m,
+        &format!(
             "workloads:\n{}{}",
             workload(&client, "client-sa", "HBONE"),
             workload(&server, "server-sa", "HBONE")
         ),
-    )
-    .unwrap();
-    start_cp(&m, "cp");
-    std::thread::sleep(Duration::from_millis(300));
+    );
     // `SYSTEM` is the OS trust store; SSL_CERT_FILE stands in for it here,
     // the way operators point it at a bundle: the mesh CA is in it.
     let mesh_ca = m.ca.0.display().to_string();
@@ -271,10 +272,9 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
         m.pod("other"),
         m.pod("outside"),
     );
-    std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
-    std::fs::write(
-        m.lab.dir.join("cp.yaml"),
-        format!(
+    serve_mesh(
+        &m,
+        &format!(
             "workloads:\n{}{}{}services:\n- {{name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {{80: 8080}}}}\n",
             workload(&client, "client-sa", "HBONE"),
             workload(&server, "server-sa", "HBONE"),
@@ -284,10 +284,7 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
                 "protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}"
             )
         ),
-    )
-    .unwrap();
-    start_cp(&m, "cp");
-    std::thread::sleep(Duration::from_millis(300));
+    );
     proxy_via_cp_env(&m, &client, "client-sa", "s3cret", ON_DEMAND).unwrap();
     proxy_via_cp_env(&m, &server, "server-sa", "s3cret", ON_DEMAND).unwrap();
     proxy_via_cp_env(&m, &other, "other-sa", "s3cret", ON_DEMAND).unwrap();

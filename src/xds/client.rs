@@ -96,9 +96,11 @@ impl OnDemand {
 struct Demand {
     /// Every name subscribed; re-subscribed on each new stream.
     subscribed: HashSet<String>,
-    /// Names the control plane has answered (found or not).
-    answered: HashSet<String>,
-    /// Names answered as unknown (removed), oldest first: evicted first.
+    /// Names the control plane has answered: true if found, false if unknown.
+    answered: HashMap<String, bool>,
+    /// Names as they became unknown, oldest first: evicted first. An entry
+    /// whose name has since been found (or evicted) is skipped, not searched
+    /// out, so a large response costs no more than its own names.
     unknown: std::collections::VecDeque<String>,
     /// To subscribe and unsubscribe on the current stream.
     unsent: Vec<String>,
@@ -120,20 +122,16 @@ impl Demand {
             .iter()
             .flat_map(|r| std::iter::once(&r.name).chain(&r.aliases));
         let mut woken = Vec::new();
-        for name in found {
-            if self.subscribed.contains(name) {
-                self.answered.insert(name.clone());
-                self.unknown.retain(|u| u != name);
-                woken.extend(self.waiters.remove(name).unwrap_or_default());
+        let removed = resp.removed_resources.iter().map(|n| (n, false));
+        for (name, is_found) in found.map(|n| (n, true)).chain(removed) {
+            if !self.subscribed.contains(name) {
+                continue;
             }
-        }
-        for name in &resp.removed_resources {
-            if self.subscribed.contains(name) {
-                if self.answered.insert(name.clone()) {
-                    self.unknown.push_back(name.clone());
-                }
-                woken.extend(self.waiters.remove(name).unwrap_or_default());
+            let was = self.answered.insert(name.clone(), is_found);
+            if !is_found && was != Some(false) {
+                self.unknown.push_back(name.clone());
             }
+            woken.extend(self.waiters.remove(name).unwrap_or_default());
         }
         woken
     }
@@ -150,6 +148,9 @@ impl Demand {
             let Some(old) = self.unknown.pop_front() else {
                 break;
             };
+            if self.answered.get(&old) != Some(&false) {
+                continue; // found since, or already evicted
+            }
             self.subscribed.remove(&old);
             self.answered.remove(&old);
             self.unsubscribe.push(old);
@@ -353,7 +354,7 @@ impl XdsClient {
     pub async fn fetch(&self, name: String, wait: Duration) -> bool {
         let rx = {
             let mut d = self.demand.lock().unwrap_or_else(|e| e.into_inner());
-            if d.answered.contains(&name) {
+            if d.answered.contains_key(&name) {
                 return true;
             }
             if !d.subscribed.contains(&name) {
@@ -629,9 +630,9 @@ mod tests {
         }
         assert!(rxs[0].try_recv().is_ok() && rxs[1].try_recv().is_ok());
         assert!(rxs[2].try_recv().is_err(), "not answered yet");
-        assert!(d.answered.contains("/10.0.0.2") && !d.answered.contains("/10.0.0.3"));
+        assert!(d.answered.contains_key("/10.0.0.2") && !d.answered.contains_key("/10.0.0.3"));
         assert!(
-            !d.answered.contains("unrelated"),
+            !d.answered.contains_key("unrelated"),
             "only subscribed names count"
         );
         assert_eq!(d.unknown, ["/10.0.0.2"], "answered as unknown");
@@ -655,9 +656,26 @@ mod tests {
         let batch = MAX_DEMANDED / 16;
         assert_eq!(d.unsubscribe.len(), batch, "one batch, not one per name");
         assert_eq!(d.unsubscribe[0], "/n0", "oldest unknown first");
-        assert!(!d.subscribed.contains("/n0") && !d.answered.contains("/n0"));
+        assert!(!d.subscribed.contains("/n0") && !d.answered.contains_key("/n0"));
         assert!(d.subscribed.contains(&format!("/n{}", MAX_DEMANDED - 1)));
         assert_eq!(d.subscribed.len(), MAX_DEMANDED - batch);
+
+        // A name found since it was unknown is skipped when room is made again.
+        let next = format!("/n{batch}");
+        let mut w = res("w", wl("w", [10, 0, 0, 9]));
+        w.aliases = vec![next.clone()];
+        d.answered_by(&DeltaDiscoveryResponse {
+            type_url: ADDRESS_TYPE.into(),
+            resources: vec![w],
+            ..Default::default()
+        });
+        for i in 0..batch {
+            d.subscribed.insert(format!("/new{i}"));
+        }
+        d.unsubscribe.clear();
+        assert!(d.make_room());
+        assert!(!d.unsubscribe.contains(&next) && d.subscribed.contains(&next));
+        assert_eq!(d.unsubscribe[0], format!("/n{}", batch + 1));
     }
 
     #[test]
