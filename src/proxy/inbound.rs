@@ -15,7 +15,7 @@ use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
-use super::pod::{limit_unsent, tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
+use super::pod::{tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
@@ -83,9 +83,6 @@ impl Inbound {
             Ok(a) => a.ip(),
             Err(_) => return,
         };
-        if let Err(e) = limit_unsent(&tcp, self.h2.unsent_limit) {
-            tracing::debug!(error = %e, "cannot limit the HBONE connection's unsent data");
-        }
         let acceptor = tokio_rustls::TlsAcceptor::from(self.pod.tls.load().server.clone());
         let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
             Ok(Ok(mut tls)) => {

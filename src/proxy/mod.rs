@@ -175,6 +175,10 @@ impl ProxyShared {
             listen(INBOUND_PLAINTEXT_PORT)?,
             listen(HBONE_PORT)?,
         );
+        // Once here, not per connection: accepted sockets inherit the cap.
+        if let Err(e) = pod::limit_unsent(&hbone_l, self.h2.unsent_limit) {
+            tracing::debug!(pod = %pod.uid, error = %e, "cannot limit HBONE connections' unsent data");
+        }
         let outbound = Arc::new(outbound::Outbound {
             pod: pod.clone(),
             state: self.state.clone(),

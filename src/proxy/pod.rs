@@ -155,8 +155,9 @@ impl SocketFactory {
 /// 64 KiB, splits a 256 KiB frame into four writes).
 pub const TLS_SEND_BUFFER: usize = 1 << 20;
 
-/// Caps the bytes the kernel queues unsent for `stream` (`TCP_NOTSENT_LOWAT`);
-/// 0 leaves the kernel's default (no cap).
+/// Caps the bytes the kernel queues unsent for `socket` (`TCP_NOTSENT_LOWAT`);
+/// 0 leaves the kernel's default (no cap). Set on a listener, it holds for
+/// every connection the listener accepts.
 ///
 /// Used on HBONE connections (`hbone_unsent_limit`). Without a cap the kernel
 /// takes encrypted records up to the whole send buffer (`tcp_wmem`'s maximum,
@@ -166,11 +167,11 @@ pub const TLS_SEND_BUFFER: usize = 1 << 20;
 /// ahead of a new frame. The kernel checks the cap before each buffer it fills,
 /// so one write can go over it by up to a buffer, and it wakes the writer
 /// when half the cap is left.
-pub fn limit_unsent(stream: &TcpStream, bytes: u32) -> io::Result<()> {
+pub fn limit_unsent(socket: &impl std::os::fd::AsFd, bytes: u32) -> io::Result<()> {
     if bytes == 0 {
         return Ok(());
     }
-    SockRef::from(stream).set_tcp_notsent_lowat(bytes)
+    SockRef::from(socket).set_tcp_notsent_lowat(bytes)
 }
 
 /// NODELAY and keepalive, for every connection the proxy holds.
@@ -349,6 +350,16 @@ mod tests {
         SockRef::from(&b).set_recv_buffer_size(64 * 1024).unwrap();
         limit_unsent(&a, limit).unwrap();
         (a, sndbuf, b)
+    }
+
+    #[tokio::test]
+    async fn an_unsent_limit_on_the_listener_holds_for_every_accepted_connection() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        limit_unsent(&l, 64 * 1024).unwrap();
+        let addr = l.local_addr().unwrap();
+        let (_c, accepted) = tokio::join!(TcpStream::connect(addr), l.accept());
+        let (a, _) = accepted.unwrap();
+        assert_eq!(SockRef::from(&a).tcp_notsent_lowat().unwrap(), 64 * 1024);
     }
 
     #[tokio::test]
