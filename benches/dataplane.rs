@@ -1,5 +1,6 @@
 //! Data-path benchmark (not a timed test): in one lab node, iperf3
-//! single-stream throughput and 1-byte ping-pong latency, direct (no proxy,
+//! single-stream throughput, 1-byte ping-pong latency and the rate of
+//! short connections (connect, 1-byte echo, close), direct (no proxy,
 //! no rules) vs through HBONE (a dedicated ambit proxy in each pod) vs
 //! passthrough (meshed client, destination outside the mesh). Every number
 //! is printed as a ratio to direct, measured side by side on this machine,
@@ -9,10 +10,12 @@
 //! the iperf3 duration (default 5).
 
 use std::io::{Read, Write};
-use std::net::SocketAddr;
+use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-use ambit::lab::{connect_from, iperf3, rss_kb, write_ca, EchoServer, Lab, LabPod, ProxySpec};
+use ambit::lab::{
+    close_first_echo, connect_from, iperf3, rss_kb, write_ca, EchoServer, Lab, LabPod, ProxySpec,
+};
 
 /// Busy CPU seconds of the whole machine so far (`/proc/stat`, all CPUs):
 /// user, nice, system, irq and softirq. Idle, iowait and steal are not ours;
@@ -51,6 +54,33 @@ fn table(title: &str, unit: &str, rows: [(&str, f64); 3], decimals: usize) {
     for (name, v) in rows {
         println!("{name:<34} {v:>10.decimals$} {:>9.2}x", v / rows[0].1);
     }
+}
+
+/// Connections per second, one after another from `client`: connect, send a
+/// byte, read it back, read the server's close, close.
+fn connect_rate(client: &LabPod, target: SocketAddr, secs: f64) -> f64 {
+    client
+        .ns
+        .run(move || {
+            let once = || {
+                let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).unwrap();
+                s.set_nodelay(true).unwrap();
+                let mut b = [0u8; 1];
+                s.write_all(b"x").unwrap();
+                s.read_exact(&mut b).unwrap();
+                assert_eq!(s.read(&mut b).unwrap(), 0, "the server closes");
+            };
+            for _ in 0..50 {
+                once(); // warm: pooled HBONE connection, caches
+            }
+            let (start, mut n) = (Instant::now(), 0u64);
+            while start.elapsed().as_secs_f64() < secs {
+                once();
+                n += 1;
+            }
+            n as f64 / start.elapsed().as_secs_f64()
+        })
+        .unwrap()
 }
 
 fn ping_pong(client: &LabPod, target: SocketAddr, rounds: usize) -> Duration {
@@ -185,6 +215,26 @@ fn main() {
         [("direct (no proxy)", d), ("HBONE", h), ("passthrough", p)]
             .map(|(name, t)| (name, t.as_secs_f64() * 1e6)),
         1,
+    );
+    // Short connections: the per-connection cost (accept, original
+    // destination, an HBONE stream on the pooled connection, dial, close).
+    let short_server = close_first_echo(&server, 7001).unwrap();
+    let short_outsider = close_first_echo(&outsider, 7001).unwrap();
+    let (mut cd, mut ch, mut cp) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..rounds_n {
+        cd.push(connect_rate(&plain_client, short_outsider, 2.0));
+        ch.push(connect_rate(&client, short_server, 2.0));
+        cp.push(connect_rate(&client, short_outsider, 2.0));
+    }
+    table(
+        "short connections (connect+echo+close)",
+        "conn/s",
+        [
+            ("direct (no proxy)", median(cd)),
+            ("HBONE", median(ch)),
+            ("passthrough", median(cp)),
+        ],
+        0,
     );
     let rss: Vec<u64> = ["proxy-client", "proxy-server"]
         .iter()

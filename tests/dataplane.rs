@@ -710,3 +710,72 @@ fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() 
         "with AMBIT_HBONE_UNSENT_LIMIT=0 the kernel queued up to {uncapped_max} bytes (capped: {capped_max})"
     );
 }
+
+/// `TcpExt` counters of the calling thread's netns (`/proc/net/netstat`).
+fn tcp_ext(name: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/thread-self/net/netstat").unwrap();
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (keys, values) = (lines.next().unwrap(), lines.next().unwrap());
+    let at = keys.split_whitespace().position(|k| k == name).unwrap();
+    values.split_whitespace().nth(at).unwrap().parse().unwrap()
+}
+
+#[test]
+fn short_connections_the_destination_closes_never_stall_on_a_reused_port() {
+    let mut m = Mesh::new("tw");
+    let (client, server, outsider) = (m.pod("client"), m.pod("server"), m.pod("outsider"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    // Both destinations close first, as HTTP/1.0 servers do: the proxy then
+    // closes the application's connection first.
+    let meshed = ambit::lab::close_first_echo(&server, 7001).unwrap();
+    let outside = ambit::lab::close_first_echo(&outsider, 7001).unwrap();
+    let (syn_retries, slowest) = client
+        .ns
+        .run(move || {
+            let once = |dst: SocketAddr| {
+                let t = std::time::Instant::now();
+                let mut s =
+                    std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)).unwrap();
+                let took = t.elapsed();
+                use std::io::{Read, Write};
+                s.write_all(b"x").unwrap();
+                let mut b = [0u8; 2];
+                assert_eq!(s.read(&mut b).unwrap(), 1, "the echo");
+                assert_eq!(s.read(&mut b).unwrap(), 0, "then the server's close");
+                took
+            };
+            let before = tcp_ext("TCPSynRetrans");
+            let mut slowest = Duration::ZERO;
+            // The application's kernel picks each source port knowing only its
+            // own destinations; the proxy's side of every connection is
+            // 127.0.0.1:15001, whatever the destination.
+            for i in 0..4000 {
+                slowest = slowest.max(once([meshed, outside][i % 2]));
+            }
+            (tcp_ext("TCPSynRetrans") - before, slowest)
+        })
+        .unwrap();
+    assert_eq!(
+        syn_retries, 0,
+        "no SYN had to be sent again (slowest connect {slowest:?})"
+    );
+    assert!(slowest < Duration::from_millis(500), "{slowest:?}");
+    let held = client
+        .ns
+        .command("ss")
+        .args(["-Htan", "state", "time-wait", "( sport = :15001 )"])
+        .output()
+        .unwrap();
+    let held = String::from_utf8_lossy(&held.stdout);
+    assert_eq!(
+        held.lines().count(),
+        0,
+        "the proxy keeps no TIME_WAIT:\n{held}"
+    );
+}

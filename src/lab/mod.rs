@@ -379,7 +379,23 @@ pub fn connect_from(pod: &LabPod, addr: SocketAddr) -> io::Result<TcpStream> {
         .run(move || TcpStream::connect_timeout(&addr, Duration::from_secs(5)))?
 }
 
-/// An echo application inside a pod: sends back every byte, records who connected.
+/// A server for short connections inside `pod`, as an HTTP/1.0 server
+/// behaves: per connection, echoes one byte and closes first. One connection
+/// at a time, so its own cost is small and the same on every path.
+pub fn close_first_echo(pod: &LabPod, port: u16) -> io::Result<SocketAddr> {
+    let listener = pod.ns.run(move || TcpListener::bind(("0.0.0.0", port)))??;
+    std::thread::spawn(move || {
+        let mut b = [0u8; 1];
+        for mut conn in listener.incoming().flatten() {
+            let _ = conn.set_nodelay(true);
+            if conn.read_exact(&mut b).is_ok() {
+                let _ = conn.write_all(&b);
+            }
+        }
+    });
+    Ok(SocketAddr::new(pod.ip.into(), port))
+}
+
 /// What one `iperf3 -c` run moved.
 #[derive(Debug, Clone, Copy)]
 pub struct Iperf {
@@ -417,6 +433,7 @@ pub fn iperf3(client: &LabPod, server: Ipv4Addr, secs: u64, extra: &[&str]) -> i
     }
 }
 
+/// An echo application inside a pod: sends back every byte, records who connected.
 pub struct EchoServer {
     pub addr: SocketAddr,
     peers: Arc<Mutex<Vec<SocketAddr>>>,

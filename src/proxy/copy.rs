@@ -18,6 +18,36 @@ pub struct Transferred {
     pub sent: u64,
     /// Back towards the originator.
     pub received: u64,
+    /// The destination finished first: the proxy half-closed the
+    /// originator's side before the originator closed its own, so the
+    /// proxy's side of that connection ends in TIME_WAIT.
+    pub proxy_closed_first: bool,
+}
+
+/// Runs both directions of a copy; the second result says whether `down`
+/// (towards the originator) ended before `up`.
+async fn both_ways<U, D>(up: U, down: D) -> (U::Output, D::Output, bool)
+where
+    U: std::future::Future,
+    D: std::future::Future,
+{
+    let down_first = std::sync::atomic::AtomicBool::new(false);
+    let up_done = std::sync::atomic::AtomicBool::new(false);
+    let (u, d) = tokio::join!(
+        async {
+            let r = up.await;
+            up_done.store(true, std::sync::atomic::Ordering::Relaxed);
+            r
+        },
+        async {
+            let r = down.await;
+            if !up_done.load(std::sync::atomic::Ordering::Relaxed) {
+                down_first.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            r
+        }
+    );
+    (u, d, down_first.into_inner())
 }
 
 /// Pipe size asked of the kernel for splice (capped by fs.pipe-max-size).
@@ -159,13 +189,15 @@ pub async fn splice_bidirectional(
     client: &TcpStream,
     upstream: &TcpStream,
 ) -> (Transferred, io::Result<()>) {
-    let (up, down) = tokio::join!(
+    let (up, down, proxy_closed_first) = both_ways(
         splice_one_way(client, upstream),
-        splice_one_way(upstream, client)
-    );
+        splice_one_way(upstream, client),
+    )
+    .await;
     let t = Transferred {
         sent: *up.as_ref().unwrap_or(&0),
         received: *down.as_ref().unwrap_or(&0),
+        proxy_closed_first,
     };
     (t, up.and(down).map(|_| ()))
 }
@@ -264,10 +296,11 @@ pub async fn tcp_h2_bidirectional(
     recv: RecvStream,
 ) -> (Transferred, io::Result<()>) {
     let (r, w) = tcp.split();
-    let (up, down) = tokio::join!(tcp_to_h2(r, send), h2_to_tcp(recv, w));
+    let (up, down, proxy_closed_first) = both_ways(tcp_to_h2(r, send), h2_to_tcp(recv, w)).await;
     let t = Transferred {
         sent: *up.as_ref().unwrap_or(&0),
         received: *down.as_ref().unwrap_or(&0),
+        proxy_closed_first,
     };
     (t, up.and(down).map(|_| ()))
 }
@@ -359,8 +392,26 @@ mod tests {
             t,
             Transferred {
                 sent: 3 << 20,
-                received: 5
-            }
+                received: 5,
+                proxy_closed_first: false,
+            },
+            "the client closed first"
         );
+    }
+
+    #[tokio::test]
+    async fn a_destination_that_closes_first_is_reported() {
+        let (mut app_client, proxy_in) = pair().await;
+        let (proxy_out, mut app_server) = pair().await;
+        let relay = tokio::spawn(async move { splice_bidirectional(&proxy_in, &proxy_out).await });
+        app_server.write_all(b"bye").await.unwrap();
+        drop(app_server);
+        let mut got = Vec::new();
+        app_client.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"bye");
+        drop(app_client);
+        let (t, _) = relay.await.unwrap();
+        assert!(t.proxy_closed_first, "{t:?}");
+        assert_eq!(t.received, 3);
     }
 }

@@ -212,6 +212,7 @@ impl Inbound {
         let t = Transferred {
             sent: t.received,
             received: t.sent,
+            ..t
         };
         self.metrics.closed(&labels, t);
         tracing::info!(

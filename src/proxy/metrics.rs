@@ -195,6 +195,7 @@ mod tests {
             Transferred {
                 sent: 10,
                 received: 3,
+                ..Default::default()
             },
         );
         let mut text = String::new();

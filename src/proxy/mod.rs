@@ -15,6 +15,7 @@ pub mod pod;
 pub mod pool;
 pub mod rbac;
 pub mod reauth;
+pub mod timewait;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use socket2::SockRef;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
@@ -179,6 +180,9 @@ impl Outbound {
 
     async fn handle(&self, mut stream: TcpStream, peer: SocketAddr) {
         let _ = tune(&stream);
+        // Read now: the TIME_WAIT this connection may leave keeps its cookie.
+        let (local, cookie) = (stream.local_addr(), SockRef::from(&stream).cookie());
+        let accepted_from = peer;
         let peer = SocketAddr::new(super::hbone::canonical(peer.ip()), peer.port());
         let dst = match original_dst(&stream) {
             Ok(d) => d,
@@ -236,6 +240,11 @@ impl Outbound {
             }
         };
         self.metrics.closed(&labels, t);
+        if let (true, Ok(local), Ok(cookie)) = (t.proxy_closed_first, local, cookie) {
+            self.pod
+                .sockets
+                .forget_time_wait(local, accepted_from, cookie);
+        }
         match result {
             Ok(t) => {
                 tracing::info!(src.addr = %peer, src.workload = %format!("{}/{}", labels.source_workload_namespace, labels.source_workload), src.principal = %labels.source_principal,

@@ -26,12 +26,18 @@ pub struct SocketFactory {
     /// `None`: the proxy already runs inside the pod's netns (dedicated mode).
     /// `Some((pod, home))`: sockets are made inside `pod`, then the thread returns to `home`.
     netns: Option<(Netns, Netns)>,
+    /// Removes outbound TIME_WAITs (see [`super::timewait`]); opened on first use.
+    reaper: Arc<std::sync::OnceLock<super::timewait::Reaper>>,
 }
 
 impl SocketFactory {
     /// Sockets in the caller's own netns (dedicated mode).
     pub fn local(mark: u32) -> Self {
-        SocketFactory { mark, netns: None }
+        SocketFactory {
+            mark,
+            netns: None,
+            reaper: Arc::default(),
+        }
     }
 
     /// Sockets inside `pod`'s netns; the creating thread goes back to `home`.
@@ -39,6 +45,7 @@ impl SocketFactory {
         SocketFactory {
             mark,
             netns: Some((pod, home)),
+            reaper: Arc::default(),
         }
     }
 
@@ -48,15 +55,37 @@ impl SocketFactory {
 
     fn socket_of(&self, addr: &SocketAddr, ty: Type, proto: Protocol) -> io::Result<Socket> {
         let domain = Domain::for_address(*addr);
-        let make = || {
+        self.inside(|| {
             let s = Socket::new(domain, ty.nonblocking(), Some(proto))?;
             s.set_mark(self.mark)?;
             Ok(s)
-        };
+        })
+    }
+
+    fn inside<T>(&self, make: impl FnOnce() -> io::Result<T>) -> io::Result<T> {
         match &self.netns {
             None => make(),
             Some((pod, home)) => pod.with(home, make),
         }
+    }
+
+    /// Removes the TIME_WAIT the proxy holds for its connection from `peer`
+    /// to `local` (an outbound connection whose destination closed first);
+    /// `cookie` is that connection's `SO_COOKIE`.
+    pub fn forget_time_wait(&self, local: SocketAddr, peer: SocketAddr, cookie: u64) {
+        self.reaper
+            .get_or_init(|| {
+                super::timewait::Reaper::open(|| {
+                    self.inside(|| {
+                        Socket::new(
+                            Domain::from(libc::AF_NETLINK),
+                            Type::DGRAM,
+                            Some(Protocol::from(libc::NETLINK_SOCK_DIAG)),
+                        )
+                    })
+                })
+            })
+            .remove(local, peer, cookie);
     }
 
     /// A listener with `SO_REUSEPORT`, so a new proxy can bind beside a draining one.
