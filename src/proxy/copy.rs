@@ -59,7 +59,35 @@ struct Pipe {
     size: usize,
 }
 
+/// Empty pipes kept per worker thread for the next connection: a short
+/// connection otherwise spends ten syscalls making and closing its two.
+const PIPES_KEPT: usize = 16;
+
+thread_local! {
+    static SPARE_PIPES: std::cell::RefCell<Vec<Pipe>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 impl Pipe {
+    /// A spare empty pipe of this thread, or a new one.
+    fn take() -> io::Result<Self> {
+        match SPARE_PIPES.with(|p| p.borrow_mut().pop()) {
+            Some(pipe) => Ok(pipe),
+            None => Pipe::new(),
+        }
+    }
+
+    /// Keeps a drained pipe for reuse. Only an empty pipe may come back: a
+    /// copy that ends early (an error, a cancelled task) drops its pipe,
+    /// and whatever it held goes with it.
+    fn give_back(self) {
+        SPARE_PIPES.with(|p| {
+            let mut p = p.borrow_mut();
+            if p.len() < PIPES_KEPT {
+                p.push(self);
+            }
+        });
+    }
+
     fn new() -> io::Result<Self> {
         let (read, write) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)?;
@@ -113,7 +141,7 @@ fn has_no_room(write: &OwnedFd) -> bool {
 /// keeps filling the pipe, and while `src` is dry, the pipe keeps draining.
 /// The task sleeps only when neither side can move.
 async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
-    let pipe = Pipe::new()?;
+    let pipe = Pipe::take()?;
     let mut total = 0u64;
     let mut queued = 0usize;
     let mut eof = false;
@@ -180,6 +208,7 @@ async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
             _ => dst.writable().await?,
         }
     }
+    pipe.give_back(); // eof and nothing queued: empty
     let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
     Ok(total)
 }
@@ -397,6 +426,51 @@ mod tests {
             },
             "the client closed first"
         );
+    }
+
+    #[tokio::test]
+    async fn a_drained_pipe_serves_the_next_connection() {
+        let spare = || SPARE_PIPES.with(|p| p.borrow().len());
+        let before = spare();
+        let (mut app_client, proxy_in) = pair().await;
+        let (proxy_out, mut app_server) = pair().await;
+        // Current-thread runtime: the copy runs on this thread.
+        let relay = async { splice_bidirectional(&proxy_in, &proxy_out).await };
+        let apps = async {
+            app_client.write_all(b"ping").await.unwrap();
+            app_client.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            app_server.read_to_end(&mut got).await.unwrap();
+            app_server.write_all(b"pong").await.unwrap();
+            drop(app_server);
+            let mut back = Vec::new();
+            app_client.read_to_end(&mut back).await.unwrap();
+            (got, back)
+        };
+        let ((t, res), (got, back)) = tokio::join!(relay, apps);
+        res.unwrap();
+        assert_eq!(
+            (got.as_slice(), back.as_slice()),
+            (&b"ping"[..], &b"pong"[..])
+        );
+        assert_eq!((t.sent, t.received), (4, 4));
+        assert_eq!(spare(), before + 2, "both pipes kept");
+        // The next connection takes them and moves bytes through them as well.
+        let (mut c2, p_in) = pair().await;
+        let (p_out, mut s2) = pair().await;
+        let relay = async { splice_bidirectional(&p_in, &p_out).await };
+        let apps = async {
+            c2.write_all(b"again").await.unwrap();
+            c2.shutdown().await.unwrap();
+            let mut got = Vec::new();
+            s2.read_to_end(&mut got).await.unwrap();
+            drop(s2);
+            got
+        };
+        let ((t, _), got) = tokio::join!(relay, apps);
+        assert_eq!(got, b"again");
+        assert_eq!(t.sent, 5);
+        assert_eq!(spare(), before + 2, "taken and given back, not made anew");
     }
 
     #[tokio::test]

@@ -15,7 +15,7 @@ use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
-use super::pod::{tune, Lifecycle, PodRef, TLS_SEND_BUFFER};
+use super::pod::{Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
@@ -49,7 +49,6 @@ where
         };
         match accepted {
             Ok((stream, peer)) => {
-                let _ = tune(&stream);
                 let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
                 life.spawn(handle(stream, peer));
             }

@@ -14,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
-use super::pod::{limit_unsent, tune, PodRef, TLS_SEND_BUFFER};
+use super::pod::{limit_unsent, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
@@ -179,7 +179,6 @@ impl Outbound {
     }
 
     async fn handle(&self, mut stream: TcpStream, peer: SocketAddr) {
-        let _ = tune(&stream);
         // Read now: the TIME_WAIT this connection may leave keeps its cookie.
         let (local, cookie) = (stream.local_addr(), SockRef::from(&stream).cookie());
         let accepted_from = peer;

@@ -96,6 +96,8 @@ impl SocketFactory {
         if addr.is_ipv6() {
             s.set_only_v6(false)?;
         }
+        // Accepted connections inherit these: no per-connection syscalls.
+        tune(&s)?;
         s.bind(&addr.into())?;
         s.listen(1024)?;
         TcpListener::from_std(s.into())
@@ -165,6 +167,7 @@ impl SocketFactory {
             }
             s.bind(&SocketAddr::new(src, 0).into())?;
         }
+        tune(&s)?;
         let sock = TcpSocket::from_std_stream(s.into());
         let stream = tokio::time::timeout(CONNECT_TIMEOUT, sock.connect(addr))
             .await
@@ -174,7 +177,6 @@ impl SocketFactory {
                     format!("connect to {addr} timed out"),
                 )
             })??;
-        tune(&stream)?;
         Ok(stream)
     }
 }
@@ -203,13 +205,14 @@ pub fn limit_unsent(socket: &impl std::os::fd::AsFd, bytes: u32) -> io::Result<(
     SockRef::from(socket).set_tcp_notsent_lowat(bytes)
 }
 
-/// NODELAY and keepalive, for every connection the proxy holds.
-pub fn tune(stream: &TcpStream) -> io::Result<()> {
-    stream.set_nodelay(true)?;
+/// NODELAY and keepalive, for every connection the proxy holds (set on
+/// listeners, whose accepted connections inherit them, and before connect).
+fn tune(s: &Socket) -> io::Result<()> {
+    s.set_tcp_nodelay(true)?;
     let ka = TcpKeepalive::new()
         .with_time(Duration::from_secs(180))
         .with_interval(Duration::from_secs(180));
-    SockRef::from(stream).set_tcp_keepalive(&ka)
+    s.set_tcp_keepalive(&ka)
 }
 
 /// Tells a pod's listeners and connections to stop; cheap to clone.
@@ -327,6 +330,33 @@ pub type PodRef = Arc<Pod>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn accepted_connections_inherit_nodelay_and_keepalive_from_the_listener() {
+        let factory = SocketFactory::local(0);
+        let listener = factory.listen("127.0.0.1:0".parse().unwrap()).unwrap();
+        let _client = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (accepted, _) = listener.accept().await.unwrap();
+        let s = SockRef::from(&accepted);
+        assert!(s.tcp_nodelay().unwrap());
+        assert!(s.keepalive().unwrap());
+        assert_eq!(s.tcp_keepalive_time().unwrap(), Duration::from_secs(180));
+        assert_eq!(
+            s.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(180)
+        );
+        let dialed = factory
+            .connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        assert!(SockRef::from(&dialed).tcp_nodelay().unwrap());
+        assert_eq!(
+            SockRef::from(&dialed).tcp_keepalive_time().unwrap(),
+            Duration::from_secs(180)
+        );
+    }
 
     /// Bytes the kernel holds for `s` that it has not sent yet (`SIOCOUTQNSD`).
     fn unsent(s: &TcpStream) -> usize {
