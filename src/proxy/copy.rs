@@ -24,30 +24,32 @@ pub struct Transferred {
     pub proxy_closed_first: bool,
 }
 
-/// Runs both directions of a copy; the second result says whether `down`
-/// (towards the originator) ended before `up`.
-async fn both_ways<U, D>(up: U, down: D) -> (U::Output, D::Output, bool)
+/// Runs both directions of a copy; the third result says whether `down`
+/// (towards the originator) ended cleanly, with its half-close sent, before
+/// `up` read the originator's own close. Only then does the proxy hold the
+/// originator's connection in TIME_WAIT.
+async fn both_ways<U, D>(up: U, down: D) -> (io::Result<u64>, io::Result<u64>, bool)
 where
-    U: std::future::Future,
-    D: std::future::Future,
+    U: std::future::Future<Output = io::Result<u64>>,
+    D: std::future::Future<Output = io::Result<u64>>,
 {
-    let down_first = std::sync::atomic::AtomicBool::new(false);
-    let up_done = std::sync::atomic::AtomicBool::new(false);
+    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+    // Atomics, not a Cell: the joined future must stay Send.
+    let (up_done, down_first) = (AtomicBool::new(false), AtomicBool::new(false));
     let (u, d) = tokio::join!(
         async {
             let r = up.await;
-            up_done.store(true, std::sync::atomic::Ordering::Relaxed);
+            up_done.store(true, Relaxed);
             r
         },
         async {
             let r = down.await;
-            if !up_done.load(std::sync::atomic::Ordering::Relaxed) {
-                down_first.store(true, std::sync::atomic::Ordering::Relaxed);
-            }
+            down_first.store(!up_done.load(Relaxed), Relaxed);
             r
         }
     );
-    (u, d, down_first.into_inner())
+    let clean = u.is_ok() && d.is_ok();
+    (u, d, clean && down_first.into_inner())
 }
 
 /// Pipe size asked of the kernel for splice (capped by fs.pipe-max-size).
@@ -61,7 +63,8 @@ struct Pipe {
 
 /// Empty pipes kept per worker thread for the next connection: a short
 /// connection otherwise spends ten syscalls making and closing its two.
-const PIPES_KEPT: usize = 16;
+/// Few, since kept pipes count against the user's pipe-buffer limit.
+const PIPES_KEPT: usize = 4;
 
 thread_local! {
     static SPARE_PIPES: std::cell::RefCell<Vec<Pipe>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -70,9 +73,9 @@ thread_local! {
 impl Pipe {
     /// A spare empty pipe of this thread, or a new one.
     fn take() -> io::Result<Self> {
-        match SPARE_PIPES.with(|p| p.borrow_mut().pop()) {
-            Some(pipe) => Ok(pipe),
-            None => Pipe::new(),
+        match SPARE_PIPES.try_with(|p| p.borrow_mut().pop()) {
+            Ok(Some(pipe)) => Ok(pipe),
+            _ => Pipe::new(),
         }
     }
 
@@ -80,7 +83,8 @@ impl Pipe {
     /// copy that ends early (an error, a cancelled task) drops its pipe,
     /// and whatever it held goes with it.
     fn give_back(self) {
-        SPARE_PIPES.with(|p| {
+        // `try_with`: a thread being torn down just closes it.
+        let _ = SPARE_PIPES.try_with(|p| {
             let mut p = p.borrow_mut();
             if p.len() < PIPES_KEPT {
                 p.push(self);
@@ -141,6 +145,14 @@ fn has_no_room(write: &OwnedFd) -> bool {
 /// keeps filling the pipe, and while `src` is dry, the pipe keeps draining.
 /// The task sleeps only when neither side can move.
 async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
+    let moved = splice_until_eof(src, dst).await;
+    // Also after an error (a reset, a failed write): else the other side
+    // would wait for an end that never comes.
+    let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
+    moved
+}
+
+async fn splice_until_eof(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
     let pipe = Pipe::take()?;
     let mut total = 0u64;
     let mut queued = 0usize;
@@ -209,7 +221,6 @@ async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
         }
     }
     pipe.give_back(); // eof and nothing queued: empty
-    let _ = SockRef::from(dst).shutdown(std::net::Shutdown::Write);
     Ok(total)
 }
 
@@ -285,7 +296,15 @@ async fn tcp_to_h2<R: AsyncRead + Unpin>(
 }
 
 /// Writes an HBONE stream's data to a TCP half; END_STREAM (or RST NO_ERROR/CANCEL) half-closes it.
-async fn h2_to_tcp<W: AsyncWrite + Unpin>(mut src: RecvStream, mut dst: W) -> io::Result<u64> {
+async fn h2_to_tcp<W: AsyncWrite + Unpin>(src: RecvStream, mut dst: W) -> io::Result<u64> {
+    let moved = h2_until_end(src, &mut dst).await;
+    // Also after a reset: the TCP side must not wait for an end that never comes.
+    let closed = dst.shutdown().await;
+    let total = moved?;
+    closed.map(|_| total)
+}
+
+async fn h2_until_end<W: AsyncWrite + Unpin>(mut src: RecvStream, dst: &mut W) -> io::Result<u64> {
     let mut total = 0u64;
     while let Some(chunk) = src.data().await {
         let chunk = match chunk {
@@ -304,7 +323,6 @@ async fn h2_to_tcp<W: AsyncWrite + Unpin>(mut src: RecvStream, mut dst: W) -> io
         total += chunk.len() as u64;
         let _ = src.flow_control().release_capacity(chunk.len());
     }
-    dst.shutdown().await?;
     Ok(total)
 }
 
@@ -337,6 +355,7 @@ pub async fn tcp_h2_bidirectional(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use tokio::net::TcpListener;
 
     async fn pair() -> (TcpStream, TcpStream) {
@@ -360,7 +379,6 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn small_segments_then_close_reach_a_slow_reader_whole() {
-        use std::time::Duration;
         let (mut app_client, proxy_in) = pair().await;
         let (proxy_out, mut app_server) = pair().await;
         app_client.set_nodelay(true).unwrap();
@@ -471,6 +489,36 @@ mod tests {
         assert_eq!(got, b"again");
         assert_eq!(t.sent, 5);
         assert_eq!(spare(), before + 2, "taken and given back, not made anew");
+    }
+
+    #[tokio::test]
+    async fn a_destination_reset_ends_the_clients_side_and_is_no_clean_close() {
+        let (mut app_client, proxy_in) = pair().await;
+        let (proxy_out, app_server) = pair().await;
+        let relay = tokio::spawn(async move { splice_bidirectional(&proxy_in, &proxy_out).await });
+        app_client.write_all(b"request").await.unwrap();
+        // The destination resets (SO_LINGER 0) instead of closing.
+        let std_server = app_server.into_std().unwrap();
+        socket2::SockRef::from(&std_server)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(std_server);
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), app_client.read_to_end(&mut got))
+            .await
+            .expect("the client is told the end, not left waiting")
+            .ok();
+        drop(app_client);
+        let (t, res) = tokio::time::timeout(Duration::from_secs(5), relay)
+            .await
+            .expect("the relay ends")
+            .unwrap();
+        assert!(res.is_err(), "the reset is reported");
+        assert!(
+            !t.proxy_closed_first,
+            "a reset is not the proxy's clean close"
+        );
     }
 
     #[tokio::test]

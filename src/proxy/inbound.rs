@@ -211,7 +211,7 @@ impl Inbound {
         let t = Transferred {
             sent: t.received,
             received: t.sent,
-            ..t
+            proxy_closed_first: false, // outbound's notion; not used inbound
         };
         self.metrics.closed(&labels, t);
         tracing::info!(

@@ -242,7 +242,7 @@ impl Outbound {
         if let (true, Ok(local), Ok(cookie)) = (t.proxy_closed_first, local, cookie) {
             self.pod
                 .sockets
-                .forget_time_wait(local, accepted_from, cookie);
+                .forget_time_wait(&stream, local, accepted_from, cookie);
         }
         match result {
             Ok(t) => {

@@ -69,10 +69,16 @@ impl SocketFactory {
         }
     }
 
-    /// Removes the TIME_WAIT the proxy holds for its connection from `peer`
-    /// to `local` (an outbound connection whose destination closed first);
-    /// `cookie` is that connection's `SO_COOKIE`.
-    pub fn forget_time_wait(&self, local: SocketAddr, peer: SocketAddr, cookie: u64) {
+    /// Removes the TIME_WAIT the proxy holds for `conn`, its connection from
+    /// `peer` to `local` (an outbound connection whose destination closed
+    /// first); `cookie` is `conn`'s `SO_COOKIE`.
+    pub fn forget_time_wait(
+        &self,
+        conn: &TcpStream,
+        local: SocketAddr,
+        peer: SocketAddr,
+        cookie: u64,
+    ) {
         self.reaper
             .get_or_init(|| {
                 super::timewait::Reaper::open(|| {
@@ -85,7 +91,7 @@ impl SocketFactory {
                     })
                 })
             })
-            .remove(local, peer, cookie);
+            .remove(conn, local, peer, cookie);
     }
 
     /// A listener with `SO_REUSEPORT`, so a new proxy can bind beside a draining one.
