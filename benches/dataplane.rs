@@ -48,11 +48,18 @@ fn iperf(client: &LabPod, server: &LabPod, secs: u64) -> (f64, f64) {
     (run.gbps, busy / run.gbit.max(1e-9))
 }
 
-/// Prints a table of the three paths, each also as a ratio to the first.
-fn table(title: &str, unit: &str, rows: [(&str, f64); 3], decimals: usize) {
+/// The three paths, in the order every table lists them.
+const PATHS: [&str; 3] = [
+    "direct (no proxy)",
+    "HBONE (mTLS + HTTP/2 CONNECT)",
+    "passthrough (splice)",
+];
+
+/// Prints a table of the three paths' values, each also as a ratio to direct.
+fn table(title: &str, unit: &str, values: [f64; 3], decimals: usize) {
     println!("\n{title:<34} {unit:>10} {:>10}", "vs direct");
-    for (name, v) in rows {
-        println!("{name:<34} {v:>10.decimals$} {:>9.2}x", v / rows[0].1);
+    for (name, v) in PATHS.iter().zip(values) {
+        println!("{name:<34} {v:>10.decimals$} {:>9.2}x", v / values[0]);
     }
 }
 
@@ -183,11 +190,7 @@ fn main() {
     table(
         "throughput (iperf3, 1 stream)",
         "Gbit/s",
-        [
-            ("direct (no proxy)", direct),
-            ("HBONE (mTLS + HTTP/2 CONNECT)", hbone),
-            ("passthrough (splice)", pass),
-        ],
+        [direct, hbone, pass],
         2,
     );
     // Throughput hides how much of the machine a path uses (BBR paces; a
@@ -195,11 +198,7 @@ fn main() {
     table(
         "CPU per byte (whole machine)",
         "cpu-s/Gbit",
-        [
-            ("direct (no proxy)", median(dc)),
-            ("HBONE", median(hc)),
-            ("passthrough", median(pc)),
-        ],
+        [median(dc), median(hc), median(pc)],
         3,
     );
 
@@ -212,8 +211,7 @@ fn main() {
     table(
         "latency (1-byte ping-pong, p50)",
         "µs",
-        [("direct (no proxy)", d), ("HBONE", h), ("passthrough", p)]
-            .map(|(name, t)| (name, t.as_secs_f64() * 1e6)),
+        [d, h, p].map(|t| t.as_secs_f64() * 1e6),
         1,
     );
     // Short connections: the per-connection cost (accept, original
@@ -229,11 +227,7 @@ fn main() {
     table(
         "short connections (connect+echo+close)",
         "conn/s",
-        [
-            ("direct (no proxy)", median(cd)),
-            ("HBONE", median(ch)),
-            ("passthrough", median(cp)),
-        ],
+        [median(cd), median(ch), median(cp)],
         0,
     );
     let rss: Vec<u64> = ["proxy-client", "proxy-server"]

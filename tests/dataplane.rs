@@ -722,15 +722,8 @@ fn tcp_ext(name: &str) -> u64 {
 
 #[test]
 fn short_connections_the_destination_closes_never_stall_on_a_reused_port() {
-    let mut m = Mesh::new("tw");
-    let (client, server, outsider) = (m.pod("client"), m.pod("server"), m.pod("outsider"));
-    m.write_config(&format!(
-        "workloads:\n{}{}",
-        workload(&client, "client-sa", "HBONE"),
-        workload(&server, "server-sa", "HBONE")
-    ));
-    m.mesh(&client, "client-sa");
-    m.mesh(&server, "server-sa");
+    let (mut m, client, server, _echo) = common::meshed_pair("tw");
+    let outsider = m.pod("outsider");
     // Both destinations close first, as HTTP/1.0 servers do: the proxy then
     // closes the application's connection first.
     let meshed = ambit::lab::close_first_echo(&server, 7001).unwrap();

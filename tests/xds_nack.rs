@@ -141,6 +141,30 @@ async fn until_connected(client: &XdsClient, server: &Scripted) {
     }
 }
 
+/// Waits (up to 20 s) for a request after the first one that matches
+/// `wanted`: a NACK, or a reconnect's opening request.
+async fn later_request(
+    server: &Scripted,
+    wanted: impl Fn(&DeltaDiscoveryRequest) -> bool,
+) -> DeltaDiscoveryRequest {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let found = server
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .skip(1)
+            .find(|r| wanted(r))
+            .cloned();
+        if let Some(r) = found {
+            return r;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no such request");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// Serves `svc` on a fresh loopback port and starts an xDS client against it;
 /// returns the client's state and its task.
 async fn serve_and_connect<S>(
@@ -224,27 +248,14 @@ async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends
     let script = nack_script();
     let (state, task) = serve_and_connect(script.server()).await;
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    loop {
-        let nack = script
-            .seen
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|r| r.response_nonce == "n1")
-            .cloned();
-        if let Some(nack) = nack {
-            let err = nack.error_detail.expect("a NACK");
-            assert!(
-                err.message.contains("broken") && !err.message.contains("good"),
-                "{}",
-                err.message
-            );
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no NACK");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // The first request never answers a nonce: a later one is the NACK.
+    let nack = later_request(&script, |r| r.response_nonce == "n1").await;
+    let err = nack.error_detail.expect("a NACK");
+    assert!(
+        err.message.contains("broken") && !err.message.contains("good"),
+        "{}",
+        err.message
+    );
     assert!(
         state
             .load()
@@ -259,32 +270,20 @@ async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends
     );
 
     // The server ended the stream after the NACK; the client reconnects and says what it holds.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let resub = script
-            .seen
-            .lock()
-            .unwrap()
-            .iter()
-            .skip(1)
-            .find(|r| r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty())
-            .cloned();
-        if let Some(r) = resub {
-            assert_eq!(
-                r.initial_resource_versions.get("good").map(String::as_str),
-                Some("v1"),
-                "{:?}",
-                r.initial_resource_versions
-            );
-            assert!(
-                !r.initial_resource_versions.contains_key("broken"),
-                "rejected resources are not claimed"
-            );
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no reconnect");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let r = later_request(&script, |r| {
+        r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty()
+    })
+    .await;
+    assert_eq!(
+        r.initial_resource_versions.get("good").map(String::as_str),
+        Some("v1"),
+        "{:?}",
+        r.initial_resource_versions
+    );
+    assert!(
+        !r.initial_resource_versions.contains_key("broken"),
+        "rejected resources are not claimed"
+    );
     assert!(
         state
             .load()
@@ -411,29 +410,14 @@ async fn on_demand_opts_out_of_the_wildcard_fetches_by_name_and_resubscribes_aft
             .await,
         "an unknown name is answered, on the new stream if need be"
     );
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let resub = script
-            .seen
-            .lock()
-            .unwrap()
-            .iter()
-            .skip(1)
-            .find(|r| r.type_url == ADDRESS_TYPE && r.node.is_some())
-            .cloned();
-        if let Some(r) = resub {
-            assert!(
-                r.resource_names_subscribe
-                    .contains(&"/10.0.0.1".to_string()),
-                "{:?}",
-                r.resource_names_subscribe
-            );
-            assert_eq!(r.resource_names_unsubscribe, ["*"]);
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no reconnect");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let r = later_request(&script, |r| r.type_url == ADDRESS_TYPE && r.node.is_some()).await;
+    assert!(
+        r.resource_names_subscribe
+            .contains(&"/10.0.0.1".to_string()),
+        "{:?}",
+        r.resource_names_subscribe
+    );
+    assert_eq!(r.resource_names_unsubscribe, ["*"]);
     task.abort();
 }
 

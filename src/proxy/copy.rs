@@ -446,20 +446,19 @@ mod tests {
         );
     }
 
-    #[tokio::test]
-    async fn a_drained_pipe_serves_the_next_connection() {
-        let spare = || SPARE_PIPES.with(|p| p.borrow().len());
-        let before = spare();
+    /// One connection through a splice relay on this thread: the client
+    /// sends `request` and half-closes, the server reads it all, answers
+    /// `reply` and closes. Returns the relay's count and what each end read.
+    async fn one_exchange(request: &[u8], reply: &[u8]) -> (Transferred, Vec<u8>, Vec<u8>) {
         let (mut app_client, proxy_in) = pair().await;
         let (proxy_out, mut app_server) = pair().await;
-        // Current-thread runtime: the copy runs on this thread.
         let relay = async { splice_bidirectional(&proxy_in, &proxy_out).await };
         let apps = async {
-            app_client.write_all(b"ping").await.unwrap();
+            app_client.write_all(request).await.unwrap();
             app_client.shutdown().await.unwrap();
             let mut got = Vec::new();
             app_server.read_to_end(&mut got).await.unwrap();
-            app_server.write_all(b"pong").await.unwrap();
+            app_server.write_all(reply).await.unwrap();
             drop(app_server);
             let mut back = Vec::new();
             app_client.read_to_end(&mut back).await.unwrap();
@@ -467,6 +466,16 @@ mod tests {
         };
         let ((t, res), (got, back)) = tokio::join!(relay, apps);
         res.unwrap();
+        (t, got, back)
+    }
+
+    #[tokio::test]
+    async fn a_drained_pipe_serves_the_next_connection() {
+        // Current-thread runtime: the copies run on this thread, whose
+        // spare pipes are counted here.
+        let spare = || SPARE_PIPES.with(|p| p.borrow().len());
+        let before = spare();
+        let (t, got, back) = one_exchange(b"ping", b"pong").await;
         assert_eq!(
             (got.as_slice(), back.as_slice()),
             (&b"ping"[..], &b"pong"[..])
@@ -474,18 +483,7 @@ mod tests {
         assert_eq!((t.sent, t.received), (4, 4));
         assert_eq!(spare(), before + 2, "both pipes kept");
         // The next connection takes them and moves bytes through them as well.
-        let (mut c2, p_in) = pair().await;
-        let (p_out, mut s2) = pair().await;
-        let relay = async { splice_bidirectional(&p_in, &p_out).await };
-        let apps = async {
-            c2.write_all(b"again").await.unwrap();
-            c2.shutdown().await.unwrap();
-            let mut got = Vec::new();
-            s2.read_to_end(&mut got).await.unwrap();
-            drop(s2);
-            got
-        };
-        let ((t, _), got) = tokio::join!(relay, apps);
+        let (t, got, _) = one_exchange(b"again", b"").await;
         assert_eq!(got, b"again");
         assert_eq!(t.sent, 5);
         assert_eq!(spare(), before + 2, "taken and given back, not made anew");

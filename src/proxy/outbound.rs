@@ -180,7 +180,7 @@ impl Outbound {
 
     async fn handle(&self, mut stream: TcpStream, peer: SocketAddr) {
         // Read now: the TIME_WAIT this connection may leave keeps its cookie.
-        let (local, cookie) = (stream.local_addr(), SockRef::from(&stream).cookie());
+        let cookie = SockRef::from(&stream).cookie();
         let accepted_from = peer;
         let peer = SocketAddr::new(super::hbone::canonical(peer.ip()), peer.port());
         let dst = match original_dst(&stream) {
@@ -239,10 +239,10 @@ impl Outbound {
             }
         };
         self.metrics.closed(&labels, t);
-        if let (true, Ok(local), Ok(cookie)) = (t.proxy_closed_first, local, cookie) {
+        if let (true, Ok(cookie)) = (t.proxy_closed_first, cookie) {
             self.pod
                 .sockets
-                .forget_time_wait(&stream, local, accepted_from, cookie);
+                .forget_time_wait(&stream, accepted_from, cookie);
         }
         match result {
             Ok(t) => {

@@ -70,15 +70,9 @@ impl SocketFactory {
     }
 
     /// Removes the TIME_WAIT the proxy holds for `conn`, its connection from
-    /// `peer` to `local` (an outbound connection whose destination closed
-    /// first); `cookie` is `conn`'s `SO_COOKIE`.
-    pub fn forget_time_wait(
-        &self,
-        conn: &TcpStream,
-        local: SocketAddr,
-        peer: SocketAddr,
-        cookie: u64,
-    ) {
+    /// `peer` (an outbound connection whose destination closed first);
+    /// `cookie` is `conn`'s `SO_COOKIE`.
+    pub fn forget_time_wait(&self, conn: &TcpStream, peer: SocketAddr, cookie: u64) {
         self.reaper
             .get_or_init(|| {
                 super::timewait::Reaper::open(|| {
@@ -91,7 +85,7 @@ impl SocketFactory {
                     })
                 })
             })
-            .remove(conn, local, peer, cookie);
+            .remove(conn, peer, cookie);
     }
 
     /// A listener with `SO_REUSEPORT`, so a new proxy can bind beside a draining one.

@@ -27,10 +27,10 @@
 
 use std::io::{self, Read};
 use std::net::{IpAddr, SocketAddr};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::Mutex;
 
-use socket2::Socket;
+use socket2::{SockRef, Socket};
 
 /// `SOCK_DESTROY` from `<linux/sock_diag.h>`.
 const SOCK_DESTROY: u16 = 21;
@@ -55,14 +55,20 @@ impl Reaper {
     }
 
     /// Removes the TIME_WAIT of `conn`, the proxy's side of a connection
-    /// between `local` and `peer`, if it is in one. `cookie` is `conn`'s
-    /// `SO_COOKIE`, read while it was open (its TIME_WAIT keeps it): without
-    /// it, a lookup that finds no TIME_WAIT falls back to the listener on
-    /// `local`, and the kernel would destroy that instead.
-    pub fn remove(&self, conn: &impl AsRawFd, local: SocketAddr, peer: SocketAddr, cookie: u64) {
+    /// from `peer`, if it is in one. `cookie` is `conn`'s `SO_COOKIE`, read
+    /// while it was open (its TIME_WAIT keeps it): without it, a lookup that
+    /// finds no TIME_WAIT falls back to the listener on the same address,
+    /// and the kernel would destroy that instead.
+    pub fn remove(&self, conn: &impl AsFd, peer: SocketAddr, cookie: u64) {
+        let conn = SockRef::from(conn);
         if tcp_state(conn.as_raw_fd()).ok() != Some(TCP_CLOSE) {
             return; // still open, or closing passively: no TIME_WAIT of ours
         }
+        // A closed socket still knows its own address: asked only here,
+        // not for every connection.
+        let Some(local) = conn.local_addr().ok().and_then(|a| a.as_socket()) else {
+            return;
+        };
         let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let Some(sock) = guard.as_ref() else { return };
         match destroy(sock, local, peer, cookie) {
@@ -256,7 +262,7 @@ mod tests {
         let (server, peer) = listener.accept().unwrap();
         let cookie = socket2::SockRef::from(&server).cookie().unwrap();
         let reaper = Reaper(Mutex::new(Some(sock)));
-        reaper.remove(&server, at, peer, cookie);
+        reaper.remove(&server, peer, cookie);
         assert_eq!(
             tcp_state(server.as_raw_fd()).unwrap(),
             1,
@@ -283,7 +289,7 @@ mod tests {
             "{again}"
         );
         drop(guard);
-        reaper.remove(&server, at, peer, cookie);
+        reaper.remove(&server, peer, cookie);
         // Private state, asserted on purpose: "not found" must not switch the reaper off.
         assert!(
             reaper.0.lock().unwrap().is_some(),
