@@ -6,7 +6,10 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use ambit::lab::{connect_from, echo_roundtrip, EchoServer};
+use ambit::lab::{
+    close_first_echo, connect_from, echo_roundtrip, is_reset, short_connections, time_waits,
+    EchoServer, Ends, LabPod,
+};
 use common::{counter, workload, Mesh};
 
 #[test]
@@ -309,9 +312,10 @@ fn peers_from_another_ca_or_trust_domain_are_refused() {
 
     // A whole ambit proxy under another CA cannot reach the server's application.
     m.mesh_with(&intruder, "intruder-sa", other_ca, common::TD);
-    let mut conn = connect_from(&intruder, echo.addr).unwrap();
-    let back = echo_roundtrip(&mut conn, b"let me in").unwrap_or_default();
-    assert!(back.is_empty(), "intruder got bytes back: {back:?}");
+    assert!(
+        is_reset(&intruder, echo.addr),
+        "the intruder's own proxy cannot carry it: a reset"
+    );
     assert!(
         echo.peers().is_empty(),
         "server app must never see the intruder"
@@ -338,22 +342,16 @@ fn authorization_policy_denies_with_401_and_is_counted() {
         b"allowed",
         "mesh-only allows a peer with an identity"
     );
-    let mut denied = connect_from(&client, admin.addr).unwrap();
     assert!(
-        echo_roundtrip(&mut denied, b"secret")
-            .unwrap_or_default()
-            .is_empty(),
-        "denied connection must carry nothing"
+        is_reset(&client, admin.addr),
+        "a denied connection is reset, carrying nothing"
     );
     assert!(
         admin.peers().is_empty(),
         "the denied port's app never sees the connection"
     );
     // Plaintext from outside the mesh has no identity: mesh-only does not allow it.
-    let mut plain = connect_from(&outsider, app.addr).unwrap();
-    assert!(echo_roundtrip(&mut plain, b"anon")
-        .unwrap_or_default()
-        .is_empty());
+    assert!(is_reset(&outsider, app.addr), "denied plaintext is reset");
     assert_eq!(app.peers().len(), 1);
 
     std::thread::sleep(Duration::from_millis(200));
@@ -466,9 +464,8 @@ fn policies_by_identity_namespace_and_dry_run() {
         b"hi",
         "allowed by identity"
     );
-    let mut c = connect_from(&bob, app.addr).unwrap();
     assert!(
-        echo_roundtrip(&mut c, b"hi").unwrap_or_default().is_empty(),
+        is_reset(&bob, app.addr),
         "denied by namespace despite the ALLOW prefix"
     );
     let mut c = connect_from(&alice, dry.addr).unwrap();
@@ -712,63 +709,26 @@ fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() 
 }
 
 /// `TcpExt` counters of the calling thread's netns (`/proc/net/netstat`).
-fn tcp_ext(name: &str) -> u64 {
-    let text = std::fs::read_to_string("/proc/thread-self/net/netstat").unwrap();
-    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
-    let (keys, values) = (lines.next().unwrap(), lines.next().unwrap());
-    let at = keys.split_whitespace().position(|k| k == name).unwrap();
-    values.split_whitespace().nth(at).unwrap().parse().unwrap()
-}
-
 #[test]
-fn short_connections_the_destination_closes_never_stall_on_a_reused_port() {
+fn short_connections_never_stall_on_a_reused_port_and_failures_are_resets() {
     let (mut m, client, server, _echo) = common::meshed_pair("tw");
     let outsider = m.pod("outsider");
     // Both destinations close first, as HTTP/1.0 servers do: the proxy then
-    // closes the application's connection first.
-    let meshed = ambit::lab::close_first_echo(&server, 7001).unwrap();
-    let outside = ambit::lab::close_first_echo(&outsider, 7001).unwrap();
-    let (syn_retries, slowest) = client
-        .ns
-        .run(move || {
-            let once = |dst: SocketAddr| {
-                let t = std::time::Instant::now();
-                let mut s =
-                    std::net::TcpStream::connect_timeout(&dst, Duration::from_secs(5)).unwrap();
-                let took = t.elapsed();
-                use std::io::{Read, Write};
-                s.write_all(b"x").unwrap();
-                let mut b = [0u8; 2];
-                assert_eq!(s.read(&mut b).unwrap(), 1, "the echo");
-                assert_eq!(s.read(&mut b).unwrap(), 0, "then the server's close");
-                took
-            };
-            let before = tcp_ext("TCPSynRetrans");
-            let mut slowest = Duration::ZERO;
-            // The application's kernel picks each source port knowing only its
-            // own destinations; the proxy's side of every connection is
-            // 127.0.0.1:15001, whatever the destination.
-            for i in 0..4000 {
-                slowest = slowest.max(once([meshed, outside][i % 2]));
-            }
-            (tcp_ext("TCPSynRetrans") - before, slowest)
-        })
-        .unwrap();
-    assert_eq!(
-        syn_retries, 0,
-        "no SYN had to be sent again (slowest connect {slowest:?})"
-    );
-    assert!(slowest < Duration::from_millis(500), "{slowest:?}");
-    let held = client
-        .ns
-        .command("ss")
-        .args(["-Htan", "state", "time-wait", "( sport = :15001 )"])
-        .output()
-        .unwrap();
-    let held = String::from_utf8_lossy(&held.stdout);
-    assert_eq!(
-        held.lines().count(),
-        0,
-        "the proxy keeps no TIME_WAIT:\n{held}"
-    );
+    // closes the application's connection first. Nothing listens on 7999:
+    // the proxy accepts, cannot carry the connection (a refused dial, an
+    // HBONE 503) and must close first too.
+    let meshed = close_first_echo(&server, 7001).unwrap();
+    let outside = close_first_echo(&outsider, 7001).unwrap();
+    let nowhere = |pod: &LabPod| SocketAddr::new(pod.ip.into(), 7999);
+    let targets = [
+        (meshed, Ends::Echo),
+        (outside, Ends::Echo),
+        (nowhere(&outsider), Ends::Reset),
+        (nowhere(&server), Ends::Reset),
+    ];
+    let run = short_connections(&client, &targets, 4000).unwrap();
+    assert_eq!(run.syn_retries, 0, "no SYN had to be sent again: {run:?}");
+    assert!(run.slowest_connect < Duration::from_millis(500), "{run:?}");
+    let held = time_waits(&client, 15001).unwrap();
+    assert!(held.is_empty(), "the proxy keeps no TIME_WAIT:\n{held}");
 }

@@ -9,8 +9,11 @@ use std::time::{Duration, Instant};
 use ambit::lab::node::Node;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
+use std::net::SocketAddr;
+
 use ambit::lab::{
-    connect_from, echo_roundtrip, http_get_in, iptables_save, istio_rules, EchoServer,
+    close_first_echo, connect_from, echo_roundtrip, http_get_in, iptables_save, istio_rules,
+    short_connections, time_waits, EchoServer, Ends,
 };
 
 #[test]
@@ -466,5 +469,30 @@ fn agent_start_enrolls_pods_that_already_exist() {
     assert!(
         !dump.to_string().contains("PRIVATE KEY"),
         "no key material in the dump"
+    );
+}
+
+/// The shared proxy makes each pod's sockets from outside its netns; the
+/// TIME_WAITs its side leaves must still be found and removed there.
+#[test]
+fn short_connections_through_the_shared_proxy_never_stall_and_leave_no_time_wait() {
+    let mut node = Node::start(BIN, "nodetw", "namespaces:default");
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    let outsider = node.add_pod("outsider", "kube-system").unwrap();
+    let meshed = close_first_echo(&server, 7001).unwrap();
+    let outside = close_first_echo(&outsider, 7001).unwrap();
+    let targets = [
+        (meshed, Ends::Echo),
+        (outside, Ends::Echo),
+        (SocketAddr::new(outsider.ip.into(), 7999), Ends::Reset),
+    ];
+    let run = short_connections(&client, &targets, 3000).unwrap();
+    assert_eq!(run.syn_retries, 0, "no SYN had to be sent again: {run:?}");
+    let held = time_waits(&client, 15001).unwrap();
+    assert!(
+        held.is_empty(),
+        "the proxy keeps no TIME_WAIT in the pod:\n{held}\n{}",
+        node.log()
     );
 }

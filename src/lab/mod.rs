@@ -379,6 +379,27 @@ pub fn connect_from(pod: &LabPod, addr: SocketAddr) -> io::Result<TcpStream> {
         .run(move || TcpStream::connect_timeout(&addr, Duration::from_secs(5)))?
 }
 
+/// Whether a connection from `pod` to `addr` is reset: how a proxy answers a
+/// connection it will not carry (denied, or nowhere to go).
+pub fn is_reset(pod: &LabPod, addr: SocketAddr) -> bool {
+    pod.ns.run(move || reset_in_place(addr)).unwrap_or(false)
+}
+
+/// [`is_reset`] from the calling thread's netns. The reset may come before
+/// the connect reports success (`SO_ERROR` is read after the handshake), so
+/// a connect that fails with a reset counts. Nothing is sent: the answer
+/// must not depend on unread data.
+fn reset_in_place(addr: SocketAddr) -> bool {
+    let reset = |e: &io::Error| e.kind() == io::ErrorKind::ConnectionReset;
+    match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+        Err(e) => reset(&e),
+        Ok(mut s) => {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            matches!(s.read(&mut [0u8; 1]), Err(e) if reset(&e))
+        }
+    }
+}
+
 /// A server for short connections inside `pod`, as an HTTP/1.0 server
 /// behaves: per connection, echoes one byte and closes first. One connection
 /// at a time, so its own cost is small and the same on every path.
@@ -394,6 +415,98 @@ pub fn close_first_echo(pod: &LabPod, port: u16) -> io::Result<SocketAddr> {
         }
     });
     Ok(SocketAddr::new(pod.ip.into(), port))
+}
+
+/// How a short connection should end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ends {
+    /// A [`close_first_echo`]: one byte echoed, then the server's close.
+    Echo,
+    /// Nothing answers there: a reset ([`is_reset`]), although the pod's
+    /// proxy accepted the connect.
+    Reset,
+}
+
+/// What a run of [`short_connections`] met.
+#[derive(Debug, Clone, Copy)]
+pub struct ShortRun {
+    /// SYNs the pod's kernel had to send again (`TcpExt.TCPSynRetrans`).
+    pub syn_retries: u64,
+    pub slowest_connect: Duration,
+}
+
+/// Opens `n` connections from `pod`, one after another, cycling through
+/// `targets`, each checked to end as its [`Ends`] says. The application's
+/// kernel picks each source port knowing only its own destinations, while a
+/// proxy's side of every captured connection is 127.0.0.1:15001.
+pub fn short_connections(
+    pod: &LabPod,
+    targets: &[(SocketAddr, Ends)],
+    n: usize,
+) -> io::Result<ShortRun> {
+    let targets = targets.to_vec();
+    pod.ns.run(move || {
+        let before = tcp_ext("TCPSynRetrans")?;
+        let mut slowest_connect = Duration::ZERO;
+        for (i, &(dst, ends)) in targets.iter().cycle().take(n).enumerate() {
+            let ended = match ends {
+                Ends::Echo => {
+                    let t = Instant::now();
+                    let mut s = TcpStream::connect_timeout(&dst, Duration::from_secs(5))?;
+                    slowest_connect = slowest_connect.max(t.elapsed());
+                    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+                    let mut b = [0u8; 2];
+                    s.write_all(b"x")?;
+                    (s.read(&mut b)?, s.read(&mut b)?) == (1, 0)
+                }
+                Ends::Reset => reset_in_place(dst),
+            };
+            if !ended {
+                return Err(io::Error::other(format!(
+                    "connection {i} to {dst} did not end as {ends:?}"
+                )));
+            }
+        }
+        Ok(ShortRun {
+            syn_retries: tcp_ext("TCPSynRetrans")? - before,
+            slowest_connect,
+        })
+    })?
+}
+
+/// A `TcpExt` counter of the calling thread's netns.
+fn tcp_ext(name: &str) -> io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/net/netstat")?;
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (keys, values) = (lines.next().unwrap_or(""), lines.next().unwrap_or(""));
+    keys.split_whitespace()
+        .position(|k| k == name)
+        .and_then(|at| values.split_whitespace().nth(at)?.parse().ok())
+        .ok_or_else(|| io::Error::other(format!("no TcpExt {name}")))
+}
+
+/// The TIME_WAITs on local port `port` in `pod` once they stop going away
+/// (a proxy removes the last one just after the application's close), or
+/// after 3 s: `ss` lines, empty when there are none.
+pub fn time_waits(pod: &LabPod, port: u16) -> io::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let out = pod
+            .ns
+            .command("ss")
+            .args([
+                "-Htan",
+                "state",
+                "time-wait",
+                &format!("( sport = :{port} )"),
+            ])
+            .output()?;
+        let held = String::from_utf8_lossy(&out.stdout).into_owned();
+        if held.trim().is_empty() || Instant::now() > deadline {
+            return Ok(held);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// What one `iperf3 -c` run moved.

@@ -14,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
-use super::pod::{limit_unsent, PodRef, TLS_SEND_BUFFER};
+use super::pod::{limit_unsent, refuse, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
@@ -187,6 +187,7 @@ impl Outbound {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(src.addr = %peer, error = %e, "no original destination; closing");
+                refuse(&stream);
                 return;
             }
         };
@@ -235,6 +236,7 @@ impl Outbound {
             Ok(t) => *t,
             Err(_) => {
                 labels.response_flags = "CONNECT";
+                refuse(&stream);
                 Transferred::default()
             }
         };
@@ -242,7 +244,9 @@ impl Outbound {
         if let (true, Ok(cookie)) = (t.proxy_closed_first, cookie) {
             self.pod
                 .sockets
-                .forget_time_wait(&stream, accepted_from, cookie);
+                .forget_time_wait(&stream, accepted_from, cookie, || {
+                    format!("{}/{}", self.pod.namespace, self.pod.name)
+                });
         }
         match result {
             Ok(t) => {

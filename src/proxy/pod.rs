@@ -71,11 +71,17 @@ impl SocketFactory {
 
     /// Removes the TIME_WAIT the proxy holds for `conn`, its connection from
     /// `peer` (an outbound connection whose destination closed first);
-    /// `cookie` is `conn`'s `SO_COOKIE`.
-    pub fn forget_time_wait(&self, conn: &TcpStream, peer: SocketAddr, cookie: u64) {
+    /// `cookie` is `conn`'s `SO_COOKIE`; `pod` names the pod in warnings.
+    pub fn forget_time_wait(
+        &self,
+        conn: &TcpStream,
+        peer: SocketAddr,
+        cookie: u64,
+        pod: impl FnOnce() -> String,
+    ) {
         self.reaper
             .get_or_init(|| {
-                super::timewait::Reaper::open(|| {
+                super::timewait::Reaper::open(pod(), || {
                     self.inside(|| {
                         Socket::new(
                             Domain::from(libc::AF_NETLINK),
@@ -203,6 +209,19 @@ pub fn limit_unsent(socket: &impl std::os::fd::AsFd, bytes: u32) -> io::Result<(
         return Ok(());
     }
     SockRef::from(socket).set_tcp_notsent_lowat(bytes)
+}
+
+/// Makes the coming close of a connection the proxy could not carry a reset
+/// (`SO_LINGER` 0): the nearest a connection the pod's rules already accepted
+/// can come to the refusal the peer would have met without the mesh. A plain
+/// close would answer with an end of stream, or with a reset anyway when the
+/// peer had already sent data, depending on timing; and outbound it would
+/// leave a TIME_WAIT on 127.0.0.1:15001 that stalls the application's next
+/// connection from the same port (see `timewait`).
+pub fn refuse(stream: &TcpStream) {
+    if let Err(e) = SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO)) {
+        tracing::debug!(error = %e, "SO_LINGER 0 not set; the close stays graceful");
+    }
 }
 
 /// NODELAY and keepalive, for every connection the proxy holds (set on

@@ -41,17 +41,24 @@ const TCP_CLOSE: u8 = 7;
 /// A pod's sock_diag socket; `None` once the kernel has refused, so a
 /// kernel or pod without the means costs nothing after the first try.
 #[derive(Debug)]
-pub struct Reaper(Mutex<Option<Socket>>);
+pub struct Reaper {
+    /// The pod, `namespace/name`, for the warnings.
+    pod: String,
+    sock: Mutex<Option<Socket>>,
+}
 
 impl Reaper {
     /// Opens the sock_diag socket (inside the pod's netns: `make` runs there).
-    pub fn open(make: impl FnOnce() -> io::Result<Socket>) -> Self {
+    pub fn open(pod: String, make: impl FnOnce() -> io::Result<Socket>) -> Self {
         // Non-blocking: the answer is queued within `send`; never wait for it.
         let sock = make()
             .and_then(|s| s.set_nonblocking(true).map(|_| s))
-            .inspect_err(|e| tracing::warn!(error = %e, "no sock_diag socket: outbound connections the destination closes first keep their TIME_WAIT"))
+            .inspect_err(|e| tracing::warn!(pod = %pod, error = %e, "no sock_diag socket: outbound connections the destination closes first keep their TIME_WAIT"))
             .ok();
-        Reaper(Mutex::new(sock))
+        Reaper {
+            pod,
+            sock: Mutex::new(sock),
+        }
     }
 
     /// Removes the TIME_WAIT of `conn`, the proxy's side of a connection
@@ -69,7 +76,7 @@ impl Reaper {
         let Some(local) = conn.local_addr().ok().and_then(|a| a.as_socket()) else {
             return;
         };
-        let mut guard = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.sock.lock().unwrap_or_else(|e| e.into_inner());
         let Some(sock) = guard.as_ref() else { return };
         match destroy(sock, local, peer, cookie) {
             Ok(()) => {}
@@ -77,11 +84,11 @@ impl Reaper {
             // or the tuple now belongs to another socket (ESTALE: not ours).
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESTALE)) => {}
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP)) => {
-                tracing::warn!(error = %e, "this kernel cannot remove TIME_WAIT sockets (SOCK_DESTROY on TIME_WAIT needs Linux 6.0 and CONFIG_INET_DIAG_DESTROY): short outbound connections may stall on reused ports");
+                tracing::warn!(pod = %self.pod, error = %e, "this kernel cannot remove TIME_WAIT sockets (SOCK_DESTROY on TIME_WAIT needs Linux 6.0 and CONFIG_INET_DIAG_DESTROY): short outbound connections may stall on reused ports");
                 *guard = None;
             }
             Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES)) => {
-                tracing::warn!(error = %e, "no permission to remove TIME_WAIT sockets (SOCK_DESTROY needs CAP_NET_ADMIN in the pod's netns): short outbound connections may stall on reused ports");
+                tracing::warn!(pod = %self.pod, error = %e, "no permission to remove TIME_WAIT sockets (SOCK_DESTROY needs CAP_NET_ADMIN in the pod's netns): short outbound connections may stall on reused ports");
                 *guard = None;
             }
             // Anything else (no memory, a lost answer) is this time only.
@@ -247,21 +254,36 @@ mod tests {
     }
 
     /// Through the kernel: a real TIME_WAIT on loopback is removed; asking
-    /// again finds nothing, and never the listener on the same port.
+    /// again finds nothing, and never the listener on the same port. IPv4,
+    /// IPv6, and IPv4 through a dual-stack listener (v4-mapped addresses).
     #[test]
     fn a_time_wait_the_proxy_holds_is_removed_and_the_listener_stays() {
+        remove_a_time_wait("127.0.0.1:0".parse().unwrap(), None);
+        remove_a_time_wait("[::1]:0".parse().unwrap(), None);
+        remove_a_time_wait(
+            "[::]:0".parse().unwrap(),
+            Some("127.0.0.1".parse().unwrap()),
+        );
+    }
+
+    /// `bind` for the listener; the client dials `dial`, or the listener's own address.
+    fn remove_a_time_wait(bind: SocketAddr, dial: Option<IpAddr>) {
         let sock = Socket::new(
             socket2::Domain::from(libc::AF_NETLINK),
             socket2::Type::DGRAM,
             Some(socket2::Protocol::from(libc::NETLINK_SOCK_DIAG)),
         )
         .unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = std::net::TcpListener::bind(bind).unwrap();
         let at = listener.local_addr().unwrap();
+        let at = SocketAddr::new(dial.unwrap_or(at.ip()), at.port());
         let mut client = std::net::TcpStream::connect(at).unwrap();
         let (server, peer) = listener.accept().unwrap();
         let cookie = socket2::SockRef::from(&server).cookie().unwrap();
-        let reaper = Reaper(Mutex::new(Some(sock)));
+        let reaper = Reaper {
+            pod: "default/test".into(),
+            sock: Mutex::new(Some(sock)),
+        };
         reaper.remove(&server, peer, cookie);
         assert_eq!(
             tcp_state(server.as_raw_fd()).unwrap(),
@@ -278,7 +300,7 @@ mod tests {
             assert!(std::time::Instant::now() < deadline, "no TIME_WAIT formed");
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let guard = reaper.0.lock().unwrap();
+        let guard = reaper.sock.lock().unwrap();
         let sock = guard.as_ref().unwrap();
         if let Err(e) = destroy(sock, at, peer, cookie) {
             panic!("{e} (EOPNOTSUPP: the kernel lacks TIME_WAIT destroy, Linux 6.0+)");
@@ -292,7 +314,7 @@ mod tests {
         reaper.remove(&server, peer, cookie);
         // Private state, asserted on purpose: "not found" must not switch the reaper off.
         assert!(
-            reaper.0.lock().unwrap().is_some(),
+            reaper.sock.lock().unwrap().is_some(),
             "not found is no refusal"
         );
         std::net::TcpStream::connect(at).expect("the listener still accepts");
