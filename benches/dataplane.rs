@@ -14,7 +14,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use ambit::lab::{
-    close_first_echo, connect_from, iperf3, rss_kb, write_ca, EchoServer, Lab, LabPod, ProxySpec,
+    anon_kb, close_first_echo, connect_from, iperf3, rss_kb, write_ca, EchoServer, Lab, LabPod,
+    ProxySpec,
 };
 
 /// Busy CPU seconds of the whole machine so far (`/proc/stat`, all CPUs):
@@ -230,18 +231,23 @@ fn main() {
         [median(cd), median(ch), median(cp)],
         0,
     );
-    let rss: Vec<u64> = ["proxy-client", "proxy-server"]
+    // Right after the load, then once the proxies have been idle past their
+    // allocator trim (src/proxy/mod.rs): VmRSS, and its private part.
+    let pids: Vec<u32> = ["proxy-client", "proxy-server"]
         .iter()
         .filter_map(|l| lab.pid(l))
-        .map(rss_kb)
         .collect();
-    println!(
-        "\nproxy RSS after the run: {} kB",
-        rss.iter()
-            .map(|k| k.to_string())
-            .collect::<Vec<_>>()
-            .join(" / ")
-    );
+    let memory = |when: &str| {
+        let each: Vec<String> = pids
+            .iter()
+            .map(|&p| format!("{} kB ({} kB private)", rss_kb(p), anon_kb(p)))
+            .collect();
+        println!("proxy RSS {when}: {}", each.join(" / "));
+    };
+    println!();
+    memory("after the run");
+    std::thread::sleep(Duration::from_secs(12));
+    memory("12 s later, idle");
     println!(
         "\nbar (issue #2): HBONE >= 0.40x and passthrough >= 0.80x direct throughput: {}",
         if hbone / direct >= 0.40 && pass / direct >= 0.80 {

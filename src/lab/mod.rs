@@ -379,27 +379,6 @@ pub fn connect_from(pod: &LabPod, addr: SocketAddr) -> io::Result<TcpStream> {
         .run(move || TcpStream::connect_timeout(&addr, Duration::from_secs(5)))?
 }
 
-/// Whether a connection from `pod` to `addr` is reset: how a proxy answers a
-/// connection it will not carry (denied, or nowhere to go).
-pub fn is_reset(pod: &LabPod, addr: SocketAddr) -> bool {
-    pod.ns.run(move || reset_in_place(addr)).unwrap_or(false)
-}
-
-/// [`is_reset`] from the calling thread's netns. The reset may come before
-/// the connect reports success (`SO_ERROR` is read after the handshake), so
-/// a connect that fails with a reset counts. Nothing is sent: the answer
-/// must not depend on unread data.
-fn reset_in_place(addr: SocketAddr) -> bool {
-    let reset = |e: &io::Error| e.kind() == io::ErrorKind::ConnectionReset;
-    match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
-        Err(e) => reset(&e),
-        Ok(mut s) => {
-            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            matches!(s.read(&mut [0u8; 1]), Err(e) if reset(&e))
-        }
-    }
-}
-
 /// A server for short connections inside `pod`, as an HTTP/1.0 server
 /// behaves: per connection, echoes one byte and closes first. One connection
 /// at a time, so its own cost is small and the same on every path.
@@ -422,9 +401,9 @@ pub fn close_first_echo(pod: &LabPod, port: u16) -> io::Result<SocketAddr> {
 pub enum Ends {
     /// A [`close_first_echo`]: one byte echoed, then the server's close.
     Echo,
-    /// Nothing answers there: a reset ([`is_reset`]), although the pod's
-    /// proxy accepted the connect.
-    Reset,
+    /// Nothing listens there: the pod's proxy accepts the connection, takes
+    /// the byte sent, and ends it with nothing back (an end of stream).
+    Closed,
 }
 
 /// What a run of [`short_connections`] met.
@@ -448,23 +427,32 @@ pub fn short_connections(
     pod.ns.run(move || {
         let before = tcp_ext("TCPSynRetrans")?;
         let mut slowest_connect = Duration::ZERO;
+        let mut once = |dst: SocketAddr, ends: Ends| -> io::Result<bool> {
+            let t = Instant::now();
+            let mut s = TcpStream::connect_timeout(&dst, Duration::from_secs(5))?;
+            slowest_connect = slowest_connect.max(t.elapsed());
+            s.set_read_timeout(Some(Duration::from_secs(5)))?;
+            s.write_all(b"x")?;
+            let mut b = [0u8; 2];
+            Ok(match ends {
+                Ends::Echo => (s.read(&mut b)?, s.read(&mut b)?) == (1, 0),
+                Ends::Closed => s.read(&mut b)? == 0,
+            })
+        };
         for (i, &(dst, ends)) in targets.iter().cycle().take(n).enumerate() {
-            let ended = match ends {
-                Ends::Echo => {
-                    let t = Instant::now();
-                    let mut s = TcpStream::connect_timeout(&dst, Duration::from_secs(5))?;
-                    slowest_connect = slowest_connect.max(t.elapsed());
-                    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-                    let mut b = [0u8; 2];
-                    s.write_all(b"x")?;
-                    (s.read(&mut b)?, s.read(&mut b)?) == (1, 0)
+            match once(dst, ends) {
+                Ok(true) => {}
+                Ok(false) => {
+                    return Err(io::Error::other(format!(
+                        "connection {i} to {dst} did not end as {ends:?}"
+                    )))
                 }
-                Ends::Reset => reset_in_place(dst),
-            };
-            if !ended {
-                return Err(io::Error::other(format!(
-                    "connection {i} to {dst} did not end as {ends:?}"
-                )));
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("connection {i} to {dst} ({ends:?}): {e}"),
+                    ))
+                }
             }
         }
         Ok(ShortRun {
@@ -707,11 +695,21 @@ impl CniCall<'_> {
 
 /// Resident memory of a process in kB (`/proc/<pid>/status` VmRSS; 0 if unknown).
 pub fn rss_kb(pid: u32) -> u64 {
+    status_kb(pid, "VmRSS")
+}
+
+/// The private (anonymous) part of [`rss_kb`], `RssAnon`: what one more such
+/// process costs, where the rest is the binary's pages, shared with others.
+pub fn anon_kb(pid: u32) -> u64 {
+    status_kb(pid, "RssAnon")
+}
+
+fn status_kb(pid: u32, key: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
+                .find(|l| l.split(':').next() == Some(key))
                 .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
         })
         .unwrap_or(0)

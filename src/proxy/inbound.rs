@@ -15,7 +15,7 @@ use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
-use super::pod::{refuse, Lifecycle, PodRef, TLS_SEND_BUFFER};
+use super::pod::{end_unserved, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
@@ -227,7 +227,7 @@ impl Inbound {
             Ok(t) if !PROXY_OWN_PORTS.contains(&t.port()) => t,
             Ok(t) => {
                 tracing::warn!(src.addr = %peer, dst.addr = %t, "plaintext connection to a proxy port refused");
-                refuse(&stream);
+                end_unserved(&stream).await;
                 return;
             }
             Err(e) => {
@@ -245,7 +245,7 @@ impl Inbound {
                 self.metrics.opened(&labels);
                 self.metrics.closed(&labels, Transferred::default());
                 tracing::info!(src.addr = %peer, dst.addr = %target, policy = %policy, decision = "deny", "inbound plaintext connection denied by policy");
-                refuse(&stream);
+                end_unserved(&stream).await;
                 return;
             }
         };
@@ -257,7 +257,7 @@ impl Inbound {
                 tracing::warn!(src.addr = %peer, dst.addr = %target, error = %e, "application not reachable");
                 labels.response_flags = "CONNECT";
                 self.metrics.closed(&labels, Transferred::default());
-                refuse(&stream);
+                end_unserved(&stream).await;
                 return;
             }
         };

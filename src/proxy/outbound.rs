@@ -14,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
-use super::pod::{limit_unsent, refuse, PodRef, TLS_SEND_BUFFER};
+use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
@@ -187,7 +187,7 @@ impl Outbound {
             Ok(d) => d,
             Err(e) => {
                 tracing::warn!(src.addr = %peer, error = %e, "no original destination; closing");
-                refuse(&stream);
+                end_unserved(&stream).await;
                 return;
             }
         };
@@ -236,18 +236,11 @@ impl Outbound {
             Ok(t) => *t,
             Err(_) => {
                 labels.response_flags = "CONNECT";
-                refuse(&stream);
                 Transferred::default()
             }
         };
         self.metrics.closed(&labels, t);
-        if let (true, Ok(cookie)) = (t.proxy_closed_first, cookie) {
-            self.pod
-                .sockets
-                .forget_time_wait(&stream, accepted_from, cookie, || {
-                    format!("{}/{}", self.pod.namespace, self.pod.name)
-                });
-        }
+        let failed = result.is_err();
         match result {
             Ok(t) => {
                 tracing::info!(src.addr = %peer, src.workload = %format!("{}/{}", labels.source_workload_namespace, labels.source_workload), src.principal = %labels.source_principal,
@@ -256,6 +249,18 @@ impl Outbound {
             Err(e) => {
                 tracing::warn!(src.addr = %peer, dst.addr = %dst, route = kind, error = %e, "outbound connection failed")
             }
+        }
+        let proxy_closed_first = if failed {
+            end_unserved(&stream).await
+        } else {
+            t.proxy_closed_first
+        };
+        if let (true, Ok(cookie)) = (proxy_closed_first, cookie) {
+            self.pod
+                .sockets
+                .forget_time_wait(&stream, accepted_from, cookie, || {
+                    format!("{}/{}", self.pod.namespace, self.pod.name)
+                });
         }
     }
 

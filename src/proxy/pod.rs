@@ -211,18 +211,47 @@ pub fn limit_unsent(socket: &impl std::os::fd::AsFd, bytes: u32) -> io::Result<(
     SockRef::from(socket).set_tcp_notsent_lowat(bytes)
 }
 
-/// Makes the coming close of a connection the proxy could not carry a reset
-/// (`SO_LINGER` 0): the nearest a connection the pod's rules already accepted
-/// can come to the refusal the peer would have met without the mesh. A plain
-/// close would answer with an end of stream, or with a reset anyway when the
-/// peer had already sent data, depending on timing; and outbound it would
-/// leave a TIME_WAIT on 127.0.0.1:15001 that stalls the application's next
-/// connection from the same port (see `timewait`).
-pub fn refuse(stream: &TcpStream) {
-    if let Err(e) = SockRef::from(stream).set_linger(Some(std::time::Duration::ZERO)) {
-        tracing::debug!(error = %e, "SO_LINGER 0 not set; the close stays graceful");
-    }
+/// Ends a connection the proxy accepted but could not carry (no route, a
+/// refused dial, a denial) as a plain close would: the peer reads an end of
+/// stream. But first it reads and drops whatever the peer sent, until the
+/// peer closes too: a close with unread data is a reset, and a connection
+/// that ends in a reset leaves a conntrack entry that does not restart on
+/// the next SYN with the same addresses but carries it to wherever the old
+/// one was redirected. That next SYN may be the proxy's own dial (it picks
+/// its ports from the same pool as the application, in the same netns),
+/// which then loops back into the proxy's own listener (seen in
+/// tests/dataplane.rs before this drain, as dials to a closed port that
+/// "succeeded"). Gives up after [`UNSERVED_DRAIN_TIME`] or
+/// [`UNSERVED_DRAIN_BYTES`] and lets the close be a reset.
+///
+/// Returns whether both sides closed cleanly, the proxy first: its side is
+/// then in TIME_WAIT (see `timewait`).
+pub async fn end_unserved(stream: &TcpStream) -> bool {
+    let _ = SockRef::from(stream).shutdown(std::net::Shutdown::Write);
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        let mut left = UNSERVED_DRAIN_BYTES;
+        loop {
+            stream.readable().await?;
+            match stream.try_read(&mut buf) {
+                Ok(0) => return Ok::<bool, io::Error>(true),
+                Ok(n) if n >= left => return Ok(false),
+                Ok(n) => left -= n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+    };
+    matches!(
+        tokio::time::timeout(UNSERVED_DRAIN_TIME, drain).await,
+        Ok(Ok(true))
+    )
 }
+
+/// How long [`end_unserved`] waits for the peer's close.
+const UNSERVED_DRAIN_TIME: Duration = Duration::from_secs(5);
+/// How much [`end_unserved`] reads and drops before giving up.
+const UNSERVED_DRAIN_BYTES: usize = 1 << 20;
 
 /// NODELAY and keepalive, for every connection the proxy holds (set on
 /// listeners, whose accepted connections inherit them, and before connect).
