@@ -267,6 +267,9 @@ impl Inbound {
             .revoked
             .run(async { result = Some(splice_bidirectional(&stream, &upstream).await) })
             .await;
+        // Cut short by a failure (not by policy): what the sender still sends
+        // would go unread (see end_unserved).
+        let copy_failed = matches!(result, Some((_, Err(_))));
         let (t, res) = result.unwrap_or_else(|| {
             (
                 Transferred::default(),
@@ -279,6 +282,9 @@ impl Inbound {
             bytes_sent = t.sent, bytes_received = t.received,
             duration_ms = start.elapsed().as_millis() as u64, policy = %allowed_by, decision = "allow", error = res.err().map(|e| e.to_string()), "inbound plaintext connection closed"
         );
+        if copy_failed {
+            end_unserved(&stream).await;
+        }
     }
 
     /// What this connection is authorized as (for the check and re-checks).

@@ -278,9 +278,11 @@ impl Outbound {
                     addr: target,
                     source,
                 })?;
-        let (t, res) = splice_bidirectional(stream, &upstream).await;
+        let (mut t, res) = splice_bidirectional(stream, &upstream).await;
         if let Err(e) = res {
             tracing::debug!(dst.addr = %target, error = %e, "passthrough copy ended with an error");
+            // What the application still sends would go unread (see end_unserved).
+            t.proxy_closed_first = end_unserved(stream).await;
         }
         Ok(t)
     }
@@ -328,9 +330,11 @@ impl Outbound {
                 status: resp.status(),
             });
         }
-        let (t, res) = tcp_h2_bidirectional(stream, send, resp.into_body()).await;
+        let (mut t, res) = tcp_h2_bidirectional(stream, send, resp.into_body()).await;
         if let Err(e) = res {
             tracing::debug!(dst.addr = %target, error = %e, "HBONE copy ended with an error");
+            // What the application still sends would go unread (see end_unserved).
+            t.proxy_closed_first = end_unserved(stream).await;
         }
         drop(lease);
         Ok(t)

@@ -212,8 +212,8 @@ pub fn limit_unsent(socket: &impl std::os::fd::AsFd, bytes: u32) -> io::Result<(
 }
 
 /// Ends a connection the proxy accepted but could not carry (no route, a
-/// refused dial, a denial) as a plain close would: the peer reads an end of
-/// stream. But first it reads and drops whatever the peer sent, until the
+/// refused dial, a denial, a copy cut short by the other side's failure) as
+/// a plain close would: the peer reads an end of stream. But first it reads and drops whatever the peer sent, until the
 /// peer closes too: a close with unread data is a reset, and a connection
 /// that ends in a reset leaves a conntrack entry that does not restart on
 /// the next SYN with the same addresses but carries it to wherever the old
@@ -488,5 +488,42 @@ mod tests {
             queued > sndbuf / 4 && queued > 2 * capped,
             "without a cap the kernel fills the send buffer ({queued} of {sndbuf} bytes unsent, {capped} with the cap)"
         );
+    }
+
+    /// A connected pair: (the peer's side, the proxy's accepted side).
+    async fn pair() -> (TcpStream, TcpStream) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let peer = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        (peer, listener.accept().await.unwrap().0)
+    }
+
+    #[tokio::test]
+    async fn an_unserved_connection_ends_cleanly_though_the_peer_sent_bytes() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (mut peer, proxy) = pair().await;
+        peer.write_all(b"a request the proxy never carries")
+            .await
+            .unwrap();
+        let ending = tokio::spawn(async move { end_unserved(&proxy).await });
+        // Closed with those bytes unread, the proxy's side would send a reset.
+        let mut buf = [0u8; 8];
+        assert_eq!(
+            peer.read(&mut buf).await.unwrap(),
+            0,
+            "an end of stream, not a reset"
+        );
+        drop(peer);
+        assert!(
+            ending.await.unwrap(),
+            "both closed cleanly, the proxy first"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_peer_that_never_closes_is_given_up_on() {
+        let (_peer, proxy) = pair().await;
+        assert!(!end_unserved(&proxy).await);
     }
 }
