@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use ambit::lab::{
-    anon_kb, close_first_echo, connect_from, echo_roundtrip, short_connections, time_waits,
+    aborts, anon_kb, close_first_echo, connect_from, echo_roundtrip, short_connections, time_waits,
     EchoServer, Ends, LabPod,
 };
 use common::{counter, workload, Mesh};
@@ -731,6 +731,10 @@ fn short_connections_never_stall_on_a_reused_port_even_when_they_fail() {
     let run = short_connections(&client, &targets, 4000).unwrap();
     assert_eq!(run.syn_retries, 0, "no SYN had to be sent again: {run:?}");
     assert!(run.slowest_connect < Duration::from_millis(500), "{run:?}");
+    assert_eq!(
+        run.aborts, 0,
+        "every connection ended without a reset: {run:?}"
+    );
     let held = time_waits(&client, 15001).unwrap();
     assert!(held.is_empty(), "the proxy keeps no TIME_WAIT:\n{held}");
 
@@ -748,8 +752,18 @@ fn short_connections_never_stall_on_a_reused_port_even_when_they_fail() {
         (other_port, Ends::Echo),
         (nowhere(&server), Ends::Closed),
     ];
+    let aborted = aborts(&server).unwrap();
     let run = short_connections(&outsider, &inbound, 3000).unwrap();
     assert!(run.syn_retries <= 5, "inbound: {run:?}");
+    assert!(
+        run.slowest_connect < Duration::from_millis(500),
+        "inbound: {run:?}"
+    );
+    assert_eq!(
+        aborts(&server).unwrap(),
+        aborted,
+        "the server's proxy ended every inbound connection without a reset"
+    );
 }
 
 /// After a bulk HBONE transfer, idle proxies give back the memory its
@@ -762,6 +776,7 @@ fn after_a_bulk_transfer_idle_proxies_give_the_memory_back() {
     let pids = [&client, &server].map(|p| m.lab.pid(&format!("proxy-{}", p.name)).unwrap());
     let private = || pids.map(anon_kb);
     let before = private();
+    assert!(before.iter().all(|&kb| kb > 0), "both proxies running");
     let run = ambit::lab::iperf3(&client, server.ip, 3, &[]).unwrap();
     let loaded = private();
     let deadline = std::time::Instant::now() + Duration::from_secs(15);
@@ -780,6 +795,7 @@ fn after_a_bulk_transfer_idle_proxies_give_the_memory_back() {
         loaded.iter().zip(before).any(|(l, b)| *l > b + 2048),
         "the transfer grew a proxy's memory (else this shows nothing): {before:?} -> {loaded:?}"
     );
+    assert!(idle.iter().all(|&kb| kb > 0), "both proxies still running");
     for (i, b) in idle.iter().zip(before) {
         assert!(*i <= b + 1024, "idle proxies are back within 1 MB of their start: {before:?} -> {loaded:?} -> {idle:?}");
     }

@@ -489,6 +489,10 @@ fn short_connections_through_the_shared_proxy_never_stall_and_leave_no_time_wait
     ];
     let run = short_connections(&client, &targets, 3000).unwrap();
     assert_eq!(run.syn_retries, 0, "no SYN had to be sent again: {run:?}");
+    assert_eq!(
+        run.aborts, 0,
+        "every connection ended without a reset: {run:?}"
+    );
     let held = time_waits(&client, 15001).unwrap();
     assert!(
         held.is_empty(),

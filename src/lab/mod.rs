@@ -411,6 +411,9 @@ pub enum Ends {
 pub struct ShortRun {
     /// SYNs the pod's kernel had to send again (`TcpExt.TCPSynRetrans`).
     pub syn_retries: u64,
+    /// Resets the pod's kernel sent to abort a connection ([`aborts`]): its
+    /// own proxy's sockets, in dedicated and shared mode alike, live there.
+    pub aborts: u64,
     pub slowest_connect: Duration,
 }
 
@@ -426,6 +429,7 @@ pub fn short_connections(
     let targets = targets.to_vec();
     pod.ns.run(move || {
         let before = tcp_ext("TCPSynRetrans")?;
+        let aborted_before = aborts_here()?;
         let mut slowest_connect = Duration::ZERO;
         let mut once = |dst: SocketAddr, ends: Ends| -> io::Result<bool> {
             let t = Instant::now();
@@ -457,9 +461,22 @@ pub fn short_connections(
         }
         Ok(ShortRun {
             syn_retries: tcp_ext("TCPSynRetrans")? - before,
+            aborts: aborts_here()? - aborted_before,
             slowest_connect,
         })
     })?
+}
+
+/// Resets `pod`'s kernel sent to abort connections: closed with data unread
+/// (`TCPAbortOnClose`), data arriving after the close (`TCPAbortOnData`),
+/// or `SO_LINGER` 0 (`TCPAbortOnLinger`). A reset read after an end of
+/// stream goes unseen by the reader; these count it.
+pub fn aborts(pod: &LabPod) -> io::Result<u64> {
+    pod.ns.run(aborts_here)?
+}
+
+fn aborts_here() -> io::Result<u64> {
+    Ok(tcp_ext("TCPAbortOnClose")? + tcp_ext("TCPAbortOnData")? + tcp_ext("TCPAbortOnLinger")?)
 }
 
 /// A `TcpExt` counter of the calling thread's netns.

@@ -232,6 +232,7 @@ impl Inbound {
             }
             Err(e) => {
                 tracing::warn!(src.addr = %peer, error = %e, "no original destination; closing");
+                end_unserved(&stream).await;
                 return;
             }
         };
@@ -267,9 +268,10 @@ impl Inbound {
             .revoked
             .run(async { result = Some(splice_bidirectional(&stream, &upstream).await) })
             .await;
-        // Cut short by a failure (not by policy): what the sender still sends
-        // would go unread (see end_unserved).
+        // Cut short by a failure (not by policy, which closes at once): what
+        // the sender still sends would go unread (see end_unserved).
         let copy_failed = matches!(result, Some((_, Err(_))));
+        drop((upstream, tracked));
         let (t, res) = result.unwrap_or_else(|| {
             (
                 Transferred::default(),

@@ -49,8 +49,7 @@ pub fn run(cfg: ProxyConfig) -> anyhow::Result<()> {
 /// 16–256 KiB buffers the copy loops cycle through: without this, a bulk
 /// HBONE flow spends a tenth of its CPU in page faults (perf, measured).
 ///
-///
-/// The price was memory kept after a bulk flow ends: 6–7 MB after one HBONE
+/// The price was memory kept after a bulk flow ends: 6–8 MB after one HBONE
 /// iperf3 run, the free top of each worker thread's arena, which glibc gives
 /// back only past that threshold and which `malloc_trim` never touches in a
 /// thread arena. So all threads share the main arena (small allocations

@@ -232,17 +232,17 @@ impl Outbound {
             }
             Route::NoEndpoint { service } => Err(OutboundError::NoEndpoint(service.key())),
         };
-        let t = match &result {
-            Ok(t) => *t,
+        // Cut short: nothing carried, or a copy ended by the other side's failure.
+        let (t, cut_short) = match &result {
+            Ok(carried) => *carried,
             Err(_) => {
                 labels.response_flags = "CONNECT";
-                Transferred::default()
+                (Transferred::default(), true)
             }
         };
         self.metrics.closed(&labels, t);
-        let failed = result.is_err();
         match result {
-            Ok(t) => {
+            Ok((t, _)) => {
                 tracing::info!(src.addr = %peer, src.workload = %format!("{}/{}", labels.source_workload_namespace, labels.source_workload), src.principal = %labels.source_principal,
                     dst.addr = %dst, dst.workload = %format!("{}/{}", labels.destination_workload_namespace, labels.destination_workload), route = kind, dst.principal = %labels.destination_principal, bytes_sent = t.sent, bytes_received = t.received, duration_ms = start.elapsed().as_millis() as u64, "outbound connection closed")
             }
@@ -250,7 +250,8 @@ impl Outbound {
                 tracing::warn!(src.addr = %peer, dst.addr = %dst, route = kind, error = %e, "outbound connection failed")
             }
         }
-        let proxy_closed_first = if failed {
+        // Last, with the upstream side and any pooled stream already let go.
+        let proxy_closed_first = if cut_short {
             end_unserved(&stream).await
         } else {
             t.proxy_closed_first
@@ -268,7 +269,7 @@ impl Outbound {
         &self,
         stream: &TcpStream,
         target: SocketAddr,
-    ) -> Result<Transferred, OutboundError> {
+    ) -> Result<(Transferred, bool), OutboundError> {
         let upstream =
             self.pod
                 .sockets
@@ -278,13 +279,11 @@ impl Outbound {
                     addr: target,
                     source,
                 })?;
-        let (mut t, res) = splice_bidirectional(stream, &upstream).await;
-        if let Err(e) = res {
+        let (t, res) = splice_bidirectional(stream, &upstream).await;
+        if let Err(e) = &res {
             tracing::debug!(dst.addr = %target, error = %e, "passthrough copy ended with an error");
-            // What the application still sends would go unread (see end_unserved).
-            t.proxy_closed_first = end_unserved(stream).await;
         }
-        Ok(t)
+        Ok((t, res.is_err()))
     }
 
     async fn hbone(
@@ -294,7 +293,7 @@ impl Outbound {
         proxy: SocketAddr,
         target: SocketAddr,
         identities: Vec<Identity>,
-    ) -> Result<Transferred, OutboundError> {
+    ) -> Result<(Transferred, bool), OutboundError> {
         let key = PoolKey {
             pod: self.pod.uid.clone(),
             src: self.pod.identity.clone(),
@@ -330,14 +329,12 @@ impl Outbound {
                 status: resp.status(),
             });
         }
-        let (mut t, res) = tcp_h2_bidirectional(stream, send, resp.into_body()).await;
-        if let Err(e) = res {
+        let (t, res) = tcp_h2_bidirectional(stream, send, resp.into_body()).await;
+        if let Err(e) = &res {
             tracing::debug!(dst.addr = %target, error = %e, "HBONE copy ended with an error");
-            // What the application still sends would go unread (see end_unserved).
-            t.proxy_closed_first = end_unserved(stream).await;
         }
         drop(lease);
-        Ok(t)
+        Ok((t, res.is_err()))
     }
 
     async fn dial(

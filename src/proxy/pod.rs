@@ -7,10 +7,12 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
 
 use socket2::{Domain, Protocol, SockRef, Socket, TcpKeepalive, Type};
+use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
 use crate::identity::{Identity, TlsHandle};
@@ -213,27 +215,34 @@ pub fn limit_unsent(socket: &impl std::os::fd::AsFd, bytes: u32) -> io::Result<(
 
 /// Ends a connection the proxy accepted but could not carry (no route, a
 /// refused dial, a denial, a copy cut short by the other side's failure) as
-/// a plain close would: the peer reads an end of stream. But first it reads and drops whatever the peer sent, until the
-/// peer closes too: a close with unread data is a reset, and a connection
-/// that ends in a reset leaves a conntrack entry that does not restart on
-/// the next SYN with the same addresses but carries it to wherever the old
-/// one was redirected. That next SYN may be the proxy's own dial (it picks
-/// its ports from the same pool as the application, in the same netns),
-/// which then loops back into the proxy's own listener (seen in
-/// tests/dataplane.rs before this drain, as dials to a closed port that
-/// "succeeded"). Gives up after [`UNSERVED_DRAIN_TIME`] or
-/// [`UNSERVED_DRAIN_BYTES`] and lets the close be a reset.
+/// a plain close would: the peer reads an end of stream. But first it reads
+/// and drops whatever the peer sends, until the peer closes too: a close with
+/// unread data is a reset, and a connection that ends in a reset leaves a
+/// conntrack entry that does not restart on the next SYN with the same
+/// addresses but carries it to wherever the old one was redirected. That
+/// next SYN may be the proxy's own dial (it picks its ports from the same
+/// pool as the application, in the same netns), which then loops back into
+/// the proxy's own listener (seen in tests/dataplane.rs before this drain,
+/// as dials to a closed port that "succeeded").
 ///
-/// Returns whether both sides closed cleanly, the proxy first: its side is
-/// then in TIME_WAIT (see `timewait`).
+/// Bounded: [`UNSERVED_DRAIN_TIME`] and [`UNSERVED_DRAIN_BYTES`] per
+/// connection, and at most [`UNSERVED_DRAINING`] connections at once across
+/// the proxy, so peers that never close cannot pile up sockets; past a
+/// bound the close may be a reset.
+///
+/// Returns whether the peer closed cleanly: the proxy's side may then be in
+/// TIME_WAIT (`timewait` checks that its socket is closed before removing).
 pub async fn end_unserved(stream: &TcpStream) -> bool {
     let _ = SockRef::from(stream).shutdown(std::net::Shutdown::Write);
+    let Ok(_permit) = DRAINING.try_acquire() else {
+        return false;
+    };
     let drain = async {
-        let mut buf = [0u8; 4096];
         let mut left = UNSERVED_DRAIN_BYTES;
         loop {
             stream.readable().await?;
-            match stream.try_read(&mut buf) {
+            // MSG_TRUNC: TCP drops the bytes without copying them anywhere.
+            match stream.try_io(Interest::READABLE, || discard(stream, left)) {
                 Ok(0) => return Ok::<bool, io::Error>(true),
                 Ok(n) if n >= left => return Ok(false),
                 Ok(n) => left -= n,
@@ -248,10 +257,32 @@ pub async fn end_unserved(stream: &TcpStream) -> bool {
     )
 }
 
+/// Drops up to `len` received bytes of `stream` unread.
+fn discard(stream: &TcpStream, len: usize) -> io::Result<usize> {
+    // SAFETY: with MSG_TRUNC, TCP discards the data and writes nothing to
+    // the (null) buffer.
+    let n = unsafe {
+        libc::recv(
+            stream.as_raw_fd(),
+            std::ptr::null_mut(),
+            len,
+            libc::MSG_TRUNC | libc::MSG_DONTWAIT,
+        )
+    };
+    if n < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
 /// How long [`end_unserved`] waits for the peer's close.
 const UNSERVED_DRAIN_TIME: Duration = Duration::from_secs(5);
-/// How much [`end_unserved`] reads and drops before giving up.
+/// How much [`end_unserved`] drops before giving up.
 const UNSERVED_DRAIN_BYTES: usize = 1 << 20;
+/// How many connections [`end_unserved`] drains at once, proxy-wide.
+const UNSERVED_DRAINING: usize = 1024;
+static DRAINING: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(UNSERVED_DRAINING);
 
 /// NODELAY and keepalive, for every connection the proxy holds (set on
 /// listeners, whose accepted connections inherit them, and before connect).
@@ -507,13 +538,18 @@ mod tests {
             .await
             .unwrap();
         let ending = tokio::spawn(async move { end_unserved(&proxy).await });
-        // Closed with those bytes unread, the proxy's side would send a reset.
         let mut buf = [0u8; 8];
+        assert_eq!(peer.read(&mut buf).await.unwrap(), 0, "an end of stream");
+        // Closed with those bytes unread, the proxy's side would follow its
+        // end of stream with a reset; reads would not show it, the state does.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        const TCP_CLOSE_WAIT: u8 = 8;
         assert_eq!(
-            peer.read(&mut buf).await.unwrap(),
-            0,
-            "an end of stream, not a reset"
+            super::super::timewait::tcp_state(peer.as_raw_fd()).unwrap(),
+            TCP_CLOSE_WAIT,
+            "no reset after the end of stream"
         );
+        assert!(peer.take_error().unwrap().is_none());
         drop(peer);
         assert!(
             ending.await.unwrap(),
@@ -524,6 +560,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_peer_that_never_closes_is_given_up_on() {
         let (_peer, proxy) = pair().await;
-        assert!(!end_unserved(&proxy).await);
+        let ended = tokio::time::timeout(UNSERVED_DRAIN_TIME * 2, end_unserved(&proxy)).await;
+        assert_eq!(ended, Ok(false), "given up on within its time bound");
     }
 }

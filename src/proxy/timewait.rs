@@ -98,7 +98,7 @@ impl Reaper {
 }
 
 /// The kernel's TCP state of `fd` (`tcpi_state`, the first byte of `TCP_INFO`).
-fn tcp_state(fd: RawFd) -> io::Result<u8> {
+pub(crate) fn tcp_state(fd: RawFd) -> io::Result<u8> {
     let mut state = 0u8;
     let mut len: libc::socklen_t = 1;
     // SAFETY: getsockopt writes at most `len` (1) bytes into `state`; the
