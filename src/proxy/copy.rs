@@ -121,6 +121,11 @@ fn splice(from: RawFd, to: RawFd, len: usize) -> io::Result<usize> {
             libc::SPLICE_F_MOVE | libc::SPLICE_F_NONBLOCK,
         )
     };
+    byte_count(n)
+}
+
+/// A syscall's result as a byte count, or its `errno`.
+pub(super) fn byte_count(n: isize) -> io::Result<usize> {
     if n < 0 {
         Err(io::Error::last_os_error())
     } else {

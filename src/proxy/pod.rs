@@ -269,11 +269,7 @@ fn discard(stream: &TcpStream, len: usize) -> io::Result<usize> {
             libc::MSG_TRUNC | libc::MSG_DONTWAIT,
         )
     };
-    if n < 0 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
+    super::copy::byte_count(n)
 }
 
 /// How long [`end_unserved`] waits for the peer's close.
