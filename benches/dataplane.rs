@@ -10,12 +10,12 @@
 //! the iperf3 duration (default 5).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use ambit::lab::{
-    anon_kb, close_first_echo, connect_from, iperf3, rss_kb, write_ca, EchoServer, Lab, LabPod,
-    ProxySpec,
+    anon_kb, close_first_echo, connect_from, iperf3, rss_kb, short_connection, write_ca,
+    EchoServer, Ends, Lab, LabPod, ProxySpec,
 };
 
 /// Busy CPU seconds of the whole machine so far (`/proc/stat`, all CPUs):
@@ -70,14 +70,7 @@ fn connect_rate(client: &LabPod, target: SocketAddr, secs: f64) -> f64 {
     client
         .ns
         .run(move || {
-            let once = || {
-                let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5)).unwrap();
-                s.set_nodelay(true).unwrap();
-                let mut b = [0u8; 1];
-                s.write_all(b"x").unwrap();
-                s.read_exact(&mut b).unwrap();
-                assert_eq!(s.read(&mut b).unwrap(), 0, "the server closes");
-            };
+            let once = || short_connection(target, Ends::Echo).unwrap();
             for _ in 0..50 {
                 once(); // warm: pooled HBONE connection, caches
             }

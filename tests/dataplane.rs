@@ -710,7 +710,6 @@ fn on_a_slow_link_an_hbone_connection_queues_little_unsent_data_in_the_kernel() 
     );
 }
 
-/// `TcpExt` counters of the calling thread's netns (`/proc/net/netstat`).
 #[test]
 fn short_connections_never_stall_on_a_reused_port_even_when_they_fail() {
     let (mut m, client, server, _echo) = common::meshed_pair("tw");

@@ -417,10 +417,32 @@ pub struct ShortRun {
     pub slowest_connect: Duration,
 }
 
-/// Opens `n` connections from `pod`, one after another, cycling through
-/// `targets`, each checked to end as its [`Ends`] says. The application's
-/// kernel picks each source port knowing only its own destinations, while a
-/// proxy's side of every captured connection is 127.0.0.1:15001.
+/// One short connection to `dst` from the calling thread's netns: connect,
+/// send a byte, and check it ends as `ends` says. Returns how long the
+/// connect took; an error names what went otherwise.
+pub fn short_connection(dst: SocketAddr, ends: Ends) -> io::Result<Duration> {
+    let t = Instant::now();
+    let mut s = TcpStream::connect_timeout(&dst, Duration::from_secs(5))?;
+    let took = t.elapsed();
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    s.write_all(b"x")?;
+    let mut b = [0u8; 2];
+    let ended = match ends {
+        Ends::Echo => (s.read(&mut b)?, s.read(&mut b)?) == (1, 0),
+        Ends::Closed => s.read(&mut b)? == 0,
+    };
+    if ended {
+        Ok(took)
+    } else {
+        Err(io::Error::other(format!("did not end as {ends:?}")))
+    }
+}
+
+/// Opens `n` [`short_connection`]s from `pod`, one after another, cycling
+/// through `targets`. The application's kernel picks each source port
+/// knowing only its own destinations, while a proxy's side of every
+/// captured connection is 127.0.0.1:15001.
 pub fn short_connections(
     pod: &LabPod,
     targets: &[(SocketAddr, Ends)],
@@ -431,33 +453,11 @@ pub fn short_connections(
         let before = tcp_ext("TCPSynRetrans")?;
         let aborted_before = aborts_here()?;
         let mut slowest_connect = Duration::ZERO;
-        let mut once = |dst: SocketAddr, ends: Ends| -> io::Result<bool> {
-            let t = Instant::now();
-            let mut s = TcpStream::connect_timeout(&dst, Duration::from_secs(5))?;
-            slowest_connect = slowest_connect.max(t.elapsed());
-            s.set_read_timeout(Some(Duration::from_secs(5)))?;
-            s.write_all(b"x")?;
-            let mut b = [0u8; 2];
-            Ok(match ends {
-                Ends::Echo => (s.read(&mut b)?, s.read(&mut b)?) == (1, 0),
-                Ends::Closed => s.read(&mut b)? == 0,
-            })
-        };
         for (i, &(dst, ends)) in targets.iter().cycle().take(n).enumerate() {
-            match once(dst, ends) {
-                Ok(true) => {}
-                Ok(false) => {
-                    return Err(io::Error::other(format!(
-                        "connection {i} to {dst} did not end as {ends:?}"
-                    )))
-                }
-                Err(e) => {
-                    return Err(io::Error::new(
-                        e.kind(),
-                        format!("connection {i} to {dst} ({ends:?}): {e}"),
-                    ))
-                }
-            }
+            let took = short_connection(dst, ends).map_err(|e| {
+                io::Error::new(e.kind(), format!("connection {i} to {dst} ({ends:?}): {e}"))
+            })?;
+            slowest_connect = slowest_connect.max(took);
         }
         Ok(ShortRun {
             syn_retries: tcp_ext("TCPSynRetrans")? - before,

@@ -358,12 +358,13 @@ pub async fn tcp_h2_bidirectional(
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use std::time::Duration;
     use tokio::net::TcpListener;
 
-    async fn pair() -> (TcpStream, TcpStream) {
+    /// A connected pair on loopback: (the connecting side, the accepted side).
+    pub(in crate::proxy) async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (b, _) = l.accept().await.unwrap();

@@ -288,8 +288,12 @@ impl ZdsClient {
                 // Drain an older netns under this uid first, so its listeners close.
                 self.pods.remove(&add.uid);
                 let (trigger, drain) = Drain::new();
-                let sockets =
-                    SocketFactory::in_pod(self.shared.mark, netns.clone(), self.home.clone());
+                let sockets = SocketFactory::in_pod(
+                    self.shared.mark,
+                    format!("{}/{}", pod_info.namespace, pod_info.name),
+                    netns.clone(),
+                    self.home.clone(),
+                );
                 let pod = self
                     .shared
                     .pod(&pod_info, sockets, drain, Some(&netns))

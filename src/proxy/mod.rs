@@ -414,7 +414,12 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                 let mut backoff = std::time::Duration::from_millis(100);
                 loop {
                     match shared
-                        .pod(&info, SocketFactory::local(mark), drain.clone(), None)
+                        .pod(
+                            &info,
+                            SocketFactory::local(mark, format!("{}/{}", info.namespace, info.name)),
+                            drain.clone(),
+                            None,
+                        )
                         .await
                     {
                         Ok(pod) => {

@@ -259,9 +259,7 @@ impl Outbound {
         if let (true, Ok(cookie)) = (proxy_closed_first, cookie) {
             self.pod
                 .sockets
-                .forget_time_wait(&stream, accepted_from, cookie, || {
-                    format!("{}/{}", self.pod.namespace, self.pod.name)
-                });
+                .forget_time_wait(&stream, accepted_from, cookie);
         }
     }
 

@@ -28,25 +28,30 @@ pub struct SocketFactory {
     /// `None`: the proxy already runs inside the pod's netns (dedicated mode).
     /// `Some((pod, home))`: sockets are made inside `pod`, then the thread returns to `home`.
     netns: Option<(Netns, Netns)>,
+    /// The pod, `namespace/name`, for warnings.
+    pod: String,
     /// Removes outbound TIME_WAITs (see [`super::timewait`]); opened on first use.
     reaper: Arc<std::sync::OnceLock<super::timewait::Reaper>>,
 }
 
 impl SocketFactory {
-    /// Sockets in the caller's own netns (dedicated mode).
-    pub fn local(mark: u32) -> Self {
+    /// Sockets in the caller's own netns (dedicated mode) for `pod`
+    /// (`namespace/name`).
+    pub fn local(mark: u32, pod: String) -> Self {
         SocketFactory {
             mark,
             netns: None,
+            pod,
             reaper: Arc::default(),
         }
     }
 
     /// Sockets inside `pod`'s netns; the creating thread goes back to `home`.
-    pub fn in_pod(mark: u32, pod: Netns, home: Netns) -> Self {
+    pub fn in_pod(mark: u32, name: String, pod: Netns, home: Netns) -> Self {
         SocketFactory {
             mark,
             netns: Some((pod, home)),
+            pod: name,
             reaper: Arc::default(),
         }
     }
@@ -73,17 +78,11 @@ impl SocketFactory {
 
     /// Removes the TIME_WAIT the proxy holds for `conn`, its connection from
     /// `peer` (an outbound connection whose destination closed first);
-    /// `cookie` is `conn`'s `SO_COOKIE`; `pod` names the pod in warnings.
-    pub fn forget_time_wait(
-        &self,
-        conn: &TcpStream,
-        peer: SocketAddr,
-        cookie: u64,
-        pod: impl FnOnce() -> String,
-    ) {
+    /// `cookie` is `conn`'s `SO_COOKIE`.
+    pub fn forget_time_wait(&self, conn: &TcpStream, peer: SocketAddr, cookie: u64) {
         self.reaper
             .get_or_init(|| {
-                super::timewait::Reaper::open(pod(), || {
+                super::timewait::Reaper::open(self.pod.clone(), || {
                     self.inside(|| {
                         Socket::new(
                             Domain::from(libc::AF_NETLINK),
@@ -404,11 +403,12 @@ pub type PodRef = Arc<Pod>;
 
 #[cfg(test)]
 mod tests {
+    use super::super::copy::tests::pair;
     use super::*;
 
     #[tokio::test]
     async fn accepted_connections_inherit_nodelay_and_keepalive_from_the_listener() {
-        let factory = SocketFactory::local(0);
+        let factory = SocketFactory::local(0, "default/test".into());
         let listener = factory.listen("127.0.0.1:0".parse().unwrap()).unwrap();
         let _client = TcpStream::connect(listener.local_addr().unwrap())
             .await
@@ -515,15 +515,6 @@ mod tests {
             queued > sndbuf / 4 && queued > 2 * capped,
             "without a cap the kernel fills the send buffer ({queued} of {sndbuf} bytes unsent, {capped} with the cap)"
         );
-    }
-
-    /// A connected pair: (the peer's side, the proxy's accepted side).
-    async fn pair() -> (TcpStream, TcpStream) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let peer = TcpStream::connect(listener.local_addr().unwrap())
-            .await
-            .unwrap();
-        (peer, listener.accept().await.unwrap().0)
     }
 
     #[tokio::test]
