@@ -150,6 +150,22 @@ fn startup_errors_name_the_key_the_value_and_the_expectation() {
         !ok && err.contains("`trust_domain` = \"a/b\" (from flag)"),
         "{err}"
     );
+    // Well formed, but no such algorithm in this kernel: refused at start,
+    // with what the kernel has.
+    let (ok, _, err) = ambit(
+        &["proxy"],
+        &[
+            ("PROXY_WORKLOAD_INFO", "default/web/web"),
+            ("LOCAL_XDS_PATH", "/x"),
+            ("AMBIT_CONGESTION_CONTROL", "nosuchcc"),
+        ],
+    );
+    assert!(
+        !ok && err.contains("`congestion_control` = \"nosuchcc\" cannot be set")
+            && err.contains("this kernel has:")
+            && err.contains("reno"),
+        "{err}"
+    );
     let (ok, _, err) = ambit(&["proxy", "--colour", "red"], &[]);
     assert!(!ok && err.contains("unknown config key `colour`"), "{err}");
     let dir = std::env::temp_dir().join(format!("ambit-cfg-{}", std::process::id()));

@@ -3,6 +3,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -798,4 +799,92 @@ fn after_a_bulk_transfer_idle_proxies_give_the_memory_back() {
     for (i, b) in idle.iter().zip(before) {
         assert!(*i <= b + 1024, "idle proxies are back within 1 MB of their start: {before:?} -> {loaded:?} -> {idle:?}");
     }
+}
+
+/// Each established TCP connection in `pod` (`ss -tnpi`): whether the proxy
+/// owns it, its local and peer addresses, and its congestion control.
+fn congestion_controls(pod: &LabPod) -> Vec<(bool, String, String, String)> {
+    let out = pod
+        .ns
+        .command("ss")
+        .args(["-Htnpi", "state", "established"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let mut found = Vec::new();
+    let mut lines = text.lines();
+    while let Some(conn) = lines.next() {
+        let f: Vec<&str> = conn.split_whitespace().collect();
+        let info = lines.next().unwrap_or_default();
+        let cc = info.split_whitespace().next().unwrap_or_default();
+        found.push((
+            conn.contains("\"ambit\""),
+            f[2].to_string(),
+            f[3].to_string(),
+            cc.to_string(),
+        ));
+    }
+    found
+}
+
+#[test]
+fn the_proxy_s_own_connections_use_its_congestion_control_and_apps_keep_theirs() {
+    let mut m = Mesh::new("cc");
+    let (client, server, outsider) = (m.pod("client"), m.pod("server"), m.pod("outsider"));
+    // Every pod's default is reno (built into every kernel): what the
+    // applications' own sockets must keep.
+    for pod in [&client, &server, &outsider] {
+        let set = pod
+            .ns
+            .command("sysctl")
+            .args(["-qw", "net.ipv4.tcp_congestion_control=reno"])
+            .status()
+            .unwrap();
+        assert!(set.success());
+    }
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    // The client's proxy as shipped (cubic); the server's keeps the kernel's.
+    m.mesh(&client, "client-sa");
+    m.mesh_env(&server, "server-sa", &[("AMBIT_CONGESTION_CONTROL", "")]);
+    let meshed = EchoServer::start(&server, 9000).unwrap();
+    let outside = EchoServer::start(&outsider, 9001).unwrap();
+    let mut hbone = connect_from(&client, meshed.addr).unwrap();
+    let mut passthrough = connect_from(&client, outside.addr).unwrap();
+    // Kept open while `ss` looks: one byte there and back.
+    for conn in [&mut hbone, &mut passthrough] {
+        let mut back = [0u8; 1];
+        conn.write_all(b"x").unwrap();
+        conn.read_exact(&mut back).unwrap();
+        assert_eq!(&back, b"x");
+    }
+
+    let at_client = congestion_controls(&client);
+    let proxy: Vec<_> = at_client.iter().filter(|c| c.0).collect();
+    let apps: Vec<_> = at_client.iter().filter(|c| !c.0).collect();
+    // The proxy's: two accepted on 15001, one HBONE connection to the
+    // server's 15008, one passthrough dial to the outsider.
+    assert_eq!(proxy.len(), 4, "{at_client:?}");
+    assert!(
+        proxy.iter().all(|c| c.3 == "cubic"),
+        "the proxy's listeners and dials use cubic: {at_client:?}"
+    );
+    assert!(
+        proxy.iter().any(|c| c.2.ends_with(":15008"))
+            && proxy.iter().any(|c| c.2.ends_with(":9001")),
+        "{at_client:?}"
+    );
+    assert_eq!(apps.len(), 2, "{at_client:?}");
+    assert!(
+        apps.iter().all(|c| c.3 == "reno"),
+        "the application's own sockets keep the pod's default: {at_client:?}"
+    );
+    let at_server = congestion_controls(&server);
+    assert!(
+        at_server.iter().filter(|c| c.0).count() == 2 && at_server.iter().all(|c| c.3 == "reno"),
+        "with an empty setting, the proxy keeps the kernel's default: {at_server:?}"
+    );
 }

@@ -356,7 +356,7 @@ fn a_transparent_ipv6_dial_keeps_the_callers_address_through_the_pods_rules() {
                 .unwrap();
             rt.block_on(async {
                 let factory = ambit::proxy::pod::SocketFactory::local(
-                    ambit::constants::PROXY_MARK,
+                    ambit::proxy::pod::SocketOptions::marked(ambit::constants::PROXY_MARK),
                     "default/vm".into(),
                 );
                 let s = factory.connect_as(app, caller).await?;

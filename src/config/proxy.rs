@@ -227,6 +227,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "unsent bytes the kernel may queue per HBONE connection (TCP_NOTSENT_LOWAT); 0: no limit",
     },
     Key {
+        name: "congestion_control",
+        env: &["AMBIT_CONGESTION_CONTROL"],
+        default: "cubic",
+        help: "TCP congestion control of the proxy's own connections and listeners; empty: the kernel's default",
+    },
+    Key {
         name: "worker_threads",
         env: &["ZTUNNEL_WORKER_THREADS", "AMBIT_WORKER_THREADS"],
         default: "2",
@@ -312,6 +318,8 @@ pub struct ProxyConfig {
     pub frame_size: u32,
     /// `TCP_NOTSENT_LOWAT` on HBONE connections; 0 leaves the kernel's default.
     pub hbone_unsent_limit: u32,
+    /// `TCP_CONGESTION` on the proxy's TCP sockets; `None`: the kernel's default.
+    pub congestion_control: Option<std::sync::Arc<str>>,
     pub worker_threads: usize,
     pub ipv6: bool,
     pub drain_timeout: Duration,
@@ -324,6 +332,15 @@ pub struct ProxyConfig {
     pub dns_upstreams: Vec<SocketAddr>,
     pub log_format: LogFormat,
     pub log_level: String,
+}
+
+/// An algorithm's name as `TCP_CONGESTION` takes it (at most 15 bytes).
+/// Whether this kernel has it is checked when the proxy starts.
+fn parse_congestion_control(s: &str) -> Option<std::sync::Arc<str>> {
+    let name_like = (1..=15).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    name_like.then(|| s.into())
 }
 
 impl ProxyConfig {
@@ -454,6 +471,11 @@ impl ProxyConfig {
                 "0 (no limit) or a byte count between 4096 and 1073741824",
                 |s| parse_u32(s).filter(|v| *v == 0 || (4096..=1 << 30).contains(v)),
             )?,
+            congestion_control: l.get(
+                "congestion_control",
+                "empty (the kernel's default) or an algorithm's name like cubic or bbr",
+                parse_congestion_control,
+            )?,
             worker_threads: l.require("worker_threads", "a number from 1 to 256", |s| {
                 s.parse().ok().filter(|n| (1..=256).contains(n))
             })?,
@@ -578,6 +600,25 @@ mod tests {
             assert!(
                 err.contains("`hbone_unsent_limit`")
                     && err.contains("0 (no limit) or a byte count"),
+                "{v}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn congestion_control_is_cubic_unless_set_and_empty_means_the_kernels() {
+        let cc = |v: Option<&str>| {
+            let mut env = BASE.to_vec();
+            env.extend(v.map(|v| ("AMBIT_CONGESTION_CONTROL", v)));
+            layers(&env, &[]).map(|c| c.congestion_control.map(|a| a.to_string()))
+        };
+        assert_eq!(cc(None).unwrap().as_deref(), Some("cubic"));
+        assert_eq!(cc(Some("bbr")).unwrap().as_deref(), Some("bbr"));
+        assert_eq!(cc(Some("")).unwrap(), None);
+        for v in ["BBR", "cubic;reno", "a_name_too_long_x", "bbr reno"] {
+            let err = cc(Some(v)).unwrap_err().to_string();
+            assert!(
+                err.contains("`congestion_control`") && err.contains("an algorithm's name"),
                 "{v}: {err}"
             );
         }

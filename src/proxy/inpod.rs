@@ -289,7 +289,7 @@ impl ZdsClient {
                 self.pods.remove(&add.uid);
                 let (trigger, drain) = Drain::new();
                 let sockets = SocketFactory::in_pod(
-                    self.shared.mark,
+                    self.shared.sockets.clone(),
                     format!("{}/{}", pod_info.namespace, pod_info.name),
                     netns.clone(),
                     self.home.clone(),

@@ -93,7 +93,8 @@ pub struct ProxyShared {
     pub cluster: String,
     pub trust_domain: String,
     pub network: String,
-    pub mark: u32,
+    /// Mark and congestion control of every pod socket.
+    pub sockets: pod::SocketOptions,
     pub ipv6: bool,
     /// Fired when the proxy exits: every pod stops accepting.
     pub stop_accepting: Drain,
@@ -262,6 +263,11 @@ impl ProxyShared {
 }
 
 async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
+    let sockets = pod::SocketOptions {
+        mark: cfg.packet_mark,
+        congestion_control: cfg.congestion_control.clone(),
+    };
+    sockets.check()?;
     let mut registry = Registry::default();
     // Mesh state: from the control plane over xDS, or from the local config file.
     let mut xds_synced = Arc::new(AtomicBool::new(true));
@@ -365,7 +371,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
         cluster: cfg.cluster_id.clone(),
         trust_domain: cfg.trust_domain.clone(),
         network: cfg.network.clone(),
-        mark: cfg.packet_mark,
+        sockets,
         ipv6: cfg.ipv6,
         stop_accepting,
         active: active.clone(),
@@ -403,7 +409,7 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                 service_account: wi.service_account,
             };
             // The pod needs its certificate: retry (not ready meanwhile) while the CA is away.
-            let (shared, ready, mark) = (shared.clone(), ready.clone(), cfg.packet_mark);
+            let (shared, ready) = (shared.clone(), ready.clone());
             tokio::spawn(async move {
                 if let Some(demand) = &shared.demand {
                     // On demand, the pod's workload is fetched by its addresses:
@@ -416,7 +422,10 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
                     match shared
                         .pod(
                             &info,
-                            SocketFactory::local(mark, format!("{}/{}", info.namespace, info.name)),
+                            SocketFactory::local(
+                                shared.sockets.clone(),
+                                format!("{}/{}", info.namespace, info.name),
+                            ),
                             drain.clone(),
                             None,
                         )

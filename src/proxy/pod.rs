@@ -18,13 +18,62 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use crate::identity::{Identity, TlsHandle};
 use crate::netns::Netns;
 
+/// Logs, once per process, that a socket keeps the kernel's congestion control.
+fn warn_once_no_congestion_control(cc: &str, e: &io::Error) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(congestion_control = cc, error = %e, "cannot set the congestion control; sockets keep the kernel's default");
+    });
+}
+
 /// How long an outbound connect may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What every socket the proxy opens for a pod carries.
+#[derive(Debug, Clone)]
+pub struct SocketOptions {
+    /// `SO_MARK`, so the pod's redirection rules let the proxy's own traffic out.
+    pub mark: u32,
+    /// `TCP_CONGESTION` of TCP sockets (`congestion_control`); `None`: the
+    /// kernel's default. Accepted connections inherit their listener's.
+    pub congestion_control: Option<Arc<str>>,
+}
+
+impl SocketOptions {
+    /// Just the mark; the kernel's congestion control.
+    pub fn marked(mark: u32) -> Self {
+        SocketOptions {
+            mark,
+            congestion_control: None,
+        }
+    }
+
+    /// Whether this kernel lets the proxy set its congestion control: a
+    /// clear error at start rather than a warning at the first connection.
+    pub fn check(&self) -> io::Result<()> {
+        let Some(cc) = &self.congestion_control else {
+            return Ok(());
+        };
+        let probe = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))?;
+        probe.set_tcp_congestion(cc.as_bytes()).map_err(|e| {
+            let available =
+                std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
+                    .unwrap_or_default();
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "`congestion_control` = {cc:?} cannot be set ({e}); this kernel has: {}; empty keeps the kernel's default",
+                    available.trim()
+                ),
+            )
+        })
+    }
+}
 
 /// Creates a pod's sockets: marked, keepalive, no Nagle, in the pod's netns.
 #[derive(Debug, Clone)]
 pub struct SocketFactory {
-    mark: u32,
+    options: SocketOptions,
     /// `None`: the proxy already runs inside the pod's netns (dedicated mode).
     /// `Some((pod, home))`: sockets are made inside `pod`, then the thread returns to `home`.
     netns: Option<(Netns, Netns)>,
@@ -37,9 +86,9 @@ pub struct SocketFactory {
 impl SocketFactory {
     /// Sockets in the caller's own netns (dedicated mode) for `pod`
     /// (`namespace/name`).
-    pub fn local(mark: u32, pod: String) -> Self {
+    pub fn local(options: SocketOptions, pod: String) -> Self {
         SocketFactory {
-            mark,
+            options,
             netns: None,
             pod,
             reaper: Arc::default(),
@@ -47,9 +96,9 @@ impl SocketFactory {
     }
 
     /// Sockets inside `pod`'s netns; the creating thread goes back to `home`.
-    pub fn in_pod(mark: u32, name: String, pod: Netns, home: Netns) -> Self {
+    pub fn in_pod(options: SocketOptions, name: String, pod: Netns, home: Netns) -> Self {
         SocketFactory {
-            mark,
+            options,
             netns: Some((pod, home)),
             pod: name,
             reaper: Arc::default(),
@@ -64,7 +113,15 @@ impl SocketFactory {
         let domain = Domain::for_address(*addr);
         self.inside(|| {
             let s = Socket::new(domain, ty.nonblocking(), Some(proto))?;
-            s.set_mark(self.mark)?;
+            s.set_mark(self.options.mark)?;
+            match &self.options.congestion_control {
+                Some(cc) if proto == Protocol::TCP => {
+                    if let Err(e) = s.set_tcp_congestion(cc.as_bytes()) {
+                        warn_once_no_congestion_control(cc, &e);
+                    }
+                }
+                _ => {}
+            }
             Ok(s)
         })
     }
@@ -408,7 +465,7 @@ mod tests {
 
     #[tokio::test]
     async fn accepted_connections_inherit_nodelay_and_keepalive_from_the_listener() {
-        let factory = SocketFactory::local(0, "default/test".into());
+        let factory = SocketFactory::local(SocketOptions::marked(0), "default/test".into());
         let listener = factory.listen("127.0.0.1:0".parse().unwrap()).unwrap();
         let _client = TcpStream::connect(listener.local_addr().unwrap())
             .await
