@@ -161,7 +161,7 @@ fn startup_errors_name_the_key_the_value_and_the_expectation() {
         ],
     );
     assert!(
-        !ok && err.contains("`congestion_control` = \"nosuchcc\" cannot be set")
+        !ok && err.contains("`congestion_control` = \"nosuchcc\" cannot be set: no such algorithm")
             && err.contains("this kernel has:")
             && err.contains("reno"),
         "{err}"

@@ -8,8 +8,8 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use ambit::lab::{
-    aborts, anon_kb, close_first_echo, connect_from, echo_roundtrip, short_connections, time_waits,
-    EchoServer, Ends, LabPod,
+    aborts, anon_kb, close_first_echo, connect_from, echo_roundtrip, established,
+    set_default_congestion_control, short_connections, time_waits, EchoServer, Ends, LabPod,
 };
 use common::{counter, workload, Mesh};
 
@@ -801,32 +801,6 @@ fn after_a_bulk_transfer_idle_proxies_give_the_memory_back() {
     }
 }
 
-/// Each established TCP connection in `pod` (`ss -tnpi`): whether the proxy
-/// owns it, its local and peer addresses, and its congestion control.
-fn congestion_controls(pod: &LabPod) -> Vec<(bool, String, String, String)> {
-    let out = pod
-        .ns
-        .command("ss")
-        .args(["-Htnpi", "state", "established"])
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let mut found = Vec::new();
-    let mut lines = text.lines();
-    while let Some(conn) = lines.next() {
-        let f: Vec<&str> = conn.split_whitespace().collect();
-        let info = lines.next().unwrap_or_default();
-        let cc = info.split_whitespace().next().unwrap_or_default();
-        found.push((
-            conn.contains("\"ambit\""),
-            f[2].to_string(),
-            f[3].to_string(),
-            cc.to_string(),
-        ));
-    }
-    found
-}
-
 #[test]
 fn the_proxy_s_own_connections_use_its_congestion_control_and_apps_keep_theirs() {
     let mut m = Mesh::new("cc");
@@ -834,13 +808,7 @@ fn the_proxy_s_own_connections_use_its_congestion_control_and_apps_keep_theirs()
     // Every pod's default is reno (built into every kernel): what the
     // applications' own sockets must keep.
     for pod in [&client, &server, &outsider] {
-        let set = pod
-            .ns
-            .command("sysctl")
-            .args(["-qw", "net.ipv4.tcp_congestion_control=reno"])
-            .status()
-            .unwrap();
-        assert!(set.success());
+        set_default_congestion_control(pod, "reno").unwrap();
     }
     m.write_config(&format!(
         "workloads:\n{}{}",
@@ -862,29 +830,30 @@ fn the_proxy_s_own_connections_use_its_congestion_control_and_apps_keep_theirs()
         assert_eq!(&back, b"x");
     }
 
-    let at_client = congestion_controls(&client);
-    let proxy: Vec<_> = at_client.iter().filter(|c| c.0).collect();
-    let apps: Vec<_> = at_client.iter().filter(|c| !c.0).collect();
+    let at_client = established(&client).unwrap();
+    let proxy: Vec<_> = at_client.iter().filter(|c| c.proxy).collect();
+    let apps: Vec<_> = at_client.iter().filter(|c| !c.proxy).collect();
     // The proxy's: two accepted on 15001, one HBONE connection to the
     // server's 15008, one passthrough dial to the outsider.
     assert_eq!(proxy.len(), 4, "{at_client:?}");
     assert!(
-        proxy.iter().all(|c| c.3 == "cubic"),
+        proxy.iter().all(|c| c.congestion_control == "cubic"),
         "the proxy's listeners and dials use cubic: {at_client:?}"
     );
     assert!(
-        proxy.iter().any(|c| c.2.ends_with(":15008"))
-            && proxy.iter().any(|c| c.2.ends_with(":9001")),
+        proxy.iter().any(|c| c.peer.ends_with(":15008"))
+            && proxy.iter().any(|c| c.peer.ends_with(":9001")),
         "{at_client:?}"
     );
     assert_eq!(apps.len(), 2, "{at_client:?}");
     assert!(
-        apps.iter().all(|c| c.3 == "reno"),
+        apps.iter().all(|c| c.congestion_control == "reno"),
         "the application's own sockets keep the pod's default: {at_client:?}"
     );
-    let at_server = congestion_controls(&server);
+    let at_server = established(&server).unwrap();
     assert!(
-        at_server.iter().filter(|c| c.0).count() == 2 && at_server.iter().all(|c| c.3 == "reno"),
+        at_server.iter().filter(|c| c.proxy).count() == 2
+            && at_server.iter().all(|c| c.congestion_control == "reno"),
         "with an empty setting, the proxy keeps the kernel's default: {at_server:?}"
     );
 }

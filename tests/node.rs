@@ -3,6 +3,7 @@
 //! host-local, then ambit-cni installed by the agent) exactly as a container
 //! runtime does.
 
+use std::io::{Read, Write};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -12,8 +13,8 @@ const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 use std::net::SocketAddr;
 
 use ambit::lab::{
-    close_first_echo, connect_from, echo_roundtrip, http_get_in, iptables_save, istio_rules,
-    short_connections, time_waits, EchoServer, Ends,
+    close_first_echo, connect_from, echo_roundtrip, established, http_get_in, iptables_save,
+    istio_rules, set_default_congestion_control, short_connections, time_waits, EchoServer, Ends,
 };
 
 #[test]
@@ -83,6 +84,22 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
             && line.ends_with(&format!(" {}", payload.len())),
         "{line}"
     );
+    // The shared proxy's sockets in the pod carry its congestion control
+    // (cubic by default); the application's keep the pod's (reno here).
+    set_default_congestion_control(&client, "reno").unwrap();
+    let mut held = connect_from(&client, echo.addr).unwrap();
+    held.write_all(b"x").unwrap();
+    held.read_exact(&mut [0u8; 1]).unwrap();
+    let conns = established(&client).unwrap();
+    let (proxy, app): (Vec<_>, Vec<_>) = conns.iter().partition(|c| c.proxy);
+    assert!(
+        proxy.len() == 2
+            && proxy.iter().all(|c| c.congestion_control == "cubic")
+            && app.len() == 1
+            && app[0].congestion_control == "reno",
+        "{conns:?}"
+    );
+    drop(held);
     std::thread::sleep(Duration::from_millis(1100));
     let am = http_get_in(&node.lab.node, "127.0.0.1:15014", "/metrics")
         .unwrap()

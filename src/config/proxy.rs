@@ -2,6 +2,7 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::{parse_bool, parse_duration, parse_u32, CommandLine, ConfigError, Key, Layers};
@@ -319,7 +320,7 @@ pub struct ProxyConfig {
     /// `TCP_NOTSENT_LOWAT` on HBONE connections; 0 leaves the kernel's default.
     pub hbone_unsent_limit: u32,
     /// `TCP_CONGESTION` on the proxy's TCP sockets; `None`: the kernel's default.
-    pub congestion_control: Option<std::sync::Arc<str>>,
+    pub congestion_control: Option<Arc<str>>,
     pub worker_threads: usize,
     pub ipv6: bool,
     pub drain_timeout: Duration,
@@ -334,13 +335,17 @@ pub struct ProxyConfig {
     pub log_level: String,
 }
 
-/// An algorithm's name as `TCP_CONGESTION` takes it (at most 15 bytes).
-/// Whether this kernel has it is checked when the proxy starts.
-fn parse_congestion_control(s: &str) -> Option<std::sync::Arc<str>> {
-    let name_like = (1..=15).contains(&s.len())
+/// An algorithm's name as `TCP_CONGESTION` takes it (at most 15 bytes), or
+/// blank for the kernel's default. Whether this kernel has it is checked
+/// when the proxy starts.
+fn parse_congestion_control(s: &str) -> Option<Option<Arc<str>>> {
+    if s.is_empty() {
+        return Some(None);
+    }
+    let name_like = s.len() <= 15
         && s.bytes()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
-    name_like.then(|| s.into())
+    name_like.then(|| Some(s.into()))
 }
 
 impl ProxyConfig {
@@ -471,11 +476,13 @@ impl ProxyConfig {
                 "0 (no limit) or a byte count between 4096 and 1073741824",
                 |s| parse_u32(s).filter(|v| *v == 0 || (4096..=1 << 30).contains(v)),
             )?,
-            congestion_control: l.get(
-                "congestion_control",
-                "empty (the kernel's default) or an algorithm's name like cubic or bbr",
-                parse_congestion_control,
-            )?,
+            congestion_control: l
+                .get(
+                    "congestion_control",
+                    "empty (the kernel's default) or an algorithm's name like cubic or bbr: lowercase letters, digits or _, at most 15",
+                    parse_congestion_control,
+                )?
+                .flatten(),
             worker_threads: l.require("worker_threads", "a number from 1 to 256", |s| {
                 s.parse().ok().filter(|n| (1..=256).contains(n))
             })?,
@@ -615,6 +622,7 @@ mod tests {
         assert_eq!(cc(None).unwrap().as_deref(), Some("cubic"));
         assert_eq!(cc(Some("bbr")).unwrap().as_deref(), Some("bbr"));
         assert_eq!(cc(Some("")).unwrap(), None);
+        assert_eq!(cc(Some("  ")).unwrap(), None, "blank is empty");
         for v in ["BBR", "cubic;reno", "a_name_too_long_x", "bbr reno"] {
             let err = cc(Some(v)).unwrap_err().to_string();
             assert!(

@@ -490,6 +490,65 @@ fn tcp_ext(name: &str) -> io::Result<u64> {
         .ok_or_else(|| io::Error::other(format!("no TcpExt {name}")))
 }
 
+/// An established TCP connection as `ss` shows it.
+#[derive(Debug, Clone)]
+pub struct Established {
+    /// Owned by an `ambit` process (the proxy), not the application.
+    pub proxy: bool,
+    pub local: String,
+    pub peer: String,
+    /// Its congestion control algorithm, e.g. `cubic`.
+    pub congestion_control: String,
+}
+
+/// Sets `pod`'s default TCP congestion control: what its applications'
+/// sockets get.
+pub fn set_default_congestion_control(pod: &LabPod, algorithm: &str) -> io::Result<()> {
+    let set = pod
+        .ns
+        .command("sysctl")
+        .args([
+            "-qw",
+            &format!("net.ipv4.tcp_congestion_control={algorithm}"),
+        ])
+        .status()?;
+    if !set.success() {
+        return Err(io::Error::other(format!("sysctl: {set}")));
+    }
+    Ok(())
+}
+
+/// The established TCP connections in `pod` (`ss -HOtnpi`, one line each).
+pub fn established(pod: &LabPod) -> io::Result<Vec<Established>> {
+    let out = pod
+        .ns
+        .command("ss")
+        .args(["-HOtnpi", "state", "established"])
+        .output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!("ss: {out:?}")));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .map(|line| {
+            // Recv-Q Send-Q Local Peer [users:((..))] <algorithm> <details>...
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let field = |i: usize| {
+                f.get(i)
+                    .map(|s| s.to_string())
+                    .ok_or_else(|| io::Error::other(format!("ss line too short: {line}")))
+            };
+            let algorithm = f.iter().skip(4).find(|t| !t.starts_with("users:"));
+            Ok(Established {
+                proxy: line.contains("((\"ambit\""),
+                local: field(2)?,
+                peer: field(3)?,
+                congestion_control: algorithm.map(|s| s.to_string()).unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
 /// The TIME_WAITs on local port `port` in `pod` once they stop going away
 /// (a proxy removes the last one just after the application's close), or
 /// after 3 s: `ss` lines, empty when there are none.

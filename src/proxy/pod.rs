@@ -18,14 +18,6 @@ use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use crate::identity::{Identity, TlsHandle};
 use crate::netns::Netns;
 
-/// Logs, once per process, that a socket keeps the kernel's congestion control.
-fn warn_once_no_congestion_control(cc: &str, e: &io::Error) {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    WARNED.call_once(|| {
-        tracing::warn!(congestion_control = cc, error = %e, "cannot set the congestion control; sockets keep the kernel's default");
-    });
-}
-
 /// How long an outbound connect may take.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -48,23 +40,34 @@ impl SocketOptions {
         }
     }
 
+    /// Sets the congestion control on a new TCP socket, if one is configured.
+    fn apply_congestion_control(&self, s: &Socket) -> io::Result<()> {
+        match &self.congestion_control {
+            Some(cc) => s.set_tcp_congestion(cc.as_bytes()),
+            None => Ok(()),
+        }
+    }
+
     /// Whether this kernel lets the proxy set its congestion control: a
     /// clear error at start rather than a warning at the first connection.
-    pub fn check(&self) -> io::Result<()> {
+    pub fn check(&self) -> anyhow::Result<()> {
         let Some(cc) = &self.congestion_control else {
             return Ok(());
         };
-        let probe = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))?;
-        probe.set_tcp_congestion(cc.as_bytes()).map_err(|e| {
+        let probe = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| anyhow::anyhow!("cannot check `congestion_control`: {e}"))?;
+        self.apply_congestion_control(&probe).map_err(|e| {
+            let why = match e.raw_os_error() {
+                Some(libc::ENOENT) => "no such algorithm in this kernel".to_string(),
+                Some(libc::EPERM) => "not allowed: not in net.ipv4.tcp_allowed_congestion_control, and no CAP_NET_ADMIN".to_string(),
+                _ => e.to_string(),
+            };
             let available =
                 std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
-                    .unwrap_or_default();
-            io::Error::new(
-                e.kind(),
-                format!(
-                    "`congestion_control` = {cc:?} cannot be set ({e}); this kernel has: {}; empty keeps the kernel's default",
-                    available.trim()
-                ),
+                    .map(|a| a.trim().to_string())
+                    .unwrap_or_else(|_| "(list unavailable)".into());
+            anyhow::anyhow!(
+                "config key `congestion_control` = {cc:?} cannot be set: {why}; this kernel has: {available}; empty keeps the kernel's default"
             )
         })
     }
@@ -114,13 +117,14 @@ impl SocketFactory {
         self.inside(|| {
             let s = Socket::new(domain, ty.nonblocking(), Some(proto))?;
             s.set_mark(self.options.mark)?;
-            match &self.options.congestion_control {
-                Some(cc) if proto == Protocol::TCP => {
-                    if let Err(e) = s.set_tcp_congestion(cc.as_bytes()) {
-                        warn_once_no_congestion_control(cc, &e);
-                    }
+            if proto == Protocol::TCP {
+                if let Err(e) = self.options.apply_congestion_control(&s) {
+                    // Checked at start, so not expected; once is enough to say it.
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    WARNED.call_once(|| {
+                        tracing::warn!(pod = %self.pod, congestion_control = ?self.options.congestion_control, error = %e, "cannot set the congestion control; this socket and later failing ones keep the kernel's default");
+                    });
                 }
-                _ => {}
             }
             Ok(s)
         })
