@@ -2,6 +2,8 @@
 //! answered by the proxy (mesh service names) or forwarded from the pod's
 //! netns to the node's resolver (dnsmasq, a real third-party server here).
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
@@ -177,4 +179,92 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
     );
     assert!(m.contains("workload_manager_active_proxy_count 2"), "{m}");
     assert!(m.contains("workload_manager_pending_proxy_count 0"), "{m}");
+}
+
+#[test]
+fn a_pod_flooding_a_silent_upstream_is_capped_and_served_again_after() {
+    let mut m = common::Mesh::new("dnsflood");
+    let (client, outsider) = (m.pod("client"), m.pod("outsider"));
+    m.write_config(&format!(
+        "workloads:\n{}",
+        common::workload(&client, "client-sa", "HBONE")
+    ));
+    // An upstream that reads every query and never answers.
+    let ip = outsider.ip;
+    let silent = outsider
+        .ns
+        .run(move || UdpSocket::bind((ip, 5353)))
+        .unwrap()
+        .unwrap();
+    silent
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    // Room for every query of the flood: what is counted is what was sent.
+    socket2::SockRef::from(&silent)
+        .set_recv_buffer_size(4 << 20)
+        .unwrap();
+    let silent = std::sync::Arc::new(silent);
+    let upstream = SocketAddr::from((ip, 5353));
+    m.mesh_env(
+        &client,
+        "client-sa",
+        &[("AMBIT_DNS_UPSTREAMS", &upstream.to_string())],
+    );
+    let heard = |silent: &UdpSocket, for_: Duration| {
+        let (mut n, end) = (0, std::time::Instant::now() + for_);
+        let mut buf = [0u8; 512];
+        while std::time::Instant::now() < end {
+            if silent.recv(&mut buf).is_ok() {
+                n += 1;
+            }
+        }
+        n
+    };
+    let flood = |ids: std::ops::Range<u16>| {
+        client
+            .ns
+            .run(move || {
+                let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+                for id in ids {
+                    s.send_to(&query("name.example.org.", id), "127.0.0.1:15053")
+                        .unwrap();
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            })
+            .unwrap()
+    };
+
+    let listening = {
+        let silent = silent.clone();
+        std::thread::spawn(move || heard(&silent, Duration::from_secs(2)))
+    };
+    flood(0..600);
+    let first = listening.join().unwrap();
+    assert!(
+        (200..=256).contains(&first),
+        "at most 256 queries in flight per pod reach the upstream: {first} did"
+    );
+    // Each waits out its 5 s; then the pod is served again.
+    std::thread::sleep(Duration::from_secs(4));
+    flood(1000..1010);
+    let later = heard(&silent, Duration::from_secs(1));
+    assert_eq!(later, 10, "after the flood, queries are forwarded again");
+
+    // A TCP client that sends half a message is given up on, not waited for.
+    let started = std::time::Instant::now();
+    let ended = client
+        .ns
+        .run(|| {
+            let mut s = TcpStream::connect("127.0.0.1:15053")?;
+            s.set_read_timeout(Some(Duration::from_secs(20)))?;
+            s.write_all(&[0x01, 0x00, 1, 2, 3])?;
+            s.read(&mut [0u8; 16])
+        })
+        .unwrap();
+    assert_eq!(ended.unwrap(), 0, "the proxy closes the connection");
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(9) && waited < Duration::from_secs(15),
+        "{waited:?}"
+    );
 }

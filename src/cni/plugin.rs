@@ -624,6 +624,9 @@ pub fn handle(
         .to_string()),
         "ADD" => {
             let cfg = parse_config(stdin)?;
+            // Our own answer first: an ADD that fails on a bad prevResult must
+            // not have enrolled the pod with the agent first.
+            let result = result_for(&cfg)?;
             let pod = parse_cni_args(&env.args);
             if let Decision::Enroll(event) = decide(&cfg, env, &pod) {
                 match post(&event, &cfg.cni_agent_run_dir) {
@@ -634,7 +637,7 @@ pub fn handle(
                             "ambit-cni: {why}; pod {}/{} is not to be enrolled, so it starts now",
                             event.pod_namespace, event.pod_name
                         );
-                        return result_for(&cfg);
+                        return Ok(result);
                     }
                     r => r,
                 }
@@ -649,7 +652,7 @@ pub fn handle(
                     )
                 })?;
             }
-            result_for(&cfg)
+            Ok(result)
         }
         // DEL must not block a pod's teardown: only input that is not a CNI
         // config at all (or of an unknown spec version) is refused.

@@ -184,7 +184,16 @@ impl ZdsServer {
         // Snapshot: every pod we hold, then SnapshotSent.
         let pods = source.pods();
         for pod in &pods {
-            exchange(&conn, &pod.add_request(), Some(&pod.netns)).await?;
+            match exchange(&conn, &pod.add_request(), Some(&pod.netns)).await {
+                Ok(()) => {}
+                // One pod the proxy cannot serve (its ports taken, no
+                // certificate) must not keep every other pod from it: the
+                // proxy stays connected, and a later snapshot retries it.
+                Err(ZdsError::Rejected(why)) => {
+                    tracing::warn!(pod = %pod.uid, error = %why, "the proxy rejected a pod of the snapshot; sending the rest")
+                }
+                Err(e) => return Err(e),
+            }
         }
         let sent = WorkloadRequest {
             payload: Some(Payload::SnapshotSent(SnapshotSent {})),
@@ -235,7 +244,12 @@ async fn exchange(
     tokio::time::timeout(ZDS_TIMEOUT, conn.send(&req.encode_to_vec(), fd))
         .await
         .map_err(|_| ZdsError::Connection("send timed out".into()))?
-        .map_err(err)?;
+        .map_err(|e| match e.kind() {
+            // Too large to send (nothing was sent): this request fails, the
+            // connection is fine.
+            std::io::ErrorKind::InvalidInput => ZdsError::Rejected(e.to_string()),
+            _ => err(e),
+        })?;
     let (bytes, fd) = tokio::time::timeout(ZDS_TIMEOUT, conn.recv())
         .await
         .map_err(|_| ZdsError::Connection("no Ack within 5s".into()))?
@@ -249,5 +263,77 @@ async fn exchange(
         Some(workload_response::Payload::Ack(a)) if a.error.is_empty() => Ok(()),
         Some(workload_response::Payload::Ack(a)) => Err(ZdsError::Rejected(a.error)),
         None => Err(ZdsError::Connection("empty response".into())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct TwoPods;
+
+    impl PodSource for TwoPods {
+        fn pods(&self) -> Vec<ZdsPod> {
+            ["uid-a", "uid-b"]
+                .map(|uid| ZdsPod {
+                    uid: uid.into(),
+                    name: uid.into(),
+                    namespace: "default".into(),
+                    service_account: "default".into(),
+                    netns: Netns::current().unwrap(),
+                })
+                .to_vec()
+        }
+    }
+
+    async fn ack(proxy: &SeqPacket, error: &str) {
+        let resp = WorkloadResponse {
+            payload: Some(workload_response::Payload::Ack(crate::proto::zds::Ack {
+                error: error.into(),
+            })),
+        };
+        proxy.send(&resp.encode_to_vec(), None).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_pod_the_proxy_rejects_does_not_cost_the_others_their_snapshot() {
+        let dir = std::env::temp_dir().join(format!("ambit-zds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("zds.sock");
+        let server = ZdsServer::start(&path, Arc::new(TwoPods)).unwrap();
+        let proxy = SeqPacket::connect(&path).unwrap();
+        proxy
+            .send(
+                &ZdsHello {
+                    version: crate::proto::zds::Version::V1 as i32,
+                }
+                .encode_to_vec(),
+                None,
+            )
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        for answer in ["the pod's port 15008 is taken", "", ""] {
+            let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
+                .await
+                .expect("the agent goes on with the snapshot")
+                .unwrap();
+            got.push(WorkloadRequest::decode(bytes.as_slice()).unwrap().payload);
+            ack(&proxy, answer).await;
+        }
+        assert!(
+            matches!(&got[1], Some(Payload::Add(a)) if a.uid == "uid-b"),
+            "the second pod is sent after the first is rejected: {got:?}"
+        );
+        assert!(matches!(got[2], Some(Payload::SnapshotSent(_))), "{got:?}");
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while server.connected().await != 1 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the proxy stays connected"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

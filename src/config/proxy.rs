@@ -321,6 +321,10 @@ pub struct ProxyConfig {
     pub hbone_unsent_limit: u32,
     /// `TCP_CONGESTION` on the proxy's TCP sockets; `None`: the kernel's default.
     pub congestion_control: Option<Arc<str>>,
+    /// Whether `congestion_control` was set (file, env or flag) rather than
+    /// defaulted: a kernel that cannot take a chosen one is an error at
+    /// start; one that cannot take the default keeps its own, with a warning.
+    pub congestion_control_chosen: bool,
     pub worker_threads: usize,
     pub ipv6: bool,
     pub drain_timeout: Duration,
@@ -443,8 +447,12 @@ impl ProxyConfig {
             state_dir: l.require("state_dir", "a directory path", path)?,
             cert_ttl: l.require(
                 "cert_ttl",
-                "a duration of at least 10s, like 90s, 30m or 24h",
-                |s| parse_duration(s).filter(|d| *d >= Duration::from_secs(10)),
+                "a duration from 10s to 8760h (a year), like 90s, 30m or 24h",
+                |s| {
+                    parse_duration(s).filter(|d| {
+                        (Duration::from_secs(10)..=Duration::from_secs(365 * 86_400)).contains(d)
+                    })
+                },
             )?,
             packet_mark: l.require(
                 "packet_mark",
@@ -483,6 +491,9 @@ impl ProxyConfig {
                     parse_congestion_control,
                 )?
                 .flatten(),
+            congestion_control_chosen: l
+                .raw("congestion_control")
+                .is_some_and(|(_, o)| *o != super::Origin::Default),
             worker_threads: l.require("worker_threads", "a number from 1 to 256", |s| {
                 s.parse().ok().filter(|n| (1..=256).contains(n))
             })?,
@@ -491,14 +502,18 @@ impl ProxyConfig {
                 let explicit = l
                     .raw("drain_timeout")
                     .is_some_and(|(_, o)| *o != super::Origin::Default);
-                let grace = l.get("termination_grace_period", "a number of seconds", |s| {
-                    s.parse::<u64>().ok()
-                })?;
+                let grace = l.get(
+                    "termination_grace_period",
+                    "a number of seconds up to 86400",
+                    |s| s.parse::<u64>().ok().filter(|g| *g <= 86_400),
+                )?;
                 match (explicit, grace) {
                     (false, Some(g)) => {
                         Duration::from_secs(if g > 10 { g - 5 } else { g.saturating_sub(1) })
                     }
-                    _ => l.require("drain_timeout", "a duration like 5s", parse_duration)?,
+                    _ => l.require("drain_timeout", "a duration up to 24h, like 5s", |s| {
+                        parse_duration(s).filter(|d| *d <= Duration::from_secs(86_400))
+                    })?,
                 }
             },
             dns_proxy: l.require("dns_proxy", "true or false", parse_bool)?,
@@ -620,6 +635,11 @@ mod tests {
             layers(&env, &[]).map(|c| c.congestion_control.map(|a| a.to_string()))
         };
         assert_eq!(cc(None).unwrap().as_deref(), Some("cubic"));
+        let chosen = |env: &[(&str, &str)]| layers(env, &[]).unwrap().congestion_control_chosen;
+        assert!(!chosen(BASE), "the default is not a choice");
+        assert!(chosen(
+            &[BASE, &[("AMBIT_CONGESTION_CONTROL", "cubic")]].concat()
+        ));
         assert_eq!(cc(Some("bbr")).unwrap().as_deref(), Some("bbr"));
         assert_eq!(cc(Some("")).unwrap(), None);
         assert_eq!(cc(Some("  ")).unwrap(), None, "blank is empty");
@@ -653,6 +673,38 @@ mod tests {
         assert_eq!(
             layers(BASE, &[]).unwrap().drain_timeout,
             Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn durations_that_would_overflow_a_clock_are_refused() {
+        for (var, value, key, expected) in [
+            (
+                "CONNECTION_TERMINATION_DEADLINE",
+                "18446744073709551615s",
+                "`drain_timeout`",
+                "up to 24h",
+            ),
+            ("AMBIT_DRAIN_TIMEOUT", "25h", "`drain_timeout`", "up to 24h"),
+            (
+                "TERMINATION_GRACE_PERIOD_SECONDS",
+                "18446744073709551615",
+                "`termination_grace_period`",
+                "up to 86400",
+            ),
+            ("SECRET_TTL", "9000h", "`cert_ttl`", "to 8760h"),
+        ] {
+            let env = [BASE, &[(var, value)]].concat();
+            let Err(err) = layers(&env, &[]) else {
+                panic!("{var}={value} accepted");
+            };
+            let err = err.to_string();
+            assert!(err.contains(key) && err.contains(expected), "{var}: {err}");
+        }
+        let ok = [BASE, &[("TERMINATION_GRACE_PERIOD_SECONDS", "86400")]].concat();
+        assert_eq!(
+            layers(&ok, &[]).unwrap().drain_timeout,
+            Duration::from_secs(86_395)
         );
     }
 

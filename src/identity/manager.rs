@@ -45,11 +45,29 @@ pub enum CertSource {
 
 impl CertSource {
     async fn issue(&self, id: &Identity, ttl: Duration) -> Result<WorkloadCert, IdentityError> {
-        match self {
-            CertSource::Local(ca) => ca.issue(id, ttl),
-            CertSource::Remote(client) => client.issue(id, ttl).await,
-        }
+        let cert = match self {
+            CertSource::Local(ca) => ca.issue(id, ttl)?,
+            CertSource::Remote(client) => client.issue(id, ttl).await?,
+        };
+        not_yet_due(cert, SystemTime::now())
     }
+}
+
+/// Refuses a certificate already due for renewal when it arrives (expired,
+/// or its validity ends before it begins): taking it would make the
+/// rotation ask the CA again at once, in a loop. Refused, it is retried
+/// after [`RETRY`], and the current certificate keeps serving meanwhile.
+fn not_yet_due(cert: WorkloadCert, now: SystemTime) -> Result<WorkloadCert, IdentityError> {
+    if cert.refresh_at() > now {
+        return Ok(cert);
+    }
+    Err(IdentityError::Sign {
+        identity: cert.identity.to_string(),
+        reason: format!(
+            "the CA issued a certificate already due for renewal (valid {:?} to {:?})",
+            cert.not_before, cert.not_after
+        ),
+    })
 }
 
 /// Issues, caches and rotates workload certificates.
@@ -175,6 +193,23 @@ async fn rotate(mgr: Arc<CertManager>, id: Identity, handle: TlsHandle) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_certificate_already_due_for_renewal_is_refused() {
+        let ca = LocalCa::generate("td").unwrap();
+        let id = Identity::new("td", "ns", "sa");
+        let now = SystemTime::now();
+        let fresh = ca.issue(&id, Duration::from_secs(600)).unwrap();
+        assert!(not_yet_due(fresh, now).is_ok());
+        let mut expired = ca.issue(&id, Duration::from_secs(600)).unwrap();
+        expired.not_after = now - Duration::from_secs(1);
+        let mut inverted = ca.issue(&id, Duration::from_secs(600)).unwrap();
+        inverted.not_after = inverted.not_before;
+        for cert in [expired, inverted] {
+            let err = not_yet_due(cert, now).unwrap_err().to_string();
+            assert!(err.contains("already due for renewal"), "{err}");
+        }
+    }
 
     #[tokio::test]
     async fn identities_are_released_when_no_pod_uses_them() {

@@ -22,6 +22,13 @@ use crate::xds::{State, StateHandle};
 pub const TTL: u32 = 30;
 /// How long an upstream resolver has to answer.
 pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
+/// Queries one pod may have in flight; past it, UDP queries are dropped
+/// (the stub resolver retries) and a TCP connection is closed. Bounds what
+/// a pod flooding names the upstreams do not answer can take from a proxy
+/// that serves every pod of the node.
+pub const MAX_IN_FLIGHT: usize = 256;
+/// How long a TCP client has to send the next message, or the rest of one.
+const TCP_IDLE: Duration = Duration::from_secs(10);
 pub const CLUSTER_DOMAIN: &str = "cluster.local";
 
 /// What to do with one query.
@@ -127,6 +134,10 @@ pub struct DnsProxy {
     pub state: StateHandle,
     pub upstreams: Arc<Vec<SocketAddr>>,
     pub metrics: Arc<super::metrics::Metrics>,
+    /// [`MAX_IN_FLIGHT`] permits.
+    pub in_flight: Arc<tokio::sync::Semaphore>,
+    /// Whether [`MAX_IN_FLIGHT`] has been hit and said.
+    pub warned_full: std::sync::atomic::AtomicBool,
 }
 
 impl DnsProxy {
@@ -171,6 +182,16 @@ impl DnsProxy {
         None
     }
 
+    /// Says, once per pod, that queries are being dropped.
+    fn warn_full(&self) {
+        if !self
+            .warned_full
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(pod = %self.pod.uid, limit = MAX_IN_FLIGHT, "DNS queries in flight at the limit; dropping more (said once)");
+        }
+    }
+
     /// Serves UDP on `sock` until the pod stops.
     pub async fn serve_udp(self: Arc<Self>, sock: tokio::net::UdpSocket) {
         let sock = Arc::new(sock);
@@ -182,11 +203,16 @@ impl DnsProxy {
                 _ = life.stop_listening() => return,
             };
             let Ok((n, from)) = got else { continue };
+            let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
+                self.warn_full();
+                continue;
+            };
             let (this, sock, packet) = (self.clone(), sock.clone(), buf[..n].to_vec());
             life.spawn(async move {
                 if let Some(resp) = this.resolve(packet).await {
                     let _ = sock.send_to(&resp, from).await;
                 }
+                drop(permit);
             });
         }
     }
@@ -205,16 +231,19 @@ impl DnsProxy {
             let this = self.clone();
             life.spawn(async move {
                 loop {
-                    let len = match tokio::time::timeout(Duration::from_secs(10), stream.read_u16())
-                        .await
-                    {
+                    let len = match tokio::time::timeout(TCP_IDLE, stream.read_u16()).await {
                         Ok(Ok(len)) => len as usize,
                         _ => return,
                     };
                     let mut packet = vec![0u8; len];
-                    if stream.read_exact(&mut packet).await.is_err() {
-                        return;
+                    match tokio::time::timeout(TCP_IDLE, stream.read_exact(&mut packet)).await {
+                        Ok(Ok(_)) => {}
+                        _ => return,
                     }
+                    let Ok(_permit) = this.in_flight.try_acquire() else {
+                        this.warn_full();
+                        return;
+                    };
                     let Some(resp) = this.resolve(packet).await else {
                         return;
                     };

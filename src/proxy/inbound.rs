@@ -155,8 +155,7 @@ impl Inbound {
         local_ip: IpAddr,
     ) {
         let src = forwarded_for(&req);
-        let mut labels = self.labels(src.map(|s| s.ip()), Some(&peer_id)).await;
-        labels.connection_security_policy = "mutual_tls";
+        let src_ip = src.map(|s| s.ip());
         let target = match validate_connect(&req, local_ip) {
             Ok(t) => t,
             Err(rej) => {
@@ -170,6 +169,10 @@ impl Inbound {
             Ok(p) => p.unwrap_or_else(|| "-".into()),
             Err(policy) => {
                 reply(&mut respond, StatusCode::UNAUTHORIZED);
+                // Labelled from what the state holds: the address a denied
+                // peer names in `forwarded` is not looked up on demand.
+                let mut labels = self.labels(src_ip, Some(&peer_id), false).await;
+                labels.connection_security_policy = "mutual_tls";
                 labels.response_flags = "DENY";
                 self.metrics.opened(&labels);
                 self.metrics.closed(&labels, Transferred::default());
@@ -177,6 +180,8 @@ impl Inbound {
                 return;
             }
         };
+        let mut labels = self.labels(src_ip, Some(&peer_id), true).await;
+        labels.connection_security_policy = "mutual_tls";
         let start = Instant::now();
         self.metrics.opened(&labels);
         let mut upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
@@ -236,7 +241,7 @@ impl Inbound {
                 return;
             }
         };
-        let mut labels = self.labels(Some(peer.ip()), None).await;
+        let mut labels = self.labels(Some(peer.ip()), None, true).await;
         labels.connection_security_policy = "unknown";
         let auth = self.authorized(None, peer.ip(), target);
         let allowed_by = match auth.check(&self.state.load()) {
@@ -305,7 +310,14 @@ impl Inbound {
         }
     }
 
-    async fn labels(&self, src_ip: Option<IpAddr>, peer: Option<&Identity>) -> ConnectionLabels {
+    /// The metric labels of a connection from `src_ip`; with `fetch`, on
+    /// demand, a source the state does not hold yet is asked for first.
+    async fn labels(
+        &self,
+        src_ip: Option<IpAddr>,
+        peer: Option<&Identity>,
+        fetch: bool,
+    ) -> ConnectionLabels {
         let pod = &self.pod;
         let mut l = ConnectionLabels {
             reporter: "destination",
@@ -320,7 +332,7 @@ impl Inbound {
             l.source_principal = id.to_string();
         }
         let mut state = self.state.load();
-        if let (Some(ip), Some(demand)) = (src_ip, &self.demand) {
+        if let (Some(ip), Some(demand), true) = (src_ip, &self.demand, fetch) {
             // On demand, a source not known yet is asked for (once); with a
             // stream open the answer is awaited, so the connection is
             // labelled like the rest.

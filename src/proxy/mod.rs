@@ -235,6 +235,8 @@ impl ProxyShared {
                 pod: pod.clone(),
                 state: self.state.clone(),
                 upstreams: upstreams.clone(),
+                in_flight: Arc::new(tokio::sync::Semaphore::new(dns::MAX_IN_FLIGHT)),
+                warned_full: Default::default(),
             });
             let mut addrs: Vec<SocketAddr> = vec![(Ipv4Addr::LOCALHOST, DNS_PORT).into()];
             if self.ipv6 {
@@ -266,8 +268,8 @@ async fn serve(cfg: ProxyConfig) -> anyhow::Result<()> {
     let sockets = pod::SocketOptions {
         mark: cfg.packet_mark,
         congestion_control: cfg.congestion_control.clone(),
-    };
-    sockets.check()?;
+    }
+    .usable(cfg.congestion_control_chosen)?;
     let mut registry = Registry::default();
     // Mesh state: from the control plane over xDS, or from the local config file.
     let mut xds_synced = Arc::new(AtomicBool::new(true));

@@ -48,9 +48,24 @@ impl SocketOptions {
         }
     }
 
+    /// These options, checked against this kernel at start. A congestion
+    /// control it cannot take is an error when the user `chosen` it; the
+    /// default is dropped instead (the kernel's own stays), with a warning,
+    /// so an unusual kernel does not keep the proxy from starting.
+    pub fn usable(mut self, chosen: bool) -> anyhow::Result<Self> {
+        if let Err(e) = self.check() {
+            if chosen {
+                return Err(e);
+            }
+            tracing::warn!(error = %e, "keeping the kernel's congestion control");
+            self.congestion_control = None;
+        }
+        Ok(self)
+    }
+
     /// Whether this kernel lets the proxy set its congestion control: a
     /// clear error at start rather than a warning at the first connection.
-    pub fn check(&self) -> anyhow::Result<()> {
+    fn check(&self) -> anyhow::Result<()> {
         let Some(cc) = &self.congestion_control else {
             return Ok(());
         };
@@ -466,6 +481,24 @@ pub type PodRef = Arc<Pod>;
 mod tests {
     use super::super::copy::tests::pair;
     use super::*;
+
+    #[test]
+    fn a_congestion_control_the_kernel_lacks_fails_only_when_chosen() {
+        let options = |cc: &str| SocketOptions {
+            mark: 0,
+            congestion_control: Some(cc.into()),
+        };
+        let err = options("nosuchcc").usable(true).unwrap_err().to_string();
+        assert!(
+            err.contains("`congestion_control` = \"nosuchcc\"") && err.contains("reno"),
+            "{err}"
+        );
+        let kept = options("nosuchcc").usable(false).unwrap();
+        assert_eq!(kept.congestion_control, None, "the default is dropped");
+        // reno is built into every kernel.
+        let reno = options("reno").usable(true).unwrap();
+        assert_eq!(reno.congestion_control.as_deref(), Some("reno"));
+    }
 
     #[tokio::test]
     async fn accepted_connections_inherit_nodelay_and_keepalive_from_the_listener() {

@@ -448,6 +448,17 @@ fn agent_failure_fails_the_add_closed() {
 }
 
 #[test]
+fn an_add_with_a_broken_prev_result_fails_before_the_agent_is_asked() {
+    // The pod would be enrolled, but the plugin cannot answer the runtime:
+    // the agent must not have put the pod under redirection for nothing.
+    for prev in [r#"{"ips":{}}"#, r#"{"ips":[{"address":"nonsense"}]}"#] {
+        let (out, posted) = run(&env("ADD", POD), &with_prev("0.4.0", prev), Ok(()));
+        assert_eq!(code_of(out), 7, "{prev}");
+        assert!(posted.is_empty(), "{prev}: the agent was asked: {posted:?}");
+    }
+}
+
+#[test]
 fn result_conversion_between_versions() {
     let cfg = parse_config(&with_prev("0.4.0", PREV_V1)).expect("valid");
     let (out, prev) = (
