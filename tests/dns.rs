@@ -186,7 +186,7 @@ fn a_pod_flooding_a_silent_upstream_is_capped_and_served_again_after() {
     let mut m = common::Mesh::new("dnsflood");
     let (client, outsider) = (m.pod("client"), m.pod("outsider"));
     m.write_config(&format!(
-        "workloads:\n{}",
+        "workloads:\n{}services:\n- {{name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {{80: 8080}}}}\n",
         common::workload(&client, "client-sa", "HBONE")
     ));
     // An upstream that reads every query and never answers.
@@ -244,6 +244,10 @@ fn a_pod_flooding_a_silent_upstream_is_capped_and_served_again_after() {
         (200..=256).contains(&first),
         "at most 256 queries in flight per pod reach the upstream: {first} did"
     );
+    // Meanwhile mesh names, answered from the state, are still answered.
+    let local: SocketAddr = "127.0.0.1:15053".parse().unwrap();
+    let mesh = ask_udp(&client, local, query("echo.default.svc.cluster.local.", 7)).unwrap();
+    assert_eq!(a_records(&mesh), ["10.96.0.10"]);
     // Each waits out its 5 s; then the pod is served again.
     std::thread::sleep(Duration::from_secs(4));
     flood(1000..1010);

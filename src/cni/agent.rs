@@ -676,24 +676,53 @@ impl Agent {
 }
 
 /// Reads the state file and reopens each pod's netns; stale entries are dropped.
+///
+/// Record by record: one that does not parse (say, written by another
+/// version) costs only that pod. A file that is not a list at all is moved
+/// aside (`<file>.<unix time>.bad`), as is one that cannot be read, so the
+/// next save does not erase what it held.
 pub fn load_state(path: &Path) -> Vec<(PodRecord, Netns)> {
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return Vec::new();
-    };
-    let records: Vec<PodRecord> = match serde_json::from_str(&text) {
-        Ok(r) => r,
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
         Err(e) => {
-            tracing::error!(file = %path.display(), error = %e, "agent state unreadable; starting empty");
+            set_aside(path, &e.to_string());
             return Vec::new();
         }
     };
-    records
+    let entries: Vec<serde_json::Value> = match serde_json::from_str(&text) {
+        Ok(r) => r,
+        Err(e) => {
+            set_aside(path, &e.to_string());
+            return Vec::new();
+        }
+    };
+    entries
         .into_iter()
+        .filter_map(|v| match serde_json::from_value::<PodRecord>(v) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::error!(file = %path.display(), error = %e, "a pod record of the agent state is unreadable; skipped");
+                None
+            }
+        })
         .filter_map(|r| {
             let ns = Netns::open(&r.netns_path).ok()?;
             (ns.id().ok()? == r.netns_id).then_some((r, ns))
         })
         .collect()
+}
+
+/// Moves an unreadable state file out of the way of the next save.
+fn set_aside(path: &Path, why: &str) {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or_default();
+    let mut aside = path.as_os_str().to_owned();
+    aside.push(format!(".{secs}.bad"));
+    let moved = std::fs::rename(path, &aside);
+    tracing::error!(file = %path.display(), error = why, moved_to = %Path::new(&aside).display(), moved = moved.is_ok(), "agent state unreadable; starting empty");
 }
 
 /// Every network namespace on the host other than `own`, with a path to it:
@@ -1118,6 +1147,56 @@ mod tests {
         );
         assert_eq!(pod_uid_from_cgroup("0::/kubepods/podnothex/x\n"), None);
         assert_eq!(pod_uid_from_cgroup(""), None);
+    }
+
+    #[test]
+    fn an_unreadable_record_costs_only_its_pod_and_a_broken_file_is_kept_aside() {
+        let dir = std::env::temp_dir().join(format!("ambit-state-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("agent-state.json");
+        let here = Netns::current().unwrap();
+        let good = PodRecord {
+            uid: "uid-good".into(),
+            name: "good".into(),
+            namespace: "default".into(),
+            service_account: "default".into(),
+            netns_path: here.path().to_path_buf(),
+            netns_id: here.id().unwrap(),
+            ips: vec!["10.0.0.5/24".into()],
+            overrides: Default::default(),
+        };
+        let bad = serde_json::json!({"uid": "uid-bad", "name": 7});
+        let text = serde_json::to_string(&[serde_json::to_value(&good).unwrap(), bad]).unwrap();
+        std::fs::write(&path, text).unwrap();
+        let loaded: Vec<PodRecord> = load_state(&path).into_iter().map(|(r, _)| r).collect();
+        assert_eq!(loaded, vec![good], "the good record survives the bad one");
+
+        let aside = || {
+            std::fs::read_dir(&dir)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.to_string_lossy().ends_with(".bad"))
+                .collect::<Vec<_>>()
+        };
+        std::fs::write(&path, "[{\"uid\": \"cut short").unwrap();
+        assert!(load_state(&path).is_empty());
+        assert!(
+            !path.exists(),
+            "the broken file is moved away from the next save"
+        );
+        let kept = aside();
+        assert_eq!(kept.len(), 1, "{kept:?}");
+        assert_eq!(
+            std::fs::read_to_string(&kept[0]).unwrap(),
+            "[{\"uid\": \"cut short",
+            "and kept"
+        );
+        std::fs::remove_file(&kept[0]).unwrap();
+        // Not text at all: kept aside too, not overwritten.
+        std::fs::write(&path, [0xff, 0xfe, 0x00]).unwrap();
+        assert!(load_state(&path).is_empty());
+        assert!(!path.exists() && aside().len() == 1);
+        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]

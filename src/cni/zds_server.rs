@@ -3,6 +3,7 @@
 //! it holds, then SnapshotSent), and afterwards Adds to the newest connection
 //! and Dels to all, each request waiting at most 5 s for its in-order Ack.
 
+use std::collections::HashSet;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
@@ -183,14 +184,16 @@ impl ZdsServer {
         }
         // Snapshot: every pod we hold, then SnapshotSent.
         let pods = source.pods();
+        let mut rejected = HashSet::new();
         for pod in &pods {
             match exchange(&conn, &pod.add_request(), Some(&pod.netns)).await {
                 Ok(()) => {}
                 // One pod the proxy cannot serve (its ports taken, no
                 // certificate) must not keep every other pod from it: the
-                // proxy stays connected, and a later snapshot retries it.
+                // proxy stays connected, and the pod is offered again.
                 Err(ZdsError::Rejected(why)) => {
-                    tracing::warn!(pod = %pod.uid, error = %why, "the proxy rejected a pod of the snapshot; sending the rest")
+                    tracing::warn!(pod = %pod.uid, error = %why, "the proxy rejected a pod of the snapshot; sending the rest, and offering it again later");
+                    rejected.insert(pod.uid.clone());
                 }
                 Err(e) => return Err(e),
             }
@@ -199,7 +202,11 @@ impl ZdsServer {
             payload: Some(Payload::SnapshotSent(SnapshotSent {})),
         };
         exchange(&conn, &sent, None).await?;
-        tracing::info!(pods = pods.len(), "proxy connected; snapshot sent");
+        tracing::info!(
+            pods = pods.len() - rejected.len(),
+            rejected = rejected.len(),
+            "proxy connected; snapshot sent"
+        );
 
         let (tx, mut rx) = mpsc::channel::<Job>(64);
         let id = self
@@ -209,6 +216,9 @@ impl ZdsServer {
             let mut conns = self.conns.lock().await;
             conns.retain(|c| !c.jobs.is_closed());
             conns.push(Conn { id, jobs: tx });
+        }
+        if !rejected.is_empty() {
+            tokio::spawn(self.clone().offer_again(rejected, source.clone()));
         }
         let result = loop {
             tokio::select! {
@@ -234,6 +244,43 @@ impl ZdsServer {
 }
 
 /// Sends one request and waits for its Ack.
+impl ZdsServer {
+    /// Offers the pods (by uid) a proxy rejected in its snapshot again, with
+    /// backoff, for as long as the agent holds them and a proxy is connected
+    /// (a new proxy's snapshot carries them anyway).
+    async fn offer_again(self: Arc<Self>, mut uids: HashSet<String>, source: Arc<dyn PodSource>) {
+        let mut delay = OFFER_AGAIN_FIRST;
+        while !uids.is_empty() {
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(OFFER_AGAIN_MAX);
+            // As the agent holds them now: gone ones are dropped, and a pod
+            // re-created in a new netns is offered with that one.
+            let held: Vec<ZdsPod> = source
+                .pods()
+                .into_iter()
+                .filter(|p| uids.contains(&p.uid))
+                .collect();
+            uids = held.iter().map(|p| p.uid.clone()).collect();
+            for pod in held {
+                match self.add(&pod).await {
+                    Ok(()) => {
+                        tracing::info!(pod = %pod.uid, "the proxy took a pod it had rejected in the snapshot");
+                        uids.remove(&pod.uid);
+                    }
+                    Err(ZdsError::Rejected(why)) => {
+                        tracing::debug!(pod = %pod.uid, error = %why, "rejected again");
+                    }
+                    Err(_) => return,
+                }
+            }
+        }
+    }
+}
+
+/// First and longest wait before offering a rejected pod again.
+const OFFER_AGAIN_FIRST: Duration = Duration::from_secs(1);
+const OFFER_AGAIN_MAX: Duration = Duration::from_secs(30);
+
 async fn exchange(
     conn: &SeqPacket,
     req: &WorkloadRequest,
@@ -326,6 +373,17 @@ mod tests {
             "the second pod is sent after the first is rejected: {got:?}"
         );
         assert!(matches!(got[2], Some(Payload::SnapshotSent(_))), "{got:?}");
+        // The rejected pod is offered again, on its own, a moment later.
+        let (bytes, _fd) = tokio::time::timeout(Duration::from_secs(3), proxy.recv())
+            .await
+            .expect("the rejected pod is offered again")
+            .unwrap();
+        let again = WorkloadRequest::decode(bytes.as_slice()).unwrap().payload;
+        assert!(
+            matches!(&again, Some(Payload::Add(a)) if a.uid == "uid-a"),
+            "{again:?}"
+        );
+        ack(&proxy, "").await;
         let deadline = std::time::Instant::now() + Duration::from_secs(2);
         while server.connected().await != 1 {
             assert!(

@@ -49,22 +49,22 @@ impl CertSource {
             CertSource::Local(ca) => ca.issue(id, ttl)?,
             CertSource::Remote(client) => client.issue(id, ttl).await?,
         };
-        not_yet_due(cert, SystemTime::now())
+        usable(cert, SystemTime::now())
     }
 }
 
-/// Refuses a certificate already due for renewal when it arrives (expired,
-/// or its validity ends before it begins): taking it would make the
-/// rotation ask the CA again at once, in a loop. Refused, it is retried
-/// after [`RETRY`], and the current certificate keeps serving meanwhile.
-fn not_yet_due(cert: WorkloadCert, now: SystemTime) -> Result<WorkloadCert, IdentityError> {
-    if cert.refresh_at() > now {
+/// Refuses a certificate that cannot serve when it arrives: expired, or
+/// ending before it begins. One merely past half its life (a clock ahead of
+/// the CA's, a short lifetime) is taken; [`rotate`] then waits at least
+/// [`RETRY`] before asking again, so neither case loops on the CA.
+fn usable(cert: WorkloadCert, now: SystemTime) -> Result<WorkloadCert, IdentityError> {
+    if cert.not_after > now && cert.not_after > cert.not_before {
         return Ok(cert);
     }
     Err(IdentityError::Sign {
         identity: cert.identity.to_string(),
         reason: format!(
-            "the CA issued a certificate already due for renewal (valid {:?} to {:?})",
+            "the CA issued a certificate that is not valid now (valid {:?} to {:?})",
             cert.not_before, cert.not_after
         ),
     })
@@ -164,9 +164,16 @@ impl CertManager {
 }
 
 async fn rotate(mgr: Arc<CertManager>, id: Identity, handle: TlsHandle) {
+    // Zero at first: a certificate due already (say, after a suspend) is
+    // renewed at once. After a rotation, one that came back already past half
+    // its life is not asked for again sooner than RETRY.
+    let mut at_least = Duration::ZERO;
     loop {
         let due = handle.load().cert.refresh_at();
-        let wait = due.duration_since(SystemTime::now()).unwrap_or_default();
+        let wait = due
+            .duration_since(SystemTime::now())
+            .unwrap_or_default()
+            .max(at_least);
         tokio::time::sleep(wait).await;
         if Arc::strong_count(&handle) == 1 {
             return; // released: no pod uses this identity any more
@@ -175,6 +182,7 @@ async fn rotate(mgr: Arc<CertManager>, id: Identity, handle: TlsHandle) {
             Ok(next) => {
                 tracing::info!(identity = %id, expires = ?next.cert.not_after, "certificate rotated");
                 handle.store(Arc::new(next));
+                at_least = RETRY;
             }
             Err(e) => {
                 let left = handle
@@ -195,19 +203,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_certificate_already_due_for_renewal_is_refused() {
+    fn a_certificate_that_cannot_serve_is_refused_one_past_half_life_is_not() {
         let ca = LocalCa::generate("td").unwrap();
         let id = Identity::new("td", "ns", "sa");
         let now = SystemTime::now();
         let fresh = ca.issue(&id, Duration::from_secs(600)).unwrap();
-        assert!(not_yet_due(fresh, now).is_ok());
+        assert!(usable(fresh, now).is_ok());
+        // A node clock ahead of the CA's: past half its life, still valid.
+        let skewed = ca.issue(&id, Duration::from_secs(600)).unwrap();
+        assert!(usable(skewed, now + Duration::from_secs(400)).is_ok());
         let mut expired = ca.issue(&id, Duration::from_secs(600)).unwrap();
         expired.not_after = now - Duration::from_secs(1);
         let mut inverted = ca.issue(&id, Duration::from_secs(600)).unwrap();
-        inverted.not_after = inverted.not_before;
+        inverted.not_before = now + Duration::from_secs(60);
+        inverted.not_after = now + Duration::from_secs(30);
         for cert in [expired, inverted] {
-            let err = not_yet_due(cert, now).unwrap_err().to_string();
-            assert!(err.contains("already due for renewal"), "{err}");
+            let err = usable(cert, now).unwrap_err().to_string();
+            assert!(err.contains("not valid now"), "{err}");
         }
     }
 

@@ -22,10 +22,11 @@ use crate::xds::{State, StateHandle};
 pub const TTL: u32 = 30;
 /// How long an upstream resolver has to answer.
 pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
-/// Queries one pod may have in flight; past it, UDP queries are dropped
-/// (the stub resolver retries) and a TCP connection is closed. Bounds what
-/// a pod flooding names the upstreams do not answer can take from a proxy
-/// that serves every pod of the node.
+/// Forwarded queries one pod may have in flight; past it, UDP queries are
+/// dropped (the stub resolver retries) and a TCP connection is closed. Bounds
+/// what a pod flooding names the upstreams do not answer can take from a
+/// proxy that serves every pod of the node; mesh names, answered from the
+/// state, do not count.
 pub const MAX_IN_FLIGHT: usize = 256;
 /// How long a TCP client has to send the next message, or the rest of one.
 const TCP_IDLE: Duration = Duration::from_secs(10);
@@ -150,6 +151,12 @@ impl DnsProxy {
             }
             Reply::Drop => None,
             Reply::Forward => {
+                // Only forwarded queries wait on the network, so only they
+                // count: mesh names stay answered while upstreams are slow.
+                let Ok(_permit) = self.in_flight.try_acquire() else {
+                    self.warn_full();
+                    return None;
+                };
                 self.metrics
                     .dns_requests
                     .get_or_create(&by("upstream"))
@@ -203,16 +210,11 @@ impl DnsProxy {
                 _ = life.stop_listening() => return,
             };
             let Ok((n, from)) = got else { continue };
-            let Ok(permit) = self.in_flight.clone().try_acquire_owned() else {
-                self.warn_full();
-                continue;
-            };
             let (this, sock, packet) = (self.clone(), sock.clone(), buf[..n].to_vec());
             life.spawn(async move {
                 if let Some(resp) = this.resolve(packet).await {
                     let _ = sock.send_to(&resp, from).await;
                 }
-                drop(permit);
             });
         }
     }
@@ -240,10 +242,6 @@ impl DnsProxy {
                         Ok(Ok(_)) => {}
                         _ => return,
                     }
-                    let Ok(_permit) = this.in_flight.try_acquire() else {
-                        this.warn_full();
-                        return;
-                    };
                     let Some(resp) = this.resolve(packet).await else {
                         return;
                     };

@@ -159,11 +159,40 @@ impl Demand {
     }
 }
 
-/// The resources held, with their versions.
+/// The resources held, with their versions and when each was first held.
+/// When two conflict (one IP claimed twice, say after a pod IP is reused),
+/// the one held first wins, whatever order a map would give.
 #[derive(Debug, Default)]
 pub struct Held {
-    addresses: HashMap<String, (String, AddressResource)>,
-    policies: HashMap<String, (String, Authorization)>,
+    addresses: HashMap<String, (String, AddressResource, u64)>,
+    policies: HashMap<String, (String, Authorization, u64)>,
+    /// Next arrival number.
+    arrivals: u64,
+}
+
+/// Inserts `value` under `name`, keeping the arrival number it already had.
+fn hold<T>(
+    map: &mut HashMap<String, (String, T, u64)>,
+    arrivals: &mut u64,
+    name: &str,
+    version: &str,
+    value: T,
+) {
+    let arrived = match map.get(name) {
+        Some((_, _, arrived)) => *arrived,
+        None => {
+            *arrivals += 1;
+            *arrivals
+        }
+    };
+    map.insert(name.to_string(), (version.to_string(), value, arrived));
+}
+
+/// The values of `map`, first held first.
+fn in_arrival_order<T>(map: &HashMap<String, (String, T, u64)>) -> Vec<&T> {
+    let mut held: Vec<_> = map.values().collect();
+    held.sort_by_key(|(_, _, arrived)| *arrived);
+    held.into_iter().map(|(_, v, _)| v).collect()
 }
 
 impl Held {
@@ -172,18 +201,31 @@ impl Held {
             ADDRESS_TYPE => self
                 .addresses
                 .iter()
-                .map(|(n, (v, _))| (n.clone(), v.clone()))
+                .map(|(n, (v, _, _))| (n.clone(), v.clone()))
                 .collect(),
             _ => self
                 .policies
                 .iter()
-                .map(|(n, (v, _))| (n.clone(), v.clone()))
+                .map(|(n, (v, _, _))| (n.clone(), v.clone()))
                 .collect(),
         }
     }
 
     /// Applies one response; returns the rejected resources as (name, reason).
     pub fn apply(&mut self, resp: &DeltaDiscoveryResponse) -> Vec<(String, String)> {
+        if resp.type_url != ADDRESS_TYPE && resp.type_url != AUTHORIZATION_TYPE {
+            // Nothing of it applies, removals included.
+            let why = format!("unknown type {}", resp.type_url);
+            let mut rejected: Vec<_> = resp
+                .resources
+                .iter()
+                .map(|r| (r.name.clone(), why.clone()))
+                .collect();
+            if rejected.is_empty() {
+                rejected.push(("*".into(), why));
+            }
+            return rejected;
+        }
         let mut rejected = Vec::new();
         for name in &resp.removed_resources {
             if resp.type_url == ADDRESS_TYPE {
@@ -202,15 +244,26 @@ impl Held {
                     .map_err(|e| e.to_string())
                     .and_then(convert::address_from_proto)
                     .map(|a| {
-                        self.addresses
-                            .insert(r.name.clone(), (r.version.clone(), a));
+                        hold(
+                            &mut self.addresses,
+                            &mut self.arrivals,
+                            &r.name,
+                            &r.version,
+                            a,
+                        )
                     }),
                 AUTHORIZATION_TYPE => {
                     crate::proto::security::Authorization::decode(any.value.as_slice())
                         .map_err(|e| e.to_string())
                         .and_then(convert::authorization_from_proto)
                         .map(|p| {
-                            self.policies.insert(r.name.clone(), (r.version.clone(), p));
+                            hold(
+                                &mut self.policies,
+                                &mut self.arrivals,
+                                &r.name,
+                                &r.version,
+                                p,
+                            )
                         })
                 }
                 other => Err(format!("unknown type {other}")),
@@ -226,13 +279,16 @@ impl Held {
     pub fn state(&mut self) -> (State, Vec<(String, String)>) {
         let mut workloads = Vec::new();
         let mut services = Vec::new();
-        for (_, a) in self.addresses.values() {
+        for a in in_arrival_order(&self.addresses) {
             match a {
                 AddressResource::Workload(w) => workloads.push(w.as_ref().clone()),
                 AddressResource::Service(s) => services.push(s.as_ref().clone()),
             }
         }
-        let policies = self.policies.values().map(|(_, p)| p.clone()).collect();
+        let policies = in_arrival_order(&self.policies)
+            .into_iter()
+            .cloned()
+            .collect();
         let (st, errors) = State::build_lenient(workloads, services, policies);
         (
             st,
@@ -509,7 +565,9 @@ impl XdsClient {
                     let _ = w.send(());
                 }
             }
-            seen.insert(resp.type_url.clone());
+            if resp.type_url == ADDRESS_TYPE || resp.type_url == AUTHORIZATION_TYPE {
+                seen.insert(resp.type_url.clone());
+            }
             if seen.len() == 2 && !self.synced.swap(true, Ordering::AcqRel) {
                 tracing::info!("xDS initial sync complete");
             }
@@ -699,5 +757,74 @@ mod tests {
         assert!(st
             .workload_by_addr("", "10.0.0.1".parse().unwrap())
             .is_some());
+    }
+
+    #[test]
+    fn of_two_workloads_on_one_ip_the_one_held_first_keeps_it() {
+        // Many rounds: a map's order would pick either one now and then.
+        for round in 0..64u8 {
+            let mut held = Held::default();
+            let old = format!("old{round}");
+            held.apply(&DeltaDiscoveryResponse {
+                type_url: ADDRESS_TYPE.into(),
+                resources: vec![res(&old, wl(&old, [10, 0, 0, 1]))],
+                ..Default::default()
+            });
+            // The pod IP reused before the old workload's removal arrives;
+            // then unrelated resources and an update of the old one.
+            let mut resources = vec![res("new", wl("new", [10, 0, 0, 1]))];
+            resources.extend((0..round).map(|i| {
+                let n = format!("other{i}");
+                res(&n, wl(&n, [10, 1, 0, i]))
+            }));
+            resources.push(res(&old, wl(&old, [10, 0, 0, 1])));
+            held.apply(&DeltaDiscoveryResponse {
+                type_url: ADDRESS_TYPE.into(),
+                resources,
+                ..Default::default()
+            });
+            let (st, conflicts) = held.state();
+            let owner = st
+                .workload_by_addr("", "10.0.0.1".parse().unwrap())
+                .unwrap();
+            assert_eq!(owner.name, old, "round {round}");
+            assert_eq!(conflicts.len(), 1, "round {round}: {conflicts:?}");
+        }
+    }
+
+    #[test]
+    fn a_response_of_an_unknown_type_changes_nothing() {
+        let mut held = Held::default();
+        let policy = crate::proto::security::Authorization {
+            name: "p".into(),
+            namespace: "ns".into(),
+            ..Default::default()
+        };
+        let rejected = held.apply(&DeltaDiscoveryResponse {
+            type_url: AUTHORIZATION_TYPE.into(),
+            resources: vec![Resource {
+                name: "ns/p".into(),
+                version: "1".into(),
+                resource: Some(prost_types::Any {
+                    type_url: AUTHORIZATION_TYPE.into(),
+                    value: policy.encode_to_vec(),
+                }),
+                aliases: vec![],
+            }],
+            ..Default::default()
+        });
+        assert!(rejected.is_empty(), "{rejected:?}");
+        let rejected = held.apply(&DeltaDiscoveryResponse {
+            type_url: "type.googleapis.com/some.Other".into(),
+            removed_resources: vec!["ns/p".into()],
+            ..Default::default()
+        });
+        assert_eq!(rejected.len(), 1, "{rejected:?}");
+        assert!(rejected[0].1.contains("unknown type"));
+        assert_eq!(
+            held.versions(AUTHORIZATION_TYPE).len(),
+            1,
+            "the policy is not removed by another type's removal"
+        );
     }
 }
