@@ -271,4 +271,25 @@ fn a_pod_flooding_a_silent_upstream_is_capped_and_served_again_after() {
         waited >= Duration::from_secs(9) && waited < Duration::from_secs(15),
         "{waited:?}"
     );
+
+    // At most 64 TCP connections per pod are held open; the next is closed.
+    let (kept, over) = client
+        .ns
+        .run(|| -> std::io::Result<(usize, usize)> {
+            let held: Vec<TcpStream> = (0..64)
+                .map(|_| TcpStream::connect("127.0.0.1:15053"))
+                .collect::<Result<_, _>>()?;
+            std::thread::sleep(Duration::from_millis(300));
+            let mut extra = TcpStream::connect("127.0.0.1:15053")?;
+            extra.set_read_timeout(Some(Duration::from_secs(3)))?;
+            let over = extra.read(&mut [0u8; 4]).unwrap_or(usize::MAX);
+            Ok((held.len(), over))
+        })
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (kept, over),
+        (64, 0),
+        "the 65th connection is closed at once"
+    );
 }

@@ -30,6 +30,8 @@ pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(5);
 pub const MAX_IN_FLIGHT: usize = 256;
 /// How long a TCP client has to send the next message, or the rest of one.
 const TCP_IDLE: Duration = Duration::from_secs(10);
+/// TCP connections one pod may hold open; more are closed at once.
+pub const MAX_TCP_CONNECTIONS: usize = 64;
 pub const CLUSTER_DOMAIN: &str = "cluster.local";
 
 /// What to do with one query.
@@ -139,6 +141,8 @@ pub struct DnsProxy {
     pub in_flight: Arc<tokio::sync::Semaphore>,
     /// Whether [`MAX_IN_FLIGHT`] has been hit and said.
     pub warned_full: std::sync::atomic::AtomicBool,
+    /// [`MAX_TCP_CONNECTIONS`] permits.
+    pub tcp_connections: Arc<tokio::sync::Semaphore>,
 }
 
 impl DnsProxy {
@@ -179,9 +183,24 @@ impl DnsProxy {
             if sock.send(packet).await.is_err() {
                 continue;
             }
-            let mut buf = vec![0u8; 65_535];
-            if let Ok(Ok(n)) = tokio::time::timeout(UPSTREAM_TIMEOUT, sock.recv(&mut buf)).await {
-                buf.truncate(n);
+            // The buffer is made only once a reply is there: a query waiting
+            // on a slow upstream holds none.
+            let reply = async {
+                loop {
+                    sock.readable().await?;
+                    let mut buf = vec![0u8; 65_535];
+                    match sock.try_recv(&mut buf) {
+                        Ok(n) => {
+                            buf.truncate(n);
+                            buf.shrink_to_fit();
+                            return Ok::<_, std::io::Error>(buf);
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+            if let Ok(Ok(buf)) = tokio::time::timeout(UPSTREAM_TIMEOUT, reply).await {
                 return Some(buf);
             }
             tracing::debug!(upstream = %upstream, "DNS upstream did not answer");
@@ -189,13 +208,13 @@ impl DnsProxy {
         None
     }
 
-    /// Says, once per pod, that queries are being dropped.
+    /// Says, once per pod, that queries or TCP connections are being dropped.
     fn warn_full(&self) {
         if !self
             .warned_full
             .swap(true, std::sync::atomic::Ordering::Relaxed)
         {
-            tracing::warn!(pod = %self.pod.uid, limit = MAX_IN_FLIGHT, "DNS queries in flight at the limit; dropping more (said once)");
+            tracing::warn!(pod = %self.pod.uid, limit = MAX_IN_FLIGHT, "DNS queries in flight or TCP connections at the limit; dropping more (said once)");
         }
     }
 
@@ -230,8 +249,13 @@ impl DnsProxy {
             let Ok((mut stream, _)) = accepted else {
                 continue;
             };
+            let Ok(held) = self.tcp_connections.clone().try_acquire_owned() else {
+                self.warn_full();
+                continue; // dropped: closed
+            };
             let this = self.clone();
             life.spawn(async move {
+                let _held = held;
                 loop {
                     let len = match tokio::time::timeout(TCP_IDLE, stream.read_u16()).await {
                         Ok(Ok(len)) => len as usize,

@@ -237,6 +237,7 @@ impl ProxyShared {
                 upstreams: upstreams.clone(),
                 in_flight: Arc::new(tokio::sync::Semaphore::new(dns::MAX_IN_FLIGHT)),
                 warned_full: Default::default(),
+                tcp_connections: Arc::new(tokio::sync::Semaphore::new(dns::MAX_TCP_CONNECTIONS)),
             });
             let mut addrs: Vec<SocketAddr> = vec![(Ipv4Addr::LOCALHOST, DNS_PORT).into()];
             if self.ipv6 {
