@@ -21,6 +21,9 @@ use crate::zds::{SeqPacket, SeqPacketListener};
 
 /// How long the agent waits for the hello and for each Ack.
 pub const ZDS_TIMEOUT: Duration = Duration::from_secs(5);
+/// First and longest wait before offering a rejected pod again.
+const OFFER_AGAIN_FIRST: Duration = Duration::from_secs(1);
+const OFFER_AGAIN_MAX: Duration = Duration::from_secs(30);
 
 /// A pod as the agent hands it to the proxy.
 #[derive(Debug, Clone)]
@@ -241,10 +244,7 @@ impl ZdsServer {
         self.conns.lock().await.retain(|c| c.id != id);
         result
     }
-}
 
-/// Sends one request and waits for its Ack.
-impl ZdsServer {
     /// Offers the pods (by uid) a proxy rejected in its snapshot again, with
     /// backoff, for as long as the agent holds them and a proxy is connected
     /// (a new proxy's snapshot carries them anyway).
@@ -277,10 +277,7 @@ impl ZdsServer {
     }
 }
 
-/// First and longest wait before offering a rejected pod again.
-const OFFER_AGAIN_FIRST: Duration = Duration::from_secs(1);
-const OFFER_AGAIN_MAX: Duration = Duration::from_secs(30);
-
+/// Sends one request and waits for its Ack.
 async fn exchange(
     conn: &SeqPacket,
     req: &WorkloadRequest,

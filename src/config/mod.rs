@@ -235,6 +235,12 @@ impl Layers {
         self.values.get(name).filter(|(v, _)| !v.is_empty())
     }
 
+    /// Whether `name` was set (file, environment or flag) rather than left
+    /// at its default.
+    pub fn chosen(&self, name: &str) -> bool {
+        self.raw(name).is_some_and(|(_, o)| *o != Origin::Default)
+    }
+
     /// Parses a key with `parse`, turning its error text into [`ConfigError::Invalid`].
     pub fn get<T>(
         &self,

@@ -491,17 +491,13 @@ impl ProxyConfig {
                     parse_congestion_control,
                 )?
                 .flatten(),
-            congestion_control_chosen: l
-                .raw("congestion_control")
-                .is_some_and(|(_, o)| *o != super::Origin::Default),
+            congestion_control_chosen: l.chosen("congestion_control"),
             worker_threads: l.require("worker_threads", "a number from 1 to 256", |s| {
                 s.parse().ok().filter(|n| (1..=256).contains(n))
             })?,
             ipv6: l.require("ipv6", "true or false", parse_bool)?,
             drain_timeout: {
-                let explicit = l
-                    .raw("drain_timeout")
-                    .is_some_and(|(_, o)| *o != super::Origin::Default);
+                let explicit = l.chosen("drain_timeout");
                 let grace = l.get(
                     "termination_grace_period",
                     "a number of seconds up to 86400",

@@ -138,14 +138,31 @@ pub struct DnsProxy {
     pub upstreams: Arc<Vec<SocketAddr>>,
     pub metrics: Arc<super::metrics::Metrics>,
     /// [`MAX_IN_FLIGHT`] permits.
-    pub in_flight: Arc<tokio::sync::Semaphore>,
-    /// Whether [`MAX_IN_FLIGHT`] has been hit and said.
-    pub warned_full: std::sync::atomic::AtomicBool,
+    in_flight: tokio::sync::Semaphore,
     /// [`MAX_TCP_CONNECTIONS`] permits.
-    pub tcp_connections: Arc<tokio::sync::Semaphore>,
+    tcp_connections: Arc<tokio::sync::Semaphore>,
+    /// Whether a limit has been hit and said.
+    warned_full: std::sync::atomic::AtomicBool,
 }
 
 impl DnsProxy {
+    pub fn new(
+        pod: PodRef,
+        state: StateHandle,
+        upstreams: Arc<Vec<SocketAddr>>,
+        metrics: Arc<super::metrics::Metrics>,
+    ) -> Self {
+        DnsProxy {
+            pod,
+            state,
+            upstreams,
+            metrics,
+            in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
+            tcp_connections: Arc::new(tokio::sync::Semaphore::new(MAX_TCP_CONNECTIONS)),
+            warned_full: Default::default(),
+        }
+    }
+
     async fn resolve(&self, packet: Vec<u8>) -> Option<Vec<u8>> {
         let by = |who| super::metrics::DnsLabels { answered_by: who };
         match reply(&packet, &self.state.load(), &self.pod.namespace) {
@@ -158,7 +175,7 @@ impl DnsProxy {
                 // Only forwarded queries wait on the network, so only they
                 // count: mesh names stay answered while upstreams are slow.
                 let Ok(_permit) = self.in_flight.try_acquire() else {
-                    self.warn_full();
+                    self.warn_full("forwarded queries in flight", MAX_IN_FLIGHT);
                     return None;
                 };
                 self.metrics
@@ -208,13 +225,13 @@ impl DnsProxy {
         None
     }
 
-    /// Says, once per pod, that queries or TCP connections are being dropped.
-    fn warn_full(&self) {
+    /// Says, once per pod, that a limit is hit and more is being dropped.
+    fn warn_full(&self, what: &str, limit: usize) {
         if !self
             .warned_full
             .swap(true, std::sync::atomic::Ordering::Relaxed)
         {
-            tracing::warn!(pod = %self.pod.uid, limit = MAX_IN_FLIGHT, "DNS queries in flight or TCP connections at the limit; dropping more (said once)");
+            tracing::warn!(pod = %self.pod.uid, what, limit, "DNS proxy at a limit; dropping more (said once per pod)");
         }
     }
 
@@ -250,7 +267,7 @@ impl DnsProxy {
                 continue;
             };
             let Ok(held) = self.tcp_connections.clone().try_acquire_owned() else {
-                self.warn_full();
+                self.warn_full("TCP connections", MAX_TCP_CONNECTIONS);
                 continue; // dropped: closed
             };
             let this = self.clone();

@@ -230,15 +230,12 @@ impl ProxyShared {
         tokio::spawn(inbound.clone().serve_hbone(hbone_l));
         tokio::spawn(inbound.serve_plaintext(plain_l));
         if let Some(upstreams) = &self.dns_upstreams {
-            let dns = Arc::new(dns::DnsProxy {
-                metrics: self.metrics.clone(),
-                pod: pod.clone(),
-                state: self.state.clone(),
-                upstreams: upstreams.clone(),
-                in_flight: Arc::new(tokio::sync::Semaphore::new(dns::MAX_IN_FLIGHT)),
-                warned_full: Default::default(),
-                tcp_connections: Arc::new(tokio::sync::Semaphore::new(dns::MAX_TCP_CONNECTIONS)),
-            });
+            let dns = Arc::new(dns::DnsProxy::new(
+                pod.clone(),
+                self.state.clone(),
+                upstreams.clone(),
+                self.metrics.clone(),
+            ));
             let mut addrs: Vec<SocketAddr> = vec![(Ipv4Addr::LOCALHOST, DNS_PORT).into()];
             if self.ipv6 {
                 addrs.push((Ipv6Addr::LOCALHOST, DNS_PORT).into());

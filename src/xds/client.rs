@@ -24,7 +24,7 @@ use super::store::{State, StateHandle};
 use super::types::Authorization;
 use crate::proto::core::Node;
 use crate::proto::discovery::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse};
+use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
 use crate::proto::rpc;
 
 /// Where and how to reach the control plane.
@@ -170,22 +170,21 @@ pub struct Held {
     arrivals: u64,
 }
 
-/// Inserts `value` under `name`, keeping the arrival number it already had.
+/// Holds `value` as resource `r`, keeping the arrival number it already had.
 fn hold<T>(
     map: &mut HashMap<String, (String, T, u64)>,
     arrivals: &mut u64,
-    name: &str,
-    version: &str,
+    r: &Resource,
     value: T,
 ) {
-    let arrived = match map.get(name) {
+    let arrived = match map.get(&r.name) {
         Some((_, _, arrived)) => *arrived,
         None => {
             *arrivals += 1;
             *arrivals
         }
     };
-    map.insert(name.to_string(), (version.to_string(), value, arrived));
+    map.insert(r.name.clone(), (r.version.clone(), value, arrived));
 }
 
 /// The values of `map`, first held first.
@@ -239,34 +238,17 @@ impl Held {
                 rejected.push((r.name.clone(), "resource has no body".into()));
                 continue;
             };
-            let outcome = match resp.type_url.as_str() {
-                ADDRESS_TYPE => crate::proto::workload::Address::decode(any.value.as_slice())
+            // The type is one of the two (checked above).
+            let outcome = if resp.type_url == ADDRESS_TYPE {
+                crate::proto::workload::Address::decode(any.value.as_slice())
                     .map_err(|e| e.to_string())
                     .and_then(convert::address_from_proto)
-                    .map(|a| {
-                        hold(
-                            &mut self.addresses,
-                            &mut self.arrivals,
-                            &r.name,
-                            &r.version,
-                            a,
-                        )
-                    }),
-                AUTHORIZATION_TYPE => {
-                    crate::proto::security::Authorization::decode(any.value.as_slice())
-                        .map_err(|e| e.to_string())
-                        .and_then(convert::authorization_from_proto)
-                        .map(|p| {
-                            hold(
-                                &mut self.policies,
-                                &mut self.arrivals,
-                                &r.name,
-                                &r.version,
-                                p,
-                            )
-                        })
-                }
-                other => Err(format!("unknown type {other}")),
+                    .map(|a| hold(&mut self.addresses, &mut self.arrivals, r, a))
+            } else {
+                crate::proto::security::Authorization::decode(any.value.as_slice())
+                    .map_err(|e| e.to_string())
+                    .and_then(convert::authorization_from_proto)
+                    .map(|p| hold(&mut self.policies, &mut self.arrivals, r, p))
             };
             if let Err(reason) = outcome {
                 rejected.push((r.name.clone(), reason));
@@ -592,7 +574,6 @@ impl XdsClient {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proto::discovery::Resource;
     use crate::proto::workload as pb;
 
     fn res(name: &str, addr: pb::Address) -> Resource {
