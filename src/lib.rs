@@ -1,25 +1,34 @@
 //! Ambit: the node dataplane of an ambient service mesh in one binary.
 //!
-//! Modules form a ladder (DESIGN §2, STYLE): `config` imports nothing else;
-//! `xds` and `identity` build state from config; `cni` and `proxy` consume
-//! state; `lab` and `demo` assemble everything for a single host; `main`
-//! only dispatches.
+//! Modules form a ladder (docs/architecture.md §2): `config` imports nothing
+//! else; `xds` and `identity` build state from config; `cni` and `proxy`
+//! consume state; `lab` and `demo` assemble everything for a single host;
+//! `main` only dispatches. Shared below them all: `backoff` (retry delays),
+//! `sideport` (the HTTP server of the side ports), `netns`, `constants`.
+//!
+//! Features: `lab` (on by default) builds the network-namespace lab that
+//! `ambit demo` and the tests use; `testing` adds test fakes (the Kubernetes
+//! API stand-in) that never ship in the image.
 
+mod backoff;
 pub mod cni;
 pub mod config;
 pub mod constants;
 pub mod controlplane;
+#[cfg(feature = "lab")]
 pub mod demo;
-pub mod grpc;
+mod grpc;
 pub mod identity;
+#[cfg(feature = "lab")]
 pub mod lab;
 pub mod logging;
 pub mod netns;
 pub mod node;
 pub mod proto;
 pub mod proxy;
+mod sideport;
 pub mod xds;
-pub mod zds;
+mod zds;
 
 /// The version printed by `ambit version`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -24,6 +24,29 @@ Roles:
 `ambit <role> --help` lists the role's configuration keys.
 ";
 
+const CNI_HELP: &str = "\
+ambit cni: the CNI plugin. The container runtime runs it (as ambit-cni, which
+the agent installs in the CNI bin dir and chains into the primary conflist)
+with CNI_COMMAND, CNI_CONTAINERID, CNI_NETNS, CNI_IFNAME, CNI_ARGS and
+CNI_PATH set and the network configuration on stdin. On ADD of a pod the
+node enrolls, it tells the agent (<cni_agent_run_dir>/pluginevent.sock) and
+fails unless the agent took the pod; it prints the previous result on stdout.
+DEL and CHECK succeed without side effects. Logs go to stderr.
+";
+
+const DEMO_HELP: &str = "\
+ambit demo [--once]: builds a node in network namespaces on this host (as
+root): `ambit node` with the real CNI chain, two enrolled pods with a
+service and a policy, one pod outside the mesh; sends meshed, service,
+passthrough and denied traffic and prints what happened. Ctrl-C cleans up.
+  --once   print the table once and exit (used by the tests)
+";
+
+/// `--help` or `-h` anywhere in a role's arguments.
+fn wants_help(args: &[String]) -> bool {
+    args.iter().any(|a| a == "--help" || a == "-h")
+}
+
 fn main() -> ExitCode {
     let mut args: Vec<String> = std::env::args().collect();
     let argv0 = args
@@ -103,8 +126,23 @@ fn run(role: &str, args: &[String]) -> anyhow::Result<()> {
             ambit::logging::init(cfg.log_format, &cfg.log_level);
             ambit::controlplane::run(cfg)
         }
+        "cni" if wants_help(args) => {
+            print!("{CNI_HELP}");
+            Ok(())
+        }
         "cni" => std::process::exit(ambit::cni::plugin_main::main()),
+        "demo" if wants_help(args) => {
+            print!("{DEMO_HELP}");
+            Ok(())
+        }
+        #[cfg(feature = "lab")]
         "demo" => ambit::demo::run(args),
+        #[cfg(not(feature = "lab"))]
+        "demo" => anyhow::bail!("this build has no lab (built without the `lab` feature)"),
+        "version" | "--version" if wants_help(args) => {
+            println!("ambit version: prints the version and exits.");
+            Ok(())
+        }
         "version" | "--version" => {
             println!("ambit {}", ambit::VERSION);
             Ok(())

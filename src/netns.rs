@@ -41,8 +41,8 @@ impl Netns {
 
     /// Whether the fd really is a network namespace.
     pub fn is_netns(&self) -> bool {
-        // SAFETY: NS_GET_NSTYPE is a read-only ioctl on an fd we own.
         const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+        // SAFETY: NS_GET_NSTYPE is a read-only ioctl on an fd we own.
         let t = unsafe { libc::ioctl(self.file.as_raw_fd(), NS_GET_NSTYPE as _) };
         t == libc::CLONE_NEWNET
     }

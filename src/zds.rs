@@ -1,4 +1,4 @@
-//! ZDS on the wire (DESIGN §3.2): a `SOCK_SEQPACKET` Unix socket carrying one
+//! ZDS on the wire (docs/architecture.md §3.2): a `SOCK_SEQPACKET` Unix socket carrying one
 //! protobuf message per packet (no length prefix, under 1024 bytes), with the
 //! pod's netns fd passed as `SCM_RIGHTS` on Add. Both ends (the agent's server
 //! and the proxy's client) use these async packet primitives.
@@ -186,7 +186,7 @@ mod tests {
 
     #[tokio::test]
     async fn packets_and_fds_cross_intact() {
-        let dir = std::env::temp_dir().join(format!("ambit-zds-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ambit-zds-wire-{}", std::process::id()));
         let path = dir.join("zds.sock");
         let listener = SeqPacketListener::bind(&path).unwrap();
         let client = SeqPacket::connect(&path).unwrap();

@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ambit::lab::{connect_from, echo_roundtrip, EchoServer};
-use common::{workload, Mesh};
+use common::{admin_get, wait_until, workload, Mesh};
 
 fn server_entry(ip: std::net::Ipv4Addr) -> String {
     format!("- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{ip}\"], protocol: HBONE,\n   services: {{\"default/echo.default.svc.cluster.local\": {{80: 8080}}}}}}\n")
@@ -43,11 +43,8 @@ fn local_config_edit_applies_live_and_a_bad_edit_keeps_the_last_good_state() {
     };
     ping(&mut long_lived, b"before");
 
-    let dump = || {
-        ambit::lab::http_get(&client, "127.0.0.1:15000", "/config_dump")
-            .unwrap()
-            .1
-    };
+    // Only a 200 answer counts: an error page lacks the service too.
+    let dump = || admin_get(&client.ns, "127.0.0.1:15000", "/config_dump");
     assert!(
         !dump().contains("echo.default.svc.cluster.local\",\"name\""),
         "no service before the edit"
@@ -79,7 +76,11 @@ fn local_config_edit_applies_live_and_a_bad_edit_keeps_the_last_good_state() {
         format!("{workloads}{SERVICE}policies:\n- name: x\n  action: Sometimes\n"),
     )
     .unwrap();
-    std::thread::sleep(Duration::from_millis(800));
+    wait_until(
+        "the broken edit rejected in the proxy's log",
+        Duration::from_secs(10),
+        || m.proxy_log(&client).contains("local config rejected"),
+    );
     let log = m.proxy_log(&client);
     let rejected = log
         .lines()
@@ -234,6 +235,30 @@ fn binary_lists_roles_and_answers_to_its_argv0_names() {
     let out = Command::new(&link).arg("--help").output().unwrap();
     assert!(String::from_utf8_lossy(&out.stdout).contains("ambit proxy: configuration keys"));
     std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn every_role_prints_its_help_and_does_nothing_else() {
+    for (role, says) in [
+        ("proxy", "ambit proxy: configuration keys"),
+        ("agent", "ambit agent: configuration keys"),
+        ("control-plane", "ambit control-plane: configuration keys"),
+        ("node", "ambit node: runs `ambit agent` and `ambit proxy`"),
+        ("cni", "ambit cni: the CNI plugin"),
+        ("demo", "ambit demo [--once]"),
+        ("version", "ambit version: prints the version"),
+    ] {
+        let started = std::time::Instant::now();
+        // With CNI_COMMAND unset and no root needed: help only.
+        let (ok, out, err) = ambit(&[role, "--help"], &[]);
+        assert!(ok, "ambit {role} --help failed: {err}");
+        assert!(out.contains(says), "ambit {role} --help printed:\n{out}");
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "ambit {role} --help took {:?}: it ran the role",
+            started.elapsed()
+        );
+    }
 }
 
 #[test]

@@ -7,7 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use ambit::lab::{connect_from, echo_roundtrip, http_get, EchoServer, LabPod, ProxySpec};
-use common::{workload, Mesh, TD};
+use common::{admin_get, workload, Mesh, TD};
 
 const CP: &str = "10.77.0.1:15012";
 
@@ -28,7 +28,22 @@ fn serve_mesh(m: &Mesh, mesh: &str) {
     std::fs::write(m.lab.dir.join("token"), "s3cret\n").unwrap();
     std::fs::write(m.lab.dir.join("cp.yaml"), mesh).unwrap();
     start_cp(m, "cp");
-    std::thread::sleep(Duration::from_millis(300));
+    wait_for(
+        &format!("the control plane listening on {CP}"),
+        Duration::from_secs(20),
+        || cp_listening(m),
+    );
+}
+
+/// Whether something accepts TCP connections on [`CP`] in the node netns.
+fn cp_listening(m: &Mesh) -> bool {
+    let addr: std::net::SocketAddr = CP.parse().unwrap();
+    m.lab
+        .node
+        .run(move || {
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+        })
+        .unwrap_or(false)
 }
 
 fn proxy_via_cp(m: &Mesh, pod: &LabPod, sa: &str, token: &str) {
@@ -68,10 +83,10 @@ fn proxy_via_cp_env(
     m.lab.start_proxy(pod, &spec)
 }
 
+/// The proxy's `/config_dump`; panics unless it answers 200, so a failed
+/// admin call never passes for a dump that lacks something.
 fn dump(pod: &LabPod) -> String {
-    http_get(pod, "127.0.0.1:15000", "/config_dump")
-        .map(|r| r.1)
-        .unwrap_or_default()
+    admin_get(&pod.ns, "127.0.0.1:15000", "/config_dump")
 }
 
 fn wait_for(what: &str, limit: Duration, mut f: impl FnMut() -> bool) -> Duration {
@@ -137,6 +152,9 @@ fn proxies_run_from_the_control_plane_alone() {
     // Control plane down: the last good state keeps serving; back up: resync.
     m.lab.stop("cp");
     std::fs::write(&cp_yaml, &workloads).unwrap();
+    // Deliberately a fixed window: nothing may change during it, so there is
+    // no condition to poll for; a proxy that reloaded from anywhere but the
+    // control plane would have picked the edit up well within it.
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         !dump(&client).contains("\"name\":\"server\""),
@@ -191,6 +209,9 @@ fn proxies_run_from_the_control_plane_alone() {
         .env("XDS_ROOT_CA", &m.ca.0)
         .env("AUTH_TOKEN", &tok);
     m.lab.spawn("proxy-stranger", cmd).unwrap();
+    // Deliberately a fixed window: the proxy must NOT become ready, so there
+    // is nothing to poll for; one the control plane wrongly served would be
+    // ready within it (the others above are ready in well under 2 s).
     std::thread::sleep(Duration::from_secs(2));
     let ready = http_get(&stranger, "127.0.0.1:15021", "/healthz/ready")
         .map(|r| r.0)
@@ -199,11 +220,16 @@ fn proxies_run_from_the_control_plane_alone() {
         ready, 200,
         "a proxy with a wrong token must not get config or certificates"
     );
-    let log = std::fs::read_to_string(m.lab.log_path("proxy-stranger")).unwrap_or_default();
-    assert!(
-        log.contains("token") || log.contains("Unauthenticated") || log.contains("unauthenticated"),
-        "{log}"
-    );
+    let log = || std::fs::read_to_string(m.lab.log_path("proxy-stranger")).unwrap_or_default();
+    let refused = |log: &str| {
+        log.contains("token") || log.contains("Unauthenticated") || log.contains("unauthenticated")
+    };
+    // The refusal is logged once the proxy has tried: poll for it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !refused(&log()) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(refused(&log()), "{}", log());
 }
 
 #[test]
@@ -358,11 +384,15 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
 #[test]
 fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
     use ambit::lab::node::Node;
-    let mesh = "workloads:\n- {uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.79.0.2\"], protocol: HBONE}\n";
+    let mesh = "workloads:\n- {uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.84.0.2\"], protocol: HBONE}\n- {uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.85.0.2\"], protocol: HBONE}\n";
     let bin = env!("CARGO_BIN_EXE_ambit");
-    let mut a = Node::prepare(bin, "cpa", "all", "10.78.0", mesh, None);
-    let mut b = Node::prepare(bin, "cpb", "all", "10.79.0", mesh, Some(&a));
+    // Subnets no other test uses (10.78.0 is the demo's).
+    let mut a = Node::prepare(bin, "cpa", "all", "10.84.0", mesh, None);
+    let mut b = Node::prepare(bin, "cpb", "all", "10.85.0", mesh, Some(&a));
     std::fs::write(a.dir.join("token"), "node-token").unwrap();
+    // Both nodes read the token from node A's own directory: no path shared
+    // with other tests, and removed with the lab.
+    let token = a.dir.join("token").display().to_string();
     for n in [&mut a, &mut b] {
         // The proxies get nothing locally: no local config, no CA key.
         n.extra_env = vec![
@@ -372,11 +402,10 @@ fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
                 "XDS_ROOT_CA".into(),
                 n.dir.join("ca-cert.pem").display().to_string(),
             ),
-            ("AUTH_TOKEN".into(), a_token_path()),
+            ("AUTH_TOKEN".into(), token.clone()),
             ("AMBIT_CA_KEY".into(), "/nonexistent".into()),
         ];
     }
-    std::fs::copy(a.dir.join("token"), a_token_path()).unwrap();
     ambit::lab::node::link(&a, &b);
     // The control plane runs on node A, reachable from both nodes.
     let mut cmd = a.lab.node.command(bin);
@@ -417,12 +446,4 @@ fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
         cp.contains("client-sa") && cp.contains("server-sa"),
         "both nodes' certificates come from the control plane:\n{cp}"
     );
-    let _ = std::fs::remove_file(a_token_path());
-}
-
-fn a_token_path() -> String {
-    std::env::temp_dir()
-        .join(format!("ambit-cp-token-{}", std::process::id()))
-        .display()
-        .to_string()
 }

@@ -11,7 +11,38 @@ use ambit::lab::{
     aborts, anon_kb, close_first_echo, connect_from, echo_roundtrip, established,
     set_default_congestion_control, short_connections, time_waits, EchoServer, Ends, LabPod,
 };
-use common::{counter, workload, Mesh};
+use common::{counter, wait_until, workload, Mesh};
+
+/// Long enough for a loaded machine; the waits end as soon as the state is there.
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// Until the proxy in `pod` has counted `n` connections closed whose labels
+/// contain `filter`: bytes are added at the close, so its counters are final.
+fn wait_closed(m: &Mesh, pod: &LabPod, filter: &[(&str, &str)], n: u64) {
+    wait_until(
+        &format!(
+            "{n} connection(s) closed {filter:?} in {}'s metrics",
+            pod.name
+        ),
+        SETTLE,
+        || {
+            counter(
+                &m.metrics(pod),
+                "istio_tcp_connections_closed_total",
+                filter,
+            ) >= n
+        },
+    );
+}
+
+/// Until the capture written by the lab's "tcpdump" runs (it says so on stderr).
+fn wait_tcpdump_listening(m: &Mesh) {
+    wait_until("tcpdump listening on br0", SETTLE, || {
+        std::fs::read_to_string(m.lab.log_path("tcpdump"))
+            .unwrap_or_default()
+            .contains("listening on")
+    });
+}
 
 #[test]
 fn meshed_pods_talk_over_hbone_by_pod_ip() {
@@ -35,8 +66,6 @@ fn meshed_pods_talk_over_hbone_by_pod_ip() {
         "the app sees the real client address, not the proxy's"
     );
 
-    std::thread::sleep(Duration::from_millis(200));
-    let cm = m.metrics(&client);
     let src = [
         ("reporter", "source"),
         ("destination_workload", "server"),
@@ -46,6 +75,8 @@ fn meshed_pods_talk_over_hbone_by_pod_ip() {
             "spiffe://cluster.local/ns/default/sa/server-sa",
         ),
     ];
+    wait_closed(&m, &client, &src, 1);
+    let cm = m.metrics(&client);
     assert_eq!(
         counter(&cm, "istio_tcp_connections_opened_total", &src),
         1,
@@ -61,7 +92,6 @@ fn meshed_pods_talk_over_hbone_by_pod_ip() {
         payload.len() as u64,
         "{cm}"
     );
-    let sm = m.metrics(&server);
     let dst = [
         ("reporter", "destination"),
         (
@@ -70,6 +100,8 @@ fn meshed_pods_talk_over_hbone_by_pod_ip() {
         ),
         ("source_workload", "client"),
     ];
+    wait_closed(&m, &server, &dst, 1);
+    let sm = m.metrics(&server);
     assert_eq!(
         counter(&sm, "istio_tcp_connections_closed_total", &dst),
         1,
@@ -91,12 +123,16 @@ fn bytes_on_the_wire_are_tls_to_15008_never_cleartext() {
     let mut cmd = m.lab.node.command("tcpdump");
     cmd.args(["-i", "br0", "-U", "-s", "0", "-w"]).arg(&pcap);
     m.lab.spawn("tcpdump", cmd).unwrap();
-    std::thread::sleep(Duration::from_millis(800));
+    wait_tcpdump_listening(&m);
 
     let payload = MARKER.repeat(2000);
     let mut conn = connect_from(&client, echo.addr).unwrap();
     assert_eq!(echo_roundtrip(&mut conn, &payload).unwrap(), payload);
-    std::thread::sleep(Duration::from_millis(500));
+    // The payload crossed the bridge twice (there and back), encrypted: the
+    // whole transfer is in the file once it holds more than that.
+    wait_until("the capture holding the transfer both ways", SETTLE, || {
+        std::fs::metadata(&pcap).map_or(0, |f| f.len()) > 2 * payload.len() as u64
+    });
     m.lab.stop("tcpdump");
 
     let raw = std::fs::read(&pcap).unwrap();
@@ -151,17 +187,14 @@ fn service_vip_reaches_an_endpoint_on_its_target_port() {
         b"via the service"
     );
     assert_eq!(echo.peers().len(), 1);
-    std::thread::sleep(Duration::from_millis(200));
+    let via_service = [
+        ("destination_service", "echo.default.svc.cluster.local"),
+        ("destination_workload", "server"),
+    ];
+    wait_closed(&m, &client, &via_service, 1);
     let cm = m.metrics(&client);
     assert_eq!(
-        counter(
-            &cm,
-            "istio_tcp_connections_closed_total",
-            &[
-                ("destination_service", "echo.default.svc.cluster.local"),
-                ("destination_workload", "server")
-            ]
-        ),
+        counter(&cm, "istio_tcp_connections_closed_total", &via_service),
         1,
         "{cm}"
     );
@@ -187,17 +220,14 @@ fn destination_outside_the_mesh_passes_through_untouched() {
         std::net::IpAddr::from(client.ip),
         "outsider sees the client pod's own address"
     );
-    std::thread::sleep(Duration::from_millis(200));
+    let unknown = [
+        ("destination_workload", "unknown"),
+        ("connection_security_policy", "unknown"),
+    ];
+    wait_closed(&m, &client, &unknown, 1);
     let cm = m.metrics(&client);
     assert_eq!(
-        counter(
-            &cm,
-            "istio_tcp_sent_bytes_total",
-            &[
-                ("destination_workload", "unknown"),
-                ("connection_security_policy", "unknown")
-            ]
-        ),
+        counter(&cm, "istio_tcp_sent_bytes_total", &unknown),
         payload.len() as u64,
         "{cm}"
     );
@@ -214,6 +244,10 @@ fn openssl_client(
     cert: &std::path::Path,
     key: &std::path::Path,
 ) -> String {
+    // `sleep 1` holds stdin open for a fixed window on purpose: in TLS 1.3 a
+    // refused client certificate is answered with an alert only after the
+    // client's side of the handshake is done, so there is no state to poll
+    // for, and "no alert" (the good peer) can only be checked over a window.
     let script = format!(
         "sleep 1 | openssl s_client -connect {target} -tls1_3 -alpn h2 -cert {} -key {} -CAfile {} 2>&1",
         cert.display(),
@@ -356,7 +390,21 @@ fn authorization_policy_denies_with_401_and_is_counted() {
     assert!(echo_roundtrip(&mut plain, b"anon").unwrap().is_empty());
     assert_eq!(app.peers().len(), 1);
 
-    std::thread::sleep(Duration::from_millis(200));
+    // Until both denials are counted by the server and the 401 logged by the client.
+    wait_until(
+        "2 denied connections in the server's metrics",
+        SETTLE,
+        || {
+            counter(
+                &m.metrics(&server),
+                "istio_tcp_connections_opened_total",
+                &[("response_flags", "DENY")],
+            ) >= 2
+        },
+    );
+    wait_until("the 401 in the client proxy's log", SETTLE, || {
+        m.proxy_log(&client).contains("status 401")
+    });
     let sm = m.metrics(&server);
     assert_eq!(
         counter(
@@ -477,7 +525,14 @@ fn policies_by_identity_namespace_and_dry_run() {
         b"dry",
         "a dry-run DENY only logs"
     );
-    std::thread::sleep(Duration::from_millis(200));
+    wait_until(
+        "the denial and the dry-run match in the server's log",
+        SETTLE,
+        || {
+            let log = m.proxy_log(&server);
+            log.contains("policy=default/no-blocked") && log.contains("dry-run policy matched")
+        },
+    );
     let log = m.proxy_log(&server);
     assert!(log.contains("policy=default/no-blocked"), "{log}");
     assert!(
@@ -509,7 +564,10 @@ fn a_transfer_in_flight_finishes_while_the_proxy_drains() {
         conn.shutdown(std::net::Shutdown::Write).unwrap();
         read.join().unwrap()
     });
-    std::thread::sleep(Duration::from_millis(500));
+    // Mid-transfer: once the server's app has the connection (the writes go on for 2 s).
+    wait_until("the transfer reaching the server's app", SETTLE, || {
+        !echo.peers().is_empty()
+    });
     // SIGTERM the server's proxy mid-transfer: it stops accepting, sends GOAWAY, and lets the stream finish.
     let pid = m.lab.pid("proxy-server").unwrap();
     // SAFETY: kill(2) on a child process of this test's lab.
@@ -530,7 +588,9 @@ fn a_transfer_in_flight_finishes_while_the_proxy_drains() {
         started.elapsed() < Duration::from_secs(5),
         "finished inside the drain deadline"
     );
-    std::thread::sleep(Duration::from_millis(300));
+    wait_until("the server's proxy exiting", SETTLE, || {
+        m.proxy_log(&server).contains("proxy exiting")
+    });
     let log = m.proxy_log(&server);
     assert!(
         log.contains("SIGTERM: draining") && log.contains("proxy exiting open=0"),
@@ -556,7 +616,12 @@ fn access_logs_name_workloads_identities_bytes_and_decision_and_quitquitquit_dra
         [9u8; 1000]
     );
     drop(conn);
-    std::thread::sleep(Duration::from_millis(300));
+    // Each proxy writes its line when it closes the connection.
+    wait_until("the close in both proxies' access logs", SETTLE, || {
+        m.proxy_log(&client).contains("outbound connection closed")
+            && m.proxy_log(&server)
+                .contains("inbound HBONE connection closed")
+    });
 
     // The client's proxy logs JSON: one object per line, one line at close.
     let log = m.proxy_log(&client);

@@ -68,13 +68,14 @@ fn ask_tcp(pod: &LabPod, server: SocketAddr, packet: Vec<u8>) -> std::io::Result
 
 #[test]
 fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
-    let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.78.0.3\"], protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}\nservices:\n- {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n";
+    let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.86.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.86.0.3\"], protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}\nservices:\n- {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n";
     let mut node = Node::start_full(
         env!("CARGO_BIN_EXE_ambit"),
         "dns",
         "all",
         true,
-        "10.78.0",
+        // A subnet no other test uses (10.78.0 is the demo's).
+        "10.86.0",
         mesh,
         None,
     );
@@ -88,7 +89,7 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
         "--no-resolv",
         "--no-hosts",
         "--bind-interfaces",
-        "--listen-address=10.78.0.1",
+        "--listen-address=10.86.0.1",
         "--port=53",
     ])
     .arg("--address=/external.example/192.0.2.7")
@@ -97,8 +98,19 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
         node.dir.join("dnsmasq.pid").display()
     ));
     node.lab.spawn("dnsmasq", cmd).unwrap();
-    std::thread::sleep(Duration::from_millis(500));
-    let resolver: SocketAddr = (Ipv4Addr::new(10, 78, 0, 1), 53).into();
+    common::wait_until(
+        "dnsmasq listening on 10.86.0.1:53",
+        Duration::from_secs(10),
+        || {
+            node.lab
+                .node
+                .command("ss")
+                .args(["-Hlun", "src", "10.86.0.1:53"])
+                .output()
+                .is_ok_and(|o| !o.stdout.is_empty())
+        },
+    );
+    let resolver: SocketAddr = (Ipv4Addr::new(10, 86, 0, 1), 53).into();
 
     // A mesh service name is answered by the proxy (dnsmasq does not know it)...
     let resp = ask_udp(
@@ -248,7 +260,9 @@ fn a_pod_flooding_a_silent_upstream_is_capped_and_served_again_after() {
     let local: SocketAddr = "127.0.0.1:15053".parse().unwrap();
     let mesh = ask_udp(&client, local, query("echo.default.svc.cluster.local.", 7)).unwrap();
     assert_eq!(a_records(&mesh), ["10.96.0.10"]);
-    // Each waits out its 5 s; then the pod is served again.
+    // Each waits out its 5 s; then the pod is served again. A fixed wait on
+    // purpose: it lets the proxy's own 5 s query timeout run out, and probing
+    // for the end of it would put extra queries in the exact count below.
     std::thread::sleep(Duration::from_secs(4));
     flood(1000..1010);
     let later = heard(&silent, Duration::from_secs(1));
@@ -273,20 +287,44 @@ fn a_pod_flooding_a_silent_upstream_is_capped_and_served_again_after() {
     );
 
     // At most 64 TCP connections per pod are held open; the next is closed.
-    let (kept, over) = client
+    let held: Vec<TcpStream> = client
         .ns
-        .run(|| -> std::io::Result<(usize, usize)> {
-            let held: Vec<TcpStream> = (0..64)
+        .run(|| {
+            (0..64)
                 .map(|_| TcpStream::connect("127.0.0.1:15053"))
-                .collect::<Result<_, _>>()?;
-            std::thread::sleep(Duration::from_millis(300));
-            let mut extra = TcpStream::connect("127.0.0.1:15053")?;
-            extra.set_read_timeout(Some(Duration::from_secs(3)))?;
-            let over = extra.read(&mut [0u8; 4]).unwrap_or(usize::MAX);
-            Ok((held.len(), over))
+                .collect::<std::io::Result<Vec<_>>>()
         })
         .unwrap()
         .unwrap();
+    // Until the proxy has taken all 64 off its listen queue (Recv-Q 0).
+    common::wait_until(
+        "the proxy accepting the 64 DNS connections",
+        Duration::from_secs(10),
+        || {
+            let out = client
+                .ns
+                .command("ss")
+                .args(["-Hltn", "sport", "=", ":15053"])
+                .output()
+                .expect("ss (iproute2)");
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            // State Recv-Q Send-Q Local Peer
+            !text.trim().is_empty()
+                && text
+                    .lines()
+                    .all(|l| l.split_whitespace().nth(1) == Some("0"))
+        },
+    );
+    let over = client
+        .ns
+        .run(|| -> std::io::Result<usize> {
+            let mut extra = TcpStream::connect("127.0.0.1:15053")?;
+            extra.set_read_timeout(Some(Duration::from_secs(3)))?;
+            Ok(extra.read(&mut [0u8; 4]).unwrap_or(usize::MAX))
+        })
+        .unwrap()
+        .unwrap();
+    let kept = held.len();
     assert_eq!(
         (kept, over),
         (64, 0),

@@ -134,10 +134,22 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     node.launch(true);
     node.wait_ready("127.0.0.1:8000", "/readyz");
     node.wait_ready("127.0.0.1:15021", "/healthz/ready");
+    // The agent asks only for its own node's pods: every pod list and watch
+    // it sends is scoped to node-a.
+    let pod_requests: Vec<String> = api
+        .requests()
+        .into_iter()
+        .filter(|r| r.contains(" /api/v1/pods"))
+        .collect();
     assert!(
-        api.requests().iter().any(|r| r == "WATCH /api/v1/pods"),
-        "the agent watches pods: {:?}",
-        api.requests()
+        pod_requests
+            .iter()
+            .any(|r| r == "WATCH /api/v1/pods node=node-a"),
+        "the agent watches its node's pods: {pod_requests:?}"
+    );
+    assert!(
+        pod_requests.iter().all(|r| r.ends_with(" node=node-a")),
+        "a pod request not scoped to this node: {pod_requests:?}"
     );
 
     // CNI ADD: the agent decides from the labels.
@@ -299,7 +311,8 @@ fn the_plugin_is_removed_when_the_daemonset_is_deleted() {
 
 #[test]
 fn the_plugin_is_removed_when_the_daemonset_no_longer_selects_the_node() {
-    let (node, api) = kube_node("kubesel", "10.119.0", "");
+    // A subnet of its own: 10.119.0 is the labels test's.
+    let (node, api) = kube_node("kubesel", "10.117.0", "");
     // The DaemonSet now asks for nodes of another pool: the controller
     // deletes this node's agent and will not bring it back.
     api.update(Kind::DaemonSet, "istio-system", "ambit", |ds| {

@@ -3,6 +3,8 @@
 //! host-local, then ambit-cni installed by the agent) exactly as a container
 //! runtime does.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -13,9 +15,13 @@ const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 use std::net::SocketAddr;
 
 use ambit::lab::{
-    close_first_echo, connect_from, echo_roundtrip, established, http_get_in, iptables_save,
-    istio_rules, set_default_congestion_control, short_connections, time_waits, EchoServer, Ends,
+    close_first_echo, connect_from, echo_roundtrip, established, iptables_save, istio_rules,
+    set_default_congestion_control, short_connections, time_waits, EchoServer, Ends, LabPod,
 };
+use common::{admin_get, counter, wait_until};
+
+/// Long enough for a loaded machine; the waits end as soon as the state is there.
+const SETTLE: Duration = Duration::from_secs(10);
 
 #[test]
 fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
@@ -43,7 +49,11 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
     let mut cmd = node.lab.node.command("tcpdump");
     cmd.args(["-i", "cni0", "-U", "-s", "0", "-w"]).arg(&pcap);
     node.lab.spawn("tcpdump", cmd).unwrap();
-    std::thread::sleep(Duration::from_millis(800));
+    wait_until("tcpdump listening on cni0", SETTLE, || {
+        std::fs::read_to_string(node.lab.log_path("tcpdump"))
+            .unwrap_or_default()
+            .contains("listening on")
+    });
     let payload = b"AMBIT-NODE-PAYLOAD-5e1f".repeat(21_740);
     let mut conn = connect_from(&client, echo.addr).unwrap();
     assert_eq!(echo_roundtrip(&mut conn, &payload).unwrap(), payload);
@@ -52,7 +62,11 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         std::net::IpAddr::from(client.ip),
         "the app sees the real client address"
     );
-    std::thread::sleep(Duration::from_millis(300));
+    // The payload crossed the bridge twice (there and back), encrypted: the
+    // whole transfer is in the file once it holds more than that.
+    wait_until("the capture holding the transfer both ways", SETTLE, || {
+        std::fs::metadata(&pcap).map_or(0, |f| f.len()) > 2 * payload.len() as u64
+    });
     node.lab.stop("tcpdump");
     let raw = std::fs::read(&pcap).unwrap();
     assert!(raw.len() > payload.len(), "capture holds the transfer");
@@ -70,14 +84,20 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         !tls.stdout.is_empty(),
         "TLS handshake to 15008 on the bridge"
     );
-    std::thread::sleep(Duration::from_millis(200));
+    // Bytes are counted when the proxy closes the connection.
+    let mtls_sent = |l: &str| {
+        l.starts_with("istio_tcp_sent_bytes_total{reporter=\"source\"")
+            && l.contains("connection_security_policy=\"mutual_tls\"")
+    };
+    wait_until("the client's mTLS bytes in the metrics", SETTLE, || {
+        node.metrics()
+            .lines()
+            .any(|l| mtls_sent(l) && l.ends_with(&format!(" {}", payload.len())))
+    });
     let m = node.metrics();
     let line = m
         .lines()
-        .find(|l| {
-            l.starts_with("istio_tcp_sent_bytes_total{reporter=\"source\"")
-                && l.contains("connection_security_policy=\"mutual_tls\"")
-        })
+        .find(|l| mtls_sent(l))
         .unwrap_or_else(|| panic!("no mTLS traffic in metrics:\n{m}\n{}", node.log()));
     assert!(
         line.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
@@ -100,21 +120,22 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         "{conns:?}"
     );
     drop(held);
-    std::thread::sleep(Duration::from_millis(1100));
-    let am = http_get_in(&node.lab.node, "127.0.0.1:15014", "/metrics")
-        .unwrap()
-        .1;
-    for want in [
+    let agent_metrics = || admin_get(&node.lab.node, "127.0.0.1:15014", "/metrics");
+    let wanted = [
         "istio_cni_plugin_requests_total{response_code=\"200\"} 2",
         "istio_cni_install_ready 1",
         "ztunnel_connected 1",
         "nodeagent_reconcile_events_total{type=\"add\"} 2",
-    ] {
+    ];
+    wait_until("the agent's metrics", SETTLE, || {
+        let am = agent_metrics();
+        wanted.iter().all(|want| am.contains(want))
+    });
+    let am = agent_metrics();
+    for want in wanted {
         assert!(am.contains(want), "agent metrics lack {want}:\n{am}");
     }
-    let dump = http_get_in(&node.lab.node, "127.0.0.1:15000", "/config_dump")
-        .unwrap()
-        .1;
+    let dump = admin_get(&node.lab.node, "127.0.0.1:15000", "/config_dump");
     assert!(
         dump.contains("uid-client") && dump.contains("uid-server"),
         "{dump}"
@@ -157,11 +178,8 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         .args(["netns", "del", &server.netns_name])
         .status();
     let deadline = Instant::now() + Duration::from_secs(5);
-    while http_get_in(&node.lab.node, "127.0.0.1:15000", "/config_dump")
-        .unwrap()
-        .1
-        .contains("uid-server")
-    {
+    // Only a 200 answer counts: an error page lacks the pod too.
+    while admin_get(&node.lab.node, "127.0.0.1:15000", "/config_dump").contains("uid-server") {
         assert!(Instant::now() < deadline, "deleted pod still served");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -268,8 +286,8 @@ fn proxy_restart_keeps_new_connections_flowing() {
     let echo = EchoServer::start(&server, 8080).unwrap();
     let mut long_lived = connect_from(&client, echo.addr).unwrap();
     assert_eq!(
-        echo_roundtrip_keep(&mut long_lived, b"before"),
-        Some(b"before".to_vec())
+        echo_roundtrip_keep(&mut long_lived, b"before", Duration::from_secs(3)).unwrap(),
+        b"before".to_vec()
     );
 
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -285,6 +303,8 @@ fn proxy_restart_keeps_new_connections_flowing() {
         }
         (ok, failed)
     });
+    // Pacing, not a wait for a state: the traffic runs through the old proxy
+    // for a while first.
     std::thread::sleep(Duration::from_millis(300));
     // The new proxy starts beside the old one (SO_REUSEPORT) and takes the pods from the agent.
     let mut cmd = node.command("proxy");
@@ -297,6 +317,8 @@ fn proxy_restart_keeps_new_connections_flowing() {
         node.dump("127.0.0.1:16000").contains("uid-client"),
         "new proxy serves the pods"
     );
+    // Fixed windows on purpose: no new connection may fail while both
+    // proxies run, nor after the old one is gone; nothing to poll for.
     std::thread::sleep(Duration::from_millis(300));
     node.lab.stop("proxy");
     std::thread::sleep(Duration::from_millis(700));
@@ -310,23 +332,28 @@ fn proxy_restart_keeps_new_connections_flowing() {
         ok + failed.len(),
         &failed[..failed.len().min(3)]
     );
-    // The connection carried by the old proxy ends; it does not hang.
-    let t = Instant::now();
-    let _ = echo_roundtrip_keep(&mut long_lived, b"after");
+    // The connection carried by the old proxy ends; it does not hang: the
+    // read gets an answer, an end of stream or a reset, never the timeout.
+    let after = echo_roundtrip_keep(&mut long_lived, b"after", Duration::from_secs(10));
     assert!(
-        t.elapsed() < Duration::from_secs(4),
-        "long-lived connection hung"
+        !matches!(&after, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "long-lived connection hung: {after:?}"
     );
 }
 
-/// Writes `msg` and reads as many bytes back, keeping the connection open.
-fn echo_roundtrip_keep(s: &mut std::net::TcpStream, msg: &[u8]) -> Option<Vec<u8>> {
+/// Writes `msg` and reads as many bytes back, keeping the connection open;
+/// a read that waits longer than `limit` fails with a timeout.
+fn echo_roundtrip_keep(
+    s: &mut std::net::TcpStream,
+    msg: &[u8],
+    limit: Duration,
+) -> std::io::Result<Vec<u8>> {
     use std::io::{Read, Write};
-    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
-    s.write_all(msg).ok()?;
+    s.set_read_timeout(Some(limit))?;
+    s.write_all(msg)?;
     let mut buf = vec![0u8; msg.len()];
-    s.read_exact(&mut buf).ok()?;
-    Some(buf)
+    s.read_exact(&mut buf)?;
+    Ok(buf)
 }
 
 #[test]
@@ -365,10 +392,38 @@ fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
         "no pod may be re-added after an agent restart:\n{}",
         node.log()
     );
-    // The surviving pod still has its traffic carried.
-    let outsider = EchoServer::start(&client, 9090).unwrap();
+    // The surviving pod still has its traffic carried by the proxy. The
+    // other end is an app on the node (its bridge address), outside the
+    // pod: a connection to the pod's own address would stay on its loopback
+    // and never reach the proxy.
+    let host = LabPod {
+        name: "node".into(),
+        netns_name: node.lab.node_name().to_string(),
+        ip: format!("{}.1", node.subnet).parse().unwrap(),
+        ns: node.lab.node.clone(),
+    };
+    let outsider = EchoServer::start(&host, 9090).unwrap();
+    let from_client = [("reporter", "source"), ("source_workload", "client")];
+    let opened = |n: &Node| {
+        counter(
+            &n.metrics(),
+            "istio_tcp_connections_opened_total",
+            &from_client,
+        )
+    };
+    let before = opened(&node);
     let mut c = connect_from(&client, outsider.addr).unwrap();
     assert_eq!(echo_roundtrip(&mut c, b"alive").unwrap(), b"alive");
+    assert_eq!(
+        outsider.peers().len(),
+        1,
+        "the node's app got the connection"
+    );
+    wait_until(
+        "the client's connection counted by the proxy",
+        SETTLE,
+        || opened(&node) > before,
+    );
 }
 
 #[test]
@@ -390,13 +445,19 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
         a.log(),
         b.log()
     );
-    std::thread::sleep(Duration::from_millis(200));
+    let from_client = |mb: &str| {
+        mb.lines().any(|l| {
+            l.starts_with("istio_tcp_received_bytes_total{reporter=\"destination\"")
+                && l.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
+                && l.contains("connection_security_policy=\"mutual_tls\"")
+        })
+    };
+    wait_until("node B counting the client's mTLS bytes", SETTLE, || {
+        from_client(&b.metrics())
+    });
     let mb = b.metrics();
     assert!(
-        mb.lines().any(|l| l
-            .starts_with("istio_tcp_received_bytes_total{reporter=\"destination\"")
-            && l.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
-            && l.contains("connection_security_policy=\"mutual_tls\"")),
+        from_client(&mb),
         "node B's proxy must see the client's identity over mTLS:\n{mb}"
     );
 }

@@ -10,13 +10,14 @@ use ambit::lab::EchoServer;
 
 #[test]
 fn podman_container_on_the_chained_network_is_enrolled_and_captured() {
-    let mesh = "workloads:\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.78.0.2\"], protocol: HBONE}\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.78.0.3\"], protocol: HBONE}\n";
+    let mesh = "workloads:\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.87.0.2\"], protocol: HBONE}\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.87.0.3\"], protocol: HBONE}\n";
     let mut node = Node::start_full(
         env!("CARGO_BIN_EXE_ambit"),
         "podman",
         "all",
         true,
-        "10.78.0",
+        // A subnet no other test uses (10.78.0 is the demo's).
+        "10.87.0",
         mesh,
         None,
     );
@@ -91,20 +92,28 @@ fn podman_container_on_the_chained_network_is_enrolled_and_captured() {
         "localhost/mesh-bb:1",
         "sh",
         "-c",
-        "ip -4 addr show eth0 && echo hello-from-podman | nc -w 3 10.78.0.2 8080",
+        "ip -4 addr show eth0 && echo hello-from-podman | nc -w 3 10.87.0.2 8080",
     ]);
     assert!(ok, "podman run failed: {out}\n{}", node.log());
     assert!(
-        out.contains("10.78.0.3") && out.contains("hello-from-podman"),
+        out.contains("10.87.0.3") && out.contains("hello-from-podman"),
         "{out}"
     );
-    std::thread::sleep(std::time::Duration::from_millis(200));
+    let over_hbone = |m: &str| {
+        m.lines().any(|l| {
+            l.starts_with("istio_tcp_connections_opened_total{reporter=\"destination\"")
+                && l.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
+                && l.contains("connection_security_policy=\"mutual_tls\"")
+        })
+    };
+    // Polled (the wait ends early): the count may trail the container's exit.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !over_hbone(&node.metrics()) && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     let m = node.metrics();
     assert!(
-        m.lines().any(|l| l
-            .starts_with("istio_tcp_connections_opened_total{reporter=\"destination\"")
-            && l.contains("source_principal=\"spiffe://cluster.local/ns/default/sa/client-sa\"")
-            && l.contains("connection_security_policy=\"mutual_tls\"")),
+        over_hbone(&m),
         "the container's connection must arrive over HBONE with its identity:\n{m}\n{}",
         node.log()
     );

@@ -33,8 +33,16 @@ impl Drop for TempNetns {
     }
 }
 
+/// `prog`'s output; panics if it fails, so a failed listing is never read
+/// as an empty one (which every "has no ..." check would pass).
 fn run(ns: &Netns, prog: &str, args: &[&str]) -> String {
     let out = ns.command(prog).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{prog} {args:?} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 

@@ -2,11 +2,11 @@
 //! in-pod redirection rules and the agent's side of ZDS.
 
 pub mod agent;
-pub mod hostprobe;
-pub mod install;
-pub mod kube;
+mod hostprobe;
+mod install;
+mod kube;
 pub mod loopback;
-pub mod plugin;
+mod plugin;
 pub mod plugin_main;
 pub mod redirect;
-pub mod zds_server;
+mod zds_server;

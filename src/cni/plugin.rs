@@ -1,4 +1,4 @@
-//! The CNI plugin role (`ambit-cni`, DESIGN §3.3) as pure logic: the stdin/stdout contract of a
+//! The CNI plugin role (`ambit-cni`, docs/architecture.md §3.3) as pure logic: the stdin/stdout contract of a
 //! chained CNI plugin. It parses the network config from the stdin bytes and the `CNI_*`
 //! environment from a lookup function, decides whether the pod must be enrolled in the mesh, and
 //! renders what goes to stdout: the `prevResult` converted to the config's `cniVersion`, the
@@ -35,15 +35,11 @@ pub struct CniError {
 
 impl CniError {
     pub const INCOMPATIBLE_VERSION: u32 = 1;
-    pub const UNSUPPORTED_FIELD: u32 = 2;
     pub const INVALID_ENV: u32 = 4;
     pub const DECODING_FAILURE: u32 = 6;
     pub const INVALID_CONFIG: u32 = 7;
-    pub const TRY_AGAIN_LATER: u32 = 11;
     /// Plugin-specific (codes >= 100): the pod had to be enrolled and was not.
     pub const ENROLLMENT_FAILED: u32 = 100;
-    /// libcni's "unknown" code, used for an agent that refused or could not be reached.
-    pub const AGENT_UNREACHABLE: u32 = 999;
 
     pub fn new(code: u32, msg: impl Into<String>, details: impl Into<String>) -> Self {
         CniError {
@@ -58,14 +54,6 @@ impl CniError {
             Self::INCOMPATIBLE_VERSION,
             format!("incompatible CNI version {requested:?}"),
             format!("supported versions: {}", SUPPORTED_VERSIONS.join(", ")),
-        )
-    }
-
-    pub fn unsupported_field(field: &str, details: impl Into<String>) -> Self {
-        Self::new(
-            Self::UNSUPPORTED_FIELD,
-            format!("unsupported field {field:?}"),
-            details,
         )
     }
 
@@ -85,16 +73,8 @@ impl CniError {
         Self::new(Self::INVALID_CONFIG, msg, "")
     }
 
-    pub fn try_again_later(msg: impl Into<String>, details: impl Into<String>) -> Self {
-        Self::new(Self::TRY_AGAIN_LATER, msg, details)
-    }
-
     pub fn enrollment_failed(msg: impl Into<String>, details: impl Into<String>) -> Self {
         Self::new(Self::ENROLLMENT_FAILED, msg, details)
-    }
-
-    pub fn agent_unreachable(msg: impl Into<String>, details: impl Into<String>) -> Self {
-        Self::new(Self::AGENT_UNREACHABLE, msg, details)
     }
 
     /// The error object as the spec's JSON, tagged with `cni_version` (the config's, when known;
@@ -196,8 +176,6 @@ impl Enrollment {
 #[derive(Debug, Clone)]
 pub struct PluginConfig {
     pub cni_version: String,
-    pub name: String,
-    pub plugin_type: String,
     pub cni_agent_run_dir: String,
     pub enroll: Enrollment,
     pub exclude_namespaces: Vec<String>,
@@ -209,10 +187,6 @@ pub struct PluginConfig {
 struct RawConfig {
     #[serde(rename = "cniVersion")]
     cni_version: Option<String>,
-    #[serde(default)]
-    name: String,
-    #[serde(rename = "type", default)]
-    plugin_type: String,
     cni_agent_run_dir: Option<String>,
     /// Istio before 1.24: the full path of the agent's event socket.
     cni_event_address: Option<String>,
@@ -272,8 +246,6 @@ pub fn parse_config(stdin: &[u8]) -> Result<PluginConfig, CniError> {
     };
     Ok(PluginConfig {
         cni_version,
-        name: raw.name,
-        plugin_type: raw.plugin_type,
         cni_agent_run_dir: raw
             .cni_agent_run_dir
             .or(legacy_run_dir)

@@ -1,4 +1,4 @@
-//! The agent's side of ZDS (DESIGN §3.2): accepts proxy connections, waits
+//! The agent's side of ZDS (docs/architecture.md §3.2): accepts proxy connections, waits
 //! for the hello, sends the snapshot (an Add with the netns fd for every pod
 //! it holds, then SnapshotSent), and afterwards Adds to the newest connection
 //! and Dels to all, each request waiting at most 5 s for its in-order Ack.
@@ -12,6 +12,7 @@ use std::time::Duration;
 use prost::Message;
 use tokio::sync::{mpsc, oneshot, Mutex};
 
+use crate::backoff::Backoff;
 use crate::netns::Netns;
 use crate::proto::zds::{
     workload_request::Payload, workload_response, AddWorkload, DelWorkload, SnapshotSent,
@@ -249,10 +250,9 @@ impl ZdsServer {
     /// backoff, for as long as the agent holds them and a proxy is connected
     /// (a new proxy's snapshot carries them anyway).
     async fn offer_again(self: Arc<Self>, mut uids: HashSet<String>, source: Arc<dyn PodSource>) {
-        let mut delay = OFFER_AGAIN_FIRST;
+        let mut backoff = Backoff::new(OFFER_AGAIN_FIRST, OFFER_AGAIN_MAX);
         while !uids.is_empty() {
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(OFFER_AGAIN_MAX);
+            tokio::time::sleep(backoff.next_delay()).await;
             // As the agent holds them now: gone ones are dropped, and a pod
             // re-created in a new netns is offered with that one.
             let held: Vec<ZdsPod> = source
@@ -341,7 +341,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_pod_the_proxy_rejects_does_not_cost_the_others_their_snapshot() {
-        let dir = std::env::temp_dir().join(format!("ambit-zds-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ambit-zds-server-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("zds.sock");
         let server = ZdsServer::start(&path, Arc::new(TwoPods)).unwrap();

@@ -11,6 +11,7 @@
 pub mod agent;
 pub mod controlplane;
 pub mod proxy;
+pub mod reference;
 
 use std::collections::BTreeMap;
 use std::fmt;

@@ -7,6 +7,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
 use arc_swap::ArcSwap;
 
 use super::ca::{IdentityError, LocalCa, WorkloadCert};
@@ -126,6 +132,44 @@ impl CertManager {
         held.iter()
             .map(|(id, h)| (id.to_string(), h.load().cert.not_after))
             .collect()
+    }
+}
+
+impl CertManager {
+    /// Registers `ambit_certificate_expiry_seconds{identity}`, computed at
+    /// each scrape so it is never stale: alert before a certificate expires.
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry) {
+        registry.register_collector(Box::new(CertExpiry(self.clone())));
+    }
+}
+
+#[derive(Debug)]
+struct CertExpiry(Arc<CertManager>);
+
+impl std::fmt::Debug for CertManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CertManager")
+            .field("ttl", &self.ttl)
+            .finish()
+    }
+}
+
+impl Collector for CertExpiry {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let mut family = encoder.encode_descriptor(
+            "ambit_certificate_expiry_seconds",
+            "Seconds until the workload certificate expires",
+            None,
+            MetricType::Gauge,
+        )?;
+        for (id, not_after) in self.0.summary() {
+            let left = not_after
+                .duration_since(SystemTime::now())
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or(0);
+            ConstGauge::new(left).encode(family.encode_family(&[("identity", id.as_str())])?)?;
+        }
+        Ok(())
     }
 }
 

@@ -1,11 +1,11 @@
 //! Workload identity: SPIFFE ids, the local CA, certificate rotation and the
-//! rustls configurations HBONE uses. Builds on `config` only.
+//! rustls configurations HBONE uses. Imports no other part of Ambit.
 
-pub mod ca;
-pub mod caclient;
-pub mod manager;
-pub mod spiffe;
-pub mod tls;
+mod ca;
+pub(crate) mod caclient;
+mod manager;
+mod spiffe;
+pub(crate) mod tls;
 
 pub use ca::{IdentityError, LocalCa, WorkloadCert};
 pub use manager::{CertManager, CertSource, TlsHandle, TlsIdentity};

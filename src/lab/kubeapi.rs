@@ -333,7 +333,12 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
             .map(String::from);
         let mut inner = lock();
         let verb = if watch { "WATCH" } else { "LIST" };
-        inner.requests.push(format!("{verb} {path}"));
+        // The node a request is scoped to is part of what it asked for.
+        let scope = node
+            .as_deref()
+            .map(|n| format!(" node={n}"))
+            .unwrap_or_default();
+        inner.requests.push(format!("{verb} {path}{scope}"));
         if !watch {
             let items: Vec<Value> = inner
                 .objects

@@ -164,10 +164,13 @@ impl Node {
             .join("\n")
     }
 
+    /// The proxy's `/config_dump`; panics unless it answers 200, so a check
+    /// that something is absent from it cannot pass on a failed call.
     pub fn dump(&self, admin: &str) -> String {
-        http_get_in(&self.lab.node, admin, "/config_dump")
-            .map(|r| r.1)
-            .unwrap_or_default()
+        match http_get_in(&self.lab.node, admin, "/config_dump") {
+            Ok((200, body)) => body,
+            other => panic!("config dump from {admin}: {other:?}"),
+        }
     }
 
     pub fn conflist(&self) -> serde_json::Value {

@@ -1,66 +1,93 @@
-//! The proxy's own HTTP endpoints: readiness (15021 `/healthz/ready`), metrics
-//! (15020 `/metrics`, `/stats/prometheus`) and admin (15000 `/config_dump`,
-//! `/quitquitquit`). Small HTTP/1.1 servers on hyper; never on the data path.
+//! What the proxy's side ports answer: readiness (15021 `/healthz/ready`),
+//! metrics (15020 `/metrics`, `/stats/prometheus`) and admin (15000
+//! `/config_dump`, `/logging`, `/quitquitquit`). The HTTP server is
+//! [`crate::sideport`]; values come from the owners' snapshots at request time.
 
-use std::convert::Infallible;
-use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use bytes::Bytes;
-use http::{Method, Request, Response, StatusCode};
-use http_body_util::Full;
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
-use tokio::net::TcpListener;
+use http::{Method, StatusCode};
+use prometheus_client::registry::Registry;
 
-/// What a handler answers: status, content type and body.
-pub type Reply = (StatusCode, &'static str, String);
+use super::config_dump::config_dump;
+use super::{inpod, pool};
+use crate::identity::CertManager;
+use crate::sideport::{metrics_reply, not_found, Handler, JSON, TEXT};
+use crate::xds::StateHandle;
 
-/// Answers one admin request, given the method and the path with its query.
-pub type Handler = Arc<dyn Fn(&Method, &str) -> Reply + Send + Sync>;
-
-/// The answer to a path no endpoint serves.
-pub fn not_found() -> Reply {
-    (StatusCode::NOT_FOUND, TEXT, "not found\n".into())
-}
-
-/// Binds `addr` and serves `handler` until the process ends.
-pub async fn serve(
-    addr: SocketAddr,
-    handler: Handler,
-) -> std::io::Result<tokio::task::JoinHandle<()>> {
-    let listener = TcpListener::bind(addr).await?;
-    Ok(tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let handler = handler.clone();
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<Incoming>| {
-                    let (status, content_type, body) = handler(
-                        req.method(),
-                        req.uri()
-                            .path_and_query()
-                            .map(|p| p.as_str())
-                            .unwrap_or("/"),
-                    );
-                    let resp = Response::builder()
-                        .status(status)
-                        .header("content-type", content_type)
-                        .body(Full::new(Bytes::from(body)))
-                        .unwrap_or_default();
-                    async move { Ok::<_, Infallible>(resp) }
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
+/// 15021: ready once the pods are served and the first xDS state is in.
+pub(super) fn readiness(ready: Arc<AtomicBool>, xds_synced: Arc<AtomicBool>) -> Handler {
+    Arc::new(move |_, path| {
+        let is_ready = ready.load(Ordering::Acquire) && xds_synced.load(Ordering::Acquire);
+        match (path, is_ready) {
+            ("/healthz/ready", true) => (StatusCode::OK, TEXT, "ready\n".into()),
+            ("/healthz/ready", false) => {
+                (StatusCode::SERVICE_UNAVAILABLE, TEXT, "not ready\n".into())
+            }
+            _ => not_found(),
         }
-    }))
+    })
 }
 
-pub const TEXT: &str = "text/plain; charset=utf-8";
-pub const JSON: &str = "application/json";
-pub const PROMETHEUS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// 15020: the registry, under both paths scrapers use.
+pub(super) fn metrics(registry: Arc<Registry>) -> Handler {
+    Arc::new(move |_, path| match path {
+        "/metrics" | "/stats/prometheus" => metrics_reply(&registry),
+        _ => not_found(),
+    })
+}
+
+/// What the admin port reads from.
+pub(super) struct AdminView {
+    pub quit: Arc<tokio::sync::Notify>,
+    pub state: StateHandle,
+    pub certs: Arc<CertManager>,
+    pub pool: Arc<pool::Pool>,
+    pub pods: Arc<inpod::PodTable>,
+}
+
+/// 15000 (localhost): config dump, log level, shutdown.
+pub(super) fn admin(view: AdminView) -> Handler {
+    Arc::new(move |method, path| match (method, path) {
+        (&Method::POST, "/quitquitquit") => {
+            view.quit.notify_one();
+            (StatusCode::OK, TEXT, "shutting down\n".into())
+        }
+        (_, p) if p == "/logging" || p.starts_with("/logging?") => logging(method, p),
+        (_, "/config_dump") => (
+            StatusCode::OK,
+            JSON,
+            config_dump(&view.state, &view.certs, &view.pool, &view.pods),
+        ),
+        (_, "/") => (
+            StatusCode::OK,
+            TEXT,
+            "/config_dump\n/logging[?level=<filter>] (POST to change)\n/quitquitquit (POST)\n"
+                .into(),
+        ),
+        _ => not_found(),
+    })
+}
+
+/// `GET /logging` shows the filter; `POST /logging?level=<filter>` sets it.
+fn logging(method: &Method, path: &str) -> crate::sideport::Reply {
+    let level = path
+        .split_once('?')
+        .and_then(|(_, q)| q.split('&').find_map(|kv| kv.strip_prefix("level=")));
+    match (method, level) {
+        (&Method::POST, Some(level)) => match crate::logging::set(level) {
+            Ok(()) => (StatusCode::OK, TEXT, format!("level={level}\n")),
+            Err(e) => (StatusCode::BAD_REQUEST, TEXT, format!("{e}\n")),
+        },
+        (&Method::POST, None) => (
+            StatusCode::BAD_REQUEST,
+            TEXT,
+            "POST /logging?level=<filter>\n".into(),
+        ),
+        _ => (
+            StatusCode::OK,
+            TEXT,
+            format!("level={}\n", crate::logging::current()),
+        ),
+    }
+}

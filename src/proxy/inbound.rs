@@ -4,7 +4,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use h2::server::SendResponse;
@@ -17,6 +17,7 @@ use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{end_unserved, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
+use super::record::{ConnectionRecord, Direction};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
 use crate::xds::client::OnDemand;
@@ -33,7 +34,6 @@ pub struct Inbound {
     pub demand: Option<OnDemand>,
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
-    pub trust_domain: String,
     pub tracker: Arc<Tracker>,
 }
 
@@ -173,24 +173,26 @@ impl Inbound {
                 // peer names in `forwarded` is not looked up on demand.
                 let mut labels = self.labels(src_ip, Some(&peer_id), false).await;
                 labels.connection_security_policy = "mutual_tls";
-                labels.response_flags = "DENY";
-                self.metrics.opened(&labels);
-                self.metrics.closed(&labels, Transferred::default());
-                tracing::info!(src.addr = %peer, src.principal = %peer_id, dst.addr = %target, policy = %policy, decision = "deny", "inbound HBONE connection denied by policy");
+                ConnectionRecord::denied(
+                    self.metrics.clone(),
+                    labels,
+                    Direction::InboundHbone,
+                    Some(peer),
+                    target,
+                    policy,
+                );
                 return;
             }
         };
         let mut labels = self.labels(src_ip, Some(&peer_id), true).await;
         labels.connection_security_policy = "mutual_tls";
-        let start = Instant::now();
-        self.metrics.opened(&labels);
+        let mut record = self.record(labels, Direction::InboundHbone, src.or(Some(peer)), target);
+        record.set_allowed_by(allowed_by);
         let mut upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(src.principal = %peer_id, dst.addr = %target, error = %e, "application not reachable");
                 reply(&mut respond, StatusCode::SERVICE_UNAVAILABLE);
-                labels.response_flags = "CONNECT";
-                self.metrics.closed(&labels, Transferred::default());
+                record.failed("CONNECT", format_args!("application not reachable: {e}"));
                 return;
             }
         };
@@ -218,13 +220,7 @@ impl Inbound {
             received: t.sent,
             proxy_closed_first: false, // outbound's notion; not used inbound
         };
-        self.metrics.closed(&labels, t);
-        tracing::info!(
-            src.addr = ?src, src.workload = %format!("{}/{}", labels.source_workload_namespace, labels.source_workload), src.principal = %peer_id,
-            dst.addr = %target, dst.workload = %format!("{}/{}", labels.destination_workload_namespace, labels.destination_workload),
-            bytes_sent = t.sent, bytes_received = t.received,
-            duration_ms = start.elapsed().as_millis() as u64, policy = %allowed_by, decision = "allow", error = res.err().map(|e| e.to_string()), "inbound HBONE connection closed"
-        );
+        record.closed(t, res.err().map(|e| e.to_string()));
     }
 
     async fn plaintext_conn(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
@@ -247,22 +243,25 @@ impl Inbound {
         let allowed_by = match auth.check(&self.state.load()) {
             Ok(p) => p.unwrap_or_else(|| "-".into()),
             Err(policy) => {
-                labels.response_flags = "DENY";
-                self.metrics.opened(&labels);
-                self.metrics.closed(&labels, Transferred::default());
-                tracing::info!(src.addr = %peer, dst.addr = %target, policy = %policy, decision = "deny", "inbound plaintext connection denied by policy");
+                let (metrics, src) = (self.metrics.clone(), Some(peer));
+                ConnectionRecord::denied(
+                    metrics,
+                    labels,
+                    Direction::InboundPlaintext,
+                    src,
+                    target,
+                    policy,
+                );
                 end_unserved(&stream).await;
                 return;
             }
         };
-        let start = Instant::now();
-        self.metrics.opened(&labels);
+        let mut record = self.record(labels, Direction::InboundPlaintext, Some(peer), target);
+        record.set_allowed_by(allowed_by);
         let upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(src.addr = %peer, dst.addr = %target, error = %e, "application not reachable");
-                labels.response_flags = "CONNECT";
-                self.metrics.closed(&labels, Transferred::default());
+                record.failed("CONNECT", format_args!("application not reachable: {e}"));
                 end_unserved(&stream).await;
                 return;
             }
@@ -283,15 +282,21 @@ impl Inbound {
                 Err(std::io::Error::other("closed: no longer allowed by policy")),
             )
         });
-        self.metrics.closed(&labels, t);
-        tracing::info!(
-            src.addr = %peer, dst.addr = %target, dst.workload = %format!("{}/{}", labels.destination_workload_namespace, labels.destination_workload),
-            bytes_sent = t.sent, bytes_received = t.received,
-            duration_ms = start.elapsed().as_millis() as u64, policy = %allowed_by, decision = "allow", error = res.err().map(|e| e.to_string()), "inbound plaintext connection closed"
-        );
+        record.closed(t, res.err().map(|e| e.to_string()));
         if copy_failed {
             end_unserved(&stream).await;
         }
+    }
+
+    /// Counts a connection opened; its close is counted and logged by the record.
+    fn record(
+        &self,
+        labels: ConnectionLabels,
+        direction: Direction,
+        src: Option<SocketAddr>,
+        dst: SocketAddr,
+    ) -> ConnectionRecord {
+        ConnectionRecord::open(self.metrics.clone(), labels, direction, src, dst)
     }
 
     /// What this connection is authorized as (for the check and re-checks).

@@ -1,5 +1,5 @@
 //! Shared (in-pod) mode: the ZDS client that takes pod network namespaces
-//! from the node agent (DESIGN §3.2) and the table of pods it serves.
+//! from the node agent (docs/architecture.md §3.2) and the table of pods it serves.
 //!
 //! Each Add opens the pod's listeners inside its netns (a socket factory bound
 //! to that netns, no thread per pod); Del drains that pod now; the snapshot
@@ -17,8 +17,15 @@ use std::time::Duration;
 
 use prost::Message;
 
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::Registry;
+
 use super::pod::{Drain, DrainTrigger, SocketFactory};
-use super::{PodInfo, ProxyShared};
+use super::pods::{PodInfo, ProxyShared};
+
+use crate::backoff::Backoff;
 use crate::netns::Netns;
 use crate::proto::zds::{
     workload_request::Payload, workload_response, Ack, Version, WorkloadRequest, WorkloadResponse,
@@ -134,6 +141,59 @@ impl PodTable {
     }
 }
 
+impl PodTable {
+    /// Registers the pod gauges, read from this table at each scrape. A
+    /// dedicated proxy serves its one pod outside the table.
+    pub fn register_metrics(self: &Arc<Self>, registry: &mut Registry, dedicated: bool) {
+        registry.register_collector(Box::new(PodGauges {
+            pods: self.clone(),
+            dedicated,
+        }));
+    }
+}
+
+/// `workload_manager_active_proxy_count` and `…_pending_proxy_count`.
+#[derive(Debug)]
+struct PodGauges {
+    pods: Arc<PodTable>,
+    dedicated: bool,
+}
+
+impl std::fmt::Debug for PodTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PodTable")
+            .field("pending", &self.pending())
+            .finish()
+    }
+}
+
+impl Collector for PodGauges {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> std::fmt::Result {
+        let served = self.pods.uids().len() as i64;
+        let active = if served == 0 {
+            i64::from(self.dedicated)
+        } else {
+            served
+        };
+        for (name, help, value) in [
+            (
+                "workload_manager_active_proxy_count",
+                "Pods this proxy serves",
+                active,
+            ),
+            (
+                "workload_manager_pending_proxy_count",
+                "Pods handed to this proxy that are not serving yet",
+                self.pods.pending(),
+            ),
+        ] {
+            let gauge = ConstGauge::new(value);
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
+    }
+}
+
 /// What an Add asks for, given what runs under that uid.
 #[derive(Debug, PartialEq, Eq)]
 pub enum AddAction {
@@ -189,11 +249,11 @@ impl ZdsClient {
 
     /// Connects (and reconnects, backing off 10 ms → 15 s) forever.
     pub async fn run(self) {
-        let mut backoff = Duration::from_millis(10);
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(15));
         loop {
             match SeqPacket::connect(&self.path) {
                 Ok(conn) => {
-                    backoff = Duration::from_millis(10);
+                    backoff.reset();
                     tracing::info!(path = %self.path.display(), "connected to the node agent (ZDS)");
                     if let Err(e) = self.session(conn).await {
                         tracing::warn!(error = %e, "ZDS connection ended");
@@ -202,8 +262,7 @@ impl ZdsClient {
                 }
                 Err(e) => tracing::debug!(error = %e, "ZDS connect failed; retrying"),
             }
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(15));
+            tokio::time::sleep(backoff.next_delay()).await;
         }
     }
 

@@ -1,4 +1,4 @@
-//! The proxy's Prometheus metrics with Istio's names and labels (DESIGN §3.9):
+//! The proxy's Prometheus metrics with Istio's names and labels (docs/architecture.md §3.9):
 //! `istio_tcp_connections_opened_total`, `istio_tcp_connections_closed_total`,
 //! `istio_tcp_sent_bytes_total`, `istio_tcp_received_bytes_total`.
 //!
@@ -206,12 +206,29 @@ mod tests {
             ),
             "{text}"
         );
-        assert!(
-            text.contains("istio_tcp_sent_bytes_total{") && text.contains("} 10\n"),
+        // Each counter's own line carries its value, not just any line.
+        let value = |name: &str| -> Option<String> {
+            let line = text.lines().find(|l| l.starts_with(&format!("{name}{{")))?;
+            Some(line.rsplit(' ').next()?.to_string())
+        };
+        assert_eq!(
+            value("istio_tcp_sent_bytes_total").as_deref(),
+            Some("10"),
             "{text}"
         );
-        assert!(
-            text.contains("istio_tcp_received_bytes_total{") && text.contains("} 3\n"),
+        assert_eq!(
+            value("istio_tcp_received_bytes_total").as_deref(),
+            Some("3"),
+            "{text}"
+        );
+        assert_eq!(
+            value("istio_tcp_connections_opened_total").as_deref(),
+            Some("1"),
+            "{text}"
+        );
+        assert_eq!(
+            value("istio_tcp_connections_closed_total").as_deref(),
+            Some("1"),
             "{text}"
         );
     }

@@ -16,6 +16,7 @@ use super::hbone::{ConnectRequest, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
+use super::record::{ConnectionRecord, Direction};
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
 use crate::xds::client::OnDemand;
@@ -208,15 +209,21 @@ impl Outbound {
                 );
             }
         }
-        let mut labels = self.labels(&route);
+        let labels = self.labels(&route);
         let kind = match &route {
             Route::Hbone { .. } => "hbone",
             Route::Tcp { .. } => "tcp",
             Route::Passthrough { .. } => "passthrough",
             Route::NoEndpoint { .. } => "no-endpoint",
         };
-        let start = std::time::Instant::now();
-        self.metrics.opened(&labels);
+        let mut record = ConnectionRecord::open(
+            self.metrics.clone(),
+            labels,
+            Direction::Outbound,
+            Some(peer),
+            dst,
+        );
+        record.set_route(kind);
         let result = match route {
             Route::Hbone {
                 proxy,
@@ -233,23 +240,16 @@ impl Outbound {
             Route::NoEndpoint { service } => Err(OutboundError::NoEndpoint(service.key())),
         };
         // Cut short: nothing carried, or a copy ended by the other side's failure.
-        let (t, cut_short) = match &result {
-            Ok(carried) => *carried,
-            Err(_) => {
-                labels.response_flags = "CONNECT";
+        let (t, cut_short) = match result {
+            Ok(carried) => {
+                record.closed(carried.0, None);
+                carried
+            }
+            Err(e) => {
+                record.failed("CONNECT", e);
                 (Transferred::default(), true)
             }
         };
-        self.metrics.closed(&labels, t);
-        match result {
-            Ok((t, _)) => {
-                tracing::info!(src.addr = %peer, src.workload = %format!("{}/{}", labels.source_workload_namespace, labels.source_workload), src.principal = %labels.source_principal,
-                    dst.addr = %dst, dst.workload = %format!("{}/{}", labels.destination_workload_namespace, labels.destination_workload), route = kind, dst.principal = %labels.destination_principal, bytes_sent = t.sent, bytes_received = t.received, duration_ms = start.elapsed().as_millis() as u64, "outbound connection closed")
-            }
-            Err(e) => {
-                tracing::warn!(src.addr = %peer, dst.addr = %dst, route = kind, error = %e, "outbound connection failed")
-            }
-        }
         // Last, with the upstream side and any pooled stream already let go.
         let proxy_closed_first = if cut_short {
             end_unserved(&stream).await

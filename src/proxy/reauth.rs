@@ -119,12 +119,4 @@ impl Tracker {
             }
         });
     }
-
-    pub fn len(&self) -> usize {
-        self.open.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }

@@ -1,4 +1,4 @@
-//! The delta ADS client (Envoy delta xDS over gRPC, DESIGN §3.6): subscribes
+//! The delta ADS client (Envoy delta xDS over gRPC, docs/architecture.md §3.6): subscribes
 //! to Istio's `Address` and `Authorization` types, applies every response in
 //! one state swap, ACKs it — or NACKs it naming each bad resource and why,
 //! while applying the good ones — and reconnects with jittered backoff,
@@ -20,8 +20,10 @@ use prost::Message;
 use tokio::sync::mpsc;
 
 use super::convert::{self, AddressResource, ADDRESS_TYPE, AUTHORIZATION_TYPE};
+pub use super::metrics::XdsMetrics;
 use super::store::{State, StateHandle};
 use super::types::Authorization;
+use crate::backoff::Backoff;
 use crate::proto::core::Node;
 use crate::proto::discovery::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
 use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
@@ -279,43 +281,6 @@ impl Held {
     }
 }
 
-/// Counters of the xDS link, registered by whoever exposes metrics.
-#[derive(Debug, Default, Clone)]
-pub struct XdsMetrics {
-    /// `istio_xds_message_total{url}`: responses received, by type.
-    pub messages: prometheus_client::metrics::family::Family<
-        Vec<(String, String)>,
-        prometheus_client::metrics::counter::Counter,
-    >,
-    /// `istio_xds_connection_terminations_total{reason}`.
-    pub terminations: prometheus_client::metrics::family::Family<
-        Vec<(String, String)>,
-        prometheus_client::metrics::counter::Counter,
-    >,
-    /// `ambit_xds_connected`: 1 while a stream is open.
-    pub connected: prometheus_client::metrics::gauge::Gauge,
-}
-
-impl XdsMetrics {
-    pub fn register(&self, registry: &mut prometheus_client::registry::Registry) {
-        registry.register(
-            "istio_xds_message",
-            "xDS responses received, by type",
-            self.messages.clone(),
-        );
-        registry.register(
-            "istio_xds_connection_terminations",
-            "xDS streams ended, by reason",
-            self.terminations.clone(),
-        );
-        registry.register(
-            "ambit_xds_connected",
-            "1 while an xDS stream is open",
-            self.connected.clone(),
-        );
-    }
-}
-
 /// The running client.
 pub struct XdsClient {
     cfg: XdsConfig,
@@ -420,7 +385,7 @@ impl XdsClient {
 
     /// Connects and reconnects forever (jittered backoff, 10 ms → 15 s).
     pub async fn run(self: Arc<Self>) {
-        let mut backoff = Duration::from_millis(10);
+        let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(15));
         loop {
             let ended = self.session().await;
             self.metrics.connected.set(0);
@@ -434,14 +399,12 @@ impl XdsClient {
                 .get_or_create(&vec![("reason".into(), reason.into())])
                 .inc();
             match ended {
-                Ok(()) => backoff = Duration::from_millis(10),
+                Ok(()) => backoff.reset(),
                 Err(e) => {
                     tracing::warn!(addr = %self.cfg.address, error = %e, "xDS stream ended; the last good state keeps serving")
                 }
             }
-            let jitter = backoff.mul_f64(0.5 + fastrand::f64());
-            tokio::time::sleep(jitter).await;
-            backoff = (backoff * 2).min(Duration::from_secs(15));
+            tokio::time::sleep(backoff.next_delay()).await;
         }
     }
 

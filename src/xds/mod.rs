@@ -1,10 +1,11 @@
 //! Mesh state: resource types, the snapshot store the data path reads, and
-//! the sources that fill it (the local config file now; delta xDS later).
+//! the sources that fill it: the delta xDS client and the local config file.
 
 pub mod client;
 pub mod convert;
 pub mod local;
-pub mod store;
+mod metrics;
+mod store;
 pub mod types;
 
 pub use store::{State, StateHandle};

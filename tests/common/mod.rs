@@ -5,8 +5,10 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
-use ambit::lab::{write_ca, EchoServer, Lab, LabPod, ProxySpec};
+use ambit::lab::{http_get_in, write_ca, EchoServer, Lab, LabPod, ProxySpec};
+use ambit::netns::Netns;
 
 pub const TD: &str = "cluster.local";
 
@@ -75,9 +77,31 @@ impl Mesh {
     }
 
     pub fn metrics(&self, pod: &LabPod) -> String {
-        ambit::lab::http_get(pod, "127.0.0.1:15020", "/metrics")
-            .unwrap()
-            .1
+        admin_get(&pod.ns, "127.0.0.1:15020", "/metrics")
+    }
+}
+
+/// Polls `f` every 25 ms until it holds; panics naming `what` if it does not
+/// within `limit`. Use instead of a fixed sleep before checking a state.
+pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !f() {
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting for: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// A GET of an admin, metrics or readiness endpoint from inside `ns`: the
+/// body of a 200 answer; panics on anything else, so that a failed call is
+/// never read as an empty page (which every "does not contain" would pass).
+pub fn admin_get(ns: &Netns, addr: &str, path: &str) -> String {
+    match http_get_in(ns, addr, path) {
+        Ok((200, body)) => body,
+        Ok((status, body)) => panic!("GET {addr}{path} answered {status}: {body}"),
+        Err(e) => panic!("GET {addr}{path} failed: {e}"),
     }
 }
 

@@ -1,0 +1,89 @@
+//! The plugin event server: `POST /cmdadd` on `<run dir>/pluginevent.sock`,
+//! one CNI ADD per request, answered 200 once the pod is enrolled (or left
+//! out by the node's rule) and 500 with the reason otherwise.
+
+use std::convert::Infallible;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context;
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+
+use super::{Agent, PLUGIN_SOCKET};
+use crate::cni::plugin::AddEvent;
+
+/// Binds the plugin socket in `run_dir` (0750 dir, 0600 socket) and serves
+/// events on it until the process ends.
+pub(super) fn spawn(agent: Arc<Agent>, run_dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o750)
+        .create(run_dir)?;
+    let sock = run_dir.join(PLUGIN_SOCKET);
+    let _ = std::fs::remove_file(&sock);
+    let listener = tokio::net::UnixListener::bind(&sock)
+        .with_context(|| format!("plugin socket {}", sock.display()))?;
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))?;
+    tokio::spawn(plugin_events(agent, listener));
+    Ok(())
+}
+
+async fn plugin_events(agent: Arc<Agent>, listener: tokio::net::UnixListener) {
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: Request<Incoming>| {
+                let agent = agent.clone();
+                async move { Ok::<_, Infallible>(handle_event(agent, req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+async fn handle_event(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let reply = |status: StatusCode, body: String| {
+        Response::builder()
+            .status(status)
+            .body(Full::new(Bytes::from(body)))
+            .unwrap_or_default()
+    };
+    if req.method() != Method::POST || req.uri().path() != "/cmdadd" {
+        return reply(StatusCode::NOT_FOUND, "only POST /cmdadd\n".into());
+    }
+    let body = match Limited::new(req.into_body(), 64 * 1024).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => return reply(StatusCode::BAD_REQUEST, format!("body: {e}\n")),
+    };
+    let ev: AddEvent = match serde_json::from_slice(&body) {
+        Ok(ev) => ev,
+        Err(e) => return reply(StatusCode::BAD_REQUEST, format!("bad event: {e}\n")),
+    };
+    let resp = match agent.add(ev).await {
+        Ok(()) => reply(StatusCode::OK, "ok\n".into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "enrollment failed");
+            reply(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n"))
+        }
+    };
+    agent
+        .metrics
+        .plugin_requests
+        .get_or_create(&vec![(
+            "response_code".into(),
+            resp.status().as_u16().to_string(),
+        )])
+        .inc();
+    resp
+}

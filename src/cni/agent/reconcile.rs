@@ -1,0 +1,208 @@
+//! With `enroll: kubernetes`: brings the held pods in line with the API
+//! server (label flips, deletions, pods that started without a CNI ADD), the
+//! redirection annotations in line with the held pods, and the files the
+//! plugin reads while no agent runs. Level-triggered and retried.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use super::discover::find_netns;
+use super::Agent;
+use crate::backoff::Backoff;
+use crate::cni::install;
+use crate::cni::kube::{self, Cluster, Wanted};
+use crate::cni::plugin::{AMBIENT_NAMESPACES_FILE, PLUGIN_KUBECONFIG_FILE};
+use crate::netns::Netns;
+
+/// How long a pod the agent took must be missing from the watch before it
+/// counts as deleted (the watch can lag a CNI ADD that looked the pod up).
+const WATCH_LAG: Duration = Duration::from_secs(10);
+/// Longest wait between looks for the netns of a pod the API wants enrolled.
+const MAX_RETRY: Duration = Duration::from_secs(30);
+
+impl Agent {
+    /// Puts off the next try for pod `uid`: 1 s, doubling up to [`MAX_RETRY`], jittered.
+    fn back_off(&self, uid: &str) -> Duration {
+        let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
+        let (at, backoff) = retry.entry(uid.to_string()).or_insert_with(|| {
+            (
+                Instant::now(),
+                Backoff::new(Duration::from_secs(1), MAX_RETRY),
+            )
+        });
+        let delay = backoff.next_delay();
+        *at = Instant::now() + delay;
+        delay
+    }
+
+    /// Brings the held pods in line with the API (label flips, deletions,
+    /// pods that started without a CNI ADD) and the redirection annotations
+    /// in line with the held pods. Level-triggered: run after every watch
+    /// event and every tick, so failures are retried.
+    pub(super) async fn reconcile(&self) {
+        let Some(cluster) = &self.cluster else { return };
+        let excluded = &self.cfg.exclude_namespaces;
+        self.write_plugin_files(cluster);
+        let watched = cluster.pods();
+        // Held pods the API no longer wants: relabelled, finished or deleted.
+        for rec in self.store.records() {
+            let pod = watched
+                .iter()
+                .find(|p| p.metadata.uid.as_deref() == Some(rec.uid.as_str()));
+            let drop = match pod {
+                Some(p) => {
+                    self.store.mark_seen(&rec.uid);
+                    !cluster.should_enroll(p, excluded)
+                }
+                // Deleted: gone from the watch that showed it, or never shown
+                // (the watch can lag a CNI ADD that looked the pod up).
+                None if self.store.was_seen(&rec.uid) => true,
+                None if self.store.held_for(&rec.uid).unwrap_or_default() > WATCH_LAG => {
+                    // The watch still lags: ask the API server itself.
+                    match cluster.get_pod(&rec.namespace, &rec.name).await {
+                        Ok(Some(p)) if p.metadata.uid.as_deref() == Some(rec.uid.as_str()) => {
+                            !cluster.should_enroll(&p, excluded)
+                        }
+                        Ok(_) => true,
+                        Err(e) => {
+                            tracing::warn!(uid = %rec.uid, error = %e, "cannot confirm the pod with the API server; keeping it");
+                            false
+                        }
+                    }
+                }
+                None => false,
+            };
+            if !drop {
+                continue;
+            }
+            let alive = Netns::open(&rec.netns_path)
+                .and_then(|n| n.id())
+                .is_ok_and(|id| id == rec.netns_id);
+            let _guard = self.ops.lock().await;
+            self.remove(&rec.uid, alive).await;
+            if pod.is_some() {
+                if let Err(e) = cluster.annotate(&rec.namespace, &rec.name, None).await {
+                    tracing::warn!(uid = %rec.uid, error = %e, "redirection annotation not removed yet; will retry");
+                }
+            }
+        }
+        // Pods the API wants that the agent does not hold (no CNI ADD reached
+        // it: they predate it, or a label flipped on a running pod).
+        let held = self.store.records();
+        let now = Instant::now();
+        let missing: Vec<Wanted> = {
+            let mut retry = self.retry.lock().unwrap_or_else(|e| e.into_inner());
+            let missing: Vec<Wanted> = watched
+                .iter()
+                .filter(|p| cluster.should_enroll(p, excluded))
+                .map(|p| kube::wanted(p))
+                .filter(|w| !w.ips.is_empty() && !held.iter().any(|h| h.uid == w.uid))
+                .collect();
+            retry.retain(|uid, _| missing.iter().any(|w| &w.uid == uid));
+            missing
+                .into_iter()
+                .filter(|w| retry.get(&w.uid).is_none_or(|(at, _)| *at <= now))
+                .collect()
+        };
+        if !missing.is_empty() {
+            let look = missing.clone();
+            let proc_dir = self.cfg.host_proc.clone();
+            let found = tokio::task::spawn_blocking(move || find_netns(&proc_dir, &look))
+                .await
+                .unwrap_or_default();
+            for w in &missing {
+                if found.iter().any(|(r, _)| r.uid == w.uid) {
+                    continue;
+                }
+                let delay = self.back_off(&w.uid);
+                tracing::debug!(pod = %format!("{}/{}", w.namespace, w.name), ?delay, "netns not found on this host yet");
+            }
+            for (record, netns) in found {
+                let _guard = self.ops.lock().await;
+                if self.store.held_for(&record.uid).is_some() {
+                    continue;
+                }
+                let pod = format!("{}/{}", record.namespace, record.name);
+                let uid = record.uid.clone();
+                match self.enroll_pod(record, netns).await {
+                    Ok(()) => {
+                        tracing::info!(pod = %pod, "running pod enrolled after its labels selected it")
+                    }
+                    Err(e) => {
+                        let delay = self.back_off(&uid);
+                        tracing::warn!(pod = %pod, error = %e, ?delay, "running pod not enrolled; will retry")
+                    }
+                }
+            }
+        }
+        // Annotations follow what the agent holds.
+        let held = self.store.records();
+        for p in &watched {
+            let uid = p.metadata.uid.as_deref().unwrap_or_default();
+            let is_held = held.iter().any(|h| h.uid == uid);
+            let want = is_held.then_some("enabled");
+            let has = kube::redirection(p);
+            // Only the value this agent writes is ever taken away.
+            if has == want || (!is_held && has != Some("enabled")) {
+                continue;
+            }
+            let (ns, name) = (
+                p.metadata.namespace.as_deref().unwrap_or("default"),
+                p.metadata.name.as_deref().unwrap_or_default(),
+            );
+            if let Err(e) = cluster.annotate(ns, name, want).await {
+                tracing::warn!(pod = %format!("{ns}/{name}"), error = %e, "redirection annotation not updated; will retry");
+            }
+        }
+    }
+}
+
+/// The kubeconfig for the plugin: the agent's own (`KUBECONFIG`), or one
+/// built from the in-cluster service account, with that account's CA to be
+/// written beside it at `ca_path` (the run dir has the same path on the host).
+fn plugin_kubeconfig(ca_path: &Path) -> Option<(String, Option<Vec<u8>>)> {
+    if let Some(path) = std::env::var_os("KUBECONFIG").filter(|p| !p.is_empty()) {
+        let first = std::env::split_paths(&path).next()?;
+        return Some((std::fs::read_to_string(first).ok()?, None));
+    }
+    let host = std::env::var("KUBERNETES_SERVICE_HOST").ok()?;
+    let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
+    let sa = Path::new("/var/run/secrets/kubernetes.io/serviceaccount");
+    let token = std::fs::read_to_string(sa.join("token")).ok()?;
+    let ca = std::fs::read(sa.join("ca.crt")).ok()?;
+    let host = if host.contains(':') {
+        format!("[{host}]")
+    } else {
+        host
+    };
+    let text = format!(
+        "apiVersion: v1\nkind: Config\nclusters:\n- name: cluster\n  cluster:\n    server: \"https://{host}:{port}\"\n    certificate-authority: \"{}\"\nusers:\n- name: ambit-cni\n  user:\n    token: \"{}\"\ncontexts:\n- name: ambit-cni\n  context:\n    cluster: cluster\n    user: ambit-cni\ncurrent-context: ambit-cni\n",
+        ca_path.display(),
+        token.trim()
+    );
+    Some((text, Some(ca)))
+}
+
+impl Agent {
+    /// Keeps the files the plugin reads while no agent runs current (0600,
+    /// rewritten only when they change): the namespaces labelled ambient, and
+    /// a kubeconfig to ask the API server whether a pod is enrolled.
+    fn write_plugin_files(&self, cluster: &Cluster) {
+        let dir = &self.cfg.run_dir;
+        let ambient = cluster.ambient_namespaces(&self.cfg.exclude_namespaces);
+        let mut files = vec![(
+            dir.join(AMBIENT_NAMESPACES_FILE),
+            serde_json::to_vec(&ambient).unwrap_or_else(|_| b"[]".to_vec()),
+        )];
+        let ca_path = dir.join("plugin-ca.crt");
+        if let Some((kubeconfig, ca)) = plugin_kubeconfig(&ca_path) {
+            files.extend(ca.map(|ca| (ca_path, ca)));
+            files.push((dir.join(PLUGIN_KUBECONFIG_FILE), kubeconfig.into_bytes()));
+        }
+        for (path, contents) in files {
+            if let Err(e) = install::write_if_changed(&path, &contents, 0o600) {
+                tracing::warn!(file = %path.display(), error = %e, "file for the plugin not written");
+            }
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Kernel probes: what a pod's or a process's kernel state says (rules in
+//! force, TCP abort counters, established connections and their congestion
+//! control, TIME_WAITs, memory). One helper per probe, read-only except for
+//! setting a pod's default congestion control.
+
+use std::io::{self};
+use std::time::{Duration, Instant};
+
+use super::LabPod;
+use crate::netns::Netns;
+
+/// `iptables-save` inside `ns`: the IPv4 rules in force there. Panics if
+/// it cannot run, so "no rules" is never read from a failed call.
+pub fn iptables_save(ns: &Netns) -> String {
+    match ns.command("iptables-save").output() {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        other => panic!("iptables-save in {}: {other:?}", ns.path().display()),
+    }
+}
+
+/// How many lines of the pod's IPv4 rules are Istio's (0: not captured).
+pub fn istio_rules(pod: &LabPod) -> usize {
+    iptables_save(&pod.ns)
+        .lines()
+        .filter(|l| l.contains("ISTIO"))
+        .count()
+}
+
+/// Resets `pod`'s kernel sent to abort connections: closed with data unread
+/// (`TCPAbortOnClose`), data arriving after the close (`TCPAbortOnData`),
+/// or `SO_LINGER` 0 (`TCPAbortOnLinger`). A reset read after an end of
+/// stream goes unseen by the reader; these count it.
+pub fn aborts(pod: &LabPod) -> io::Result<u64> {
+    pod.ns.run(aborts_here)?
+}
+
+pub(super) fn aborts_here() -> io::Result<u64> {
+    Ok(tcp_ext("TCPAbortOnClose")? + tcp_ext("TCPAbortOnData")? + tcp_ext("TCPAbortOnLinger")?)
+}
+
+/// A `TcpExt` counter of the calling thread's netns.
+pub(super) fn tcp_ext(name: &str) -> io::Result<u64> {
+    let text = std::fs::read_to_string("/proc/thread-self/net/netstat")?;
+    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    let (keys, values) = (lines.next().unwrap_or(""), lines.next().unwrap_or(""));
+    keys.split_whitespace()
+        .position(|k| k == name)
+        .and_then(|at| values.split_whitespace().nth(at)?.parse().ok())
+        .ok_or_else(|| io::Error::other(format!("no TcpExt {name}")))
+}
+
+/// An established TCP connection as `ss` shows it.
+#[derive(Debug, Clone)]
+pub struct Established {
+    /// Owned by an `ambit` process (the proxy), not the application.
+    pub proxy: bool,
+    pub local: String,
+    pub peer: String,
+    /// Its congestion control algorithm, e.g. `cubic`.
+    pub congestion_control: String,
+}
+
+/// Sets `pod`'s default TCP congestion control: what its applications'
+/// sockets get.
+pub fn set_default_congestion_control(pod: &LabPod, algorithm: &str) -> io::Result<()> {
+    let set = pod
+        .ns
+        .command("sysctl")
+        .args([
+            "-qw",
+            &format!("net.ipv4.tcp_congestion_control={algorithm}"),
+        ])
+        .status()?;
+    if !set.success() {
+        return Err(io::Error::other(format!("sysctl: {set}")));
+    }
+    Ok(())
+}
+
+/// The established TCP connections in `pod` (`ss -HOtnpi`, one line each).
+pub fn established(pod: &LabPod) -> io::Result<Vec<Established>> {
+    let out = pod
+        .ns
+        .command("ss")
+        .args(["-HOtnpi", "state", "established"])
+        .output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!("ss: {out:?}")));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .map(|line| {
+            // Recv-Q Send-Q Local Peer [users:((..))] <algorithm> <details>...
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let field = |i: usize| {
+                f.get(i)
+                    .map(|s| s.to_string())
+                    .ok_or_else(|| io::Error::other(format!("ss line too short: {line}")))
+            };
+            let algorithm = f.iter().skip(4).find(|t| !t.starts_with("users:"));
+            Ok(Established {
+                proxy: line.contains("((\"ambit\""),
+                local: field(2)?,
+                peer: field(3)?,
+                congestion_control: algorithm.map(|s| s.to_string()).unwrap_or_default(),
+            })
+        })
+        .collect()
+}
+
+/// The TIME_WAITs on local port `port` in `pod` once they stop going away
+/// (a proxy removes the last one just after the application's close), or
+/// after 3 s: `ss` lines, empty when there are none.
+pub fn time_waits(pod: &LabPod, port: u16) -> io::Result<String> {
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let out = pod
+            .ns
+            .command("ss")
+            .args([
+                "-Htan",
+                "state",
+                "time-wait",
+                &format!("( sport = :{port} )"),
+            ])
+            .output()?;
+        let held = String::from_utf8_lossy(&out.stdout).into_owned();
+        if held.trim().is_empty() || Instant::now() > deadline {
+            return Ok(held);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Resident memory of a process in kB (`/proc/<pid>/status` VmRSS; 0 if unknown).
+pub fn rss_kb(pid: u32) -> u64 {
+    status_kb(pid, "VmRSS")
+}
+
+/// The private (anonymous) part of [`rss_kb`], `RssAnon`: what one more such
+/// process costs, where the rest is the binary's pages, shared with others.
+pub fn anon_kb(pid: u32) -> u64 {
+    status_kb(pid, "RssAnon")
+}
+
+fn status_kb(pid: u32, key: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.split(':').next() == Some(key))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        })
+        .unwrap_or(0)
+}

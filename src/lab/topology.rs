@@ -1,0 +1,333 @@
+//! The lab's topology: a "node" netns holding a bridge, "pods" as netns on
+//! veths into it, processes started inside them (proxies, iperf3 servers),
+//! and a CA on disk. Everything is created under unique names and removed
+//! when the [`Lab`] is dropped, panics included.
+
+use std::io::{self, Write};
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use super::http_get;
+use crate::cni::redirect::{RedirectOptions, RedirectRules};
+use crate::netns::Netns;
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+/// The bridge subnet inside every lab (labs are isolated, so they can share it).
+pub const SUBNET: &str = "10.77.0";
+pub const BRIDGE: &str = "br0";
+
+/// One pod of a lab.
+#[derive(Debug, Clone)]
+pub struct LabPod {
+    pub name: String,
+    pub netns_name: String,
+    pub ip: Ipv4Addr,
+    pub ns: Netns,
+}
+
+/// A single-host node of network namespaces.
+pub struct Lab {
+    pub id: String,
+    pub dir: PathBuf,
+    pub node: Netns,
+    node_name: String,
+    pods: Vec<LabPod>,
+    children: Mutex<Vec<(String, Child)>>,
+    binary: PathBuf,
+}
+
+fn sh(cmd: &mut Command) -> io::Result<String> {
+    let out = cmd.stdin(Stdio::null()).output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "{cmd:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn ip(args: &[&str]) -> io::Result<String> {
+    sh(Command::new("ip").args(args))
+}
+
+/// How to run a dedicated proxy in a pod.
+#[derive(Debug, Clone)]
+pub struct ProxySpec {
+    pub config: PathBuf,
+    pub ca_cert: PathBuf,
+    pub ca_key: PathBuf,
+    /// `ns/name/sa`
+    pub workload_info: String,
+    pub trust_domain: String,
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl Lab {
+    /// A node netns with a bridge at `10.77.0.1/24`. `binary` is the `ambit` to run.
+    pub fn new(tag: &str, binary: impl Into<PathBuf>) -> io::Result<Lab> {
+        let id = format!(
+            "ambit-{tag}-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        );
+        let dir = std::env::temp_dir().join(&id);
+        std::fs::create_dir_all(&dir)?;
+        let node_name = format!("{id}-node");
+        ip(&["netns", "add", &node_name])?;
+        let node = Netns::named(&node_name)?;
+        let mut lab = Lab {
+            id,
+            dir,
+            node,
+            node_name: node_name.clone(),
+            pods: Vec::new(),
+            children: Mutex::default(),
+            binary: binary.into(),
+        };
+        let n = node_name.as_str();
+        ip(&["-n", n, "link", "set", "lo", "up"])?;
+        ip(&["-n", n, "link", "add", BRIDGE, "type", "bridge"])?;
+        ip(&[
+            "-n",
+            n,
+            "addr",
+            "add",
+            &format!("{SUBNET}.1/24"),
+            "dev",
+            BRIDGE,
+        ])?;
+        ip(&["-n", n, "link", "set", BRIDGE, "up"])?;
+        lab.pods.clear();
+        Ok(lab)
+    }
+
+    /// Adds a pod netns on a veth into the bridge, with the next address.
+    pub fn add_pod(&mut self, name: &str) -> io::Result<LabPod> {
+        let idx = self.pods.len() + 2;
+        let netns_name = format!("{}-{name}", self.id);
+        ip(&["netns", "add", &netns_name])?;
+        let (n, p) = (self.node_name.as_str(), netns_name.as_str());
+        let veth = format!("veth{idx}");
+        let addr = Ipv4Addr::new(10, 77, 0, idx as u8);
+        ip(&[
+            "-n", n, "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", p,
+        ])?;
+        ip(&["-n", n, "link", "set", &veth, "master", BRIDGE, "up"])?;
+        ip(&["-n", p, "addr", "add", &format!("{addr}/24"), "dev", "eth0"])?;
+        ip(&["-n", p, "link", "set", "eth0", "up"])?;
+        ip(&["-n", p, "link", "set", "lo", "up"])?;
+        ip(&[
+            "-n",
+            p,
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("{SUBNET}.1"),
+        ])?;
+        let pod = LabPod {
+            name: name.to_string(),
+            netns_name: netns_name.clone(),
+            ip: addr,
+            ns: Netns::named(&netns_name)?,
+        };
+        self.pods.push(pod.clone());
+        Ok(pod)
+    }
+
+    /// Puts a pod's traffic under redirection (the agent's job on a real node).
+    pub fn redirect(&self, pod: &LabPod) -> io::Result<()> {
+        let opts = RedirectOptions {
+            dns_capture: false,
+            bypass_inbound: false,
+            ipv6: true,
+            virtual_interfaces: Vec::new(),
+            loopback_big_tcp: true,
+        };
+        RedirectRules::new(opts)
+            .apply(&pod.ns)
+            .map_err(io::Error::other)
+    }
+
+    /// Spawns `cmd` (already set to run in some netns) and kills it when the lab ends.
+    pub fn spawn(&self, label: &str, mut cmd: Command) -> io::Result<()> {
+        let log = std::fs::File::create(self.log_path(label))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()?;
+        self.children
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((label.to_string(), child));
+        Ok(())
+    }
+
+    /// Starts `iperf3 -s` in `pod` (label `iperf3-<pod>`) and returns once it listens on 5201.
+    pub fn start_iperf3_server(&self, pod: &LabPod) -> io::Result<()> {
+        let mut cmd = pod.ns.command("iperf3");
+        cmd.args(["-s", "-p", "5201"]);
+        self.spawn(&format!("iperf3-{}", pod.name), cmd)?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let ss = pod
+                .ns
+                .command("ss")
+                .args(["-ltnH", "sport", "=", ":5201"])
+                .output()?;
+            if !ss.stdout.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("iperf3 -s in {} never listened", pod.name),
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Where a spawned process's output goes.
+    pub fn log_path(&self, label: &str) -> PathBuf {
+        self.dir.join(format!("{label}.log"))
+    }
+
+    /// Stops a spawned process (SIGTERM, then SIGKILL).
+    pub fn stop(&self, label: &str) {
+        let mut children = self.children.lock().unwrap_or_else(|e| e.into_inner());
+        children.retain_mut(|(l, child)| {
+            if l != label {
+                return true;
+            }
+            stop_child(child);
+            false
+        });
+    }
+
+    /// The pid of a spawned process.
+    pub fn pid(&self, label: &str) -> Option<u32> {
+        let children = self.children.lock().unwrap_or_else(|e| e.into_inner());
+        children
+            .iter()
+            .find(|(l, _)| l == label)
+            .map(|(_, c)| c.id())
+    }
+
+    /// Runs a dedicated `ambit proxy` inside `pod` and waits until it is ready.
+    pub fn start_proxy(&self, pod: &LabPod, spec: &ProxySpec) -> io::Result<()> {
+        let mut cmd = pod.ns.command(&self.binary);
+        cmd.arg("proxy")
+            .env("PROXY_MODE", "dedicated")
+            .env("LOCAL_XDS_PATH", &spec.config)
+            .env("PROXY_WORKLOAD_INFO", &spec.workload_info)
+            .env("TRUST_DOMAIN", &spec.trust_domain)
+            .env("AMBIT_CA_CERT", &spec.ca_cert)
+            .env("AMBIT_CA_KEY", &spec.ca_key)
+            .env(
+                "AMBIT_STATE_DIR",
+                self.dir.join(format!("state-{}", pod.name)),
+            )
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        for (k, v) in &spec.extra_env {
+            cmd.env(k, v);
+        }
+        let label = format!("proxy-{}", pod.name);
+        self.spawn(&label, cmd)?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if http_get(pod, "127.0.0.1:15021", "/healthz/ready")
+                .map(|(s, _)| s == 200)
+                .unwrap_or(false)
+            {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                let log = std::fs::read_to_string(self.log_path(&label)).unwrap_or_default();
+                return Err(io::Error::other(format!(
+                    "proxy in {} not ready within 20s; log:\n{log}",
+                    pod.name
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The `ambit` binary this lab runs.
+    pub fn binary(&self) -> &Path {
+        &self.binary
+    }
+
+    pub fn pods(&self) -> &[LabPod] {
+        &self.pods
+    }
+
+    pub fn node_name(&self) -> &str {
+        &self.node_name
+    }
+}
+
+fn stop_child(child: &mut Child) {
+    // SAFETY: kill(2) on a pid we spawned and have not reaped yet.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for (_, child) in self
+            .children
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter_mut()
+        {
+            stop_child(child);
+        }
+        for pod in &self.pods {
+            let _ = ip(&["netns", "del", &pod.netns_name]);
+        }
+        let _ = ip(&["netns", "del", &self.node_name]);
+        if std::env::var_os("AMBIT_KEEP_LAB").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// Writes a PEM CA (PKCS#8 key, mode 0600) into `dir`, returning (cert, key) paths.
+pub fn write_ca(dir: &Path, name: &str, trust_domain: &str) -> io::Result<(PathBuf, PathBuf)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let ca = crate::identity::LocalCa::generate(trust_domain).map_err(io::Error::other)?;
+    let (cert, key) = (
+        dir.join(format!("{name}-cert.pem")),
+        dir.join(format!("{name}-key.pem")),
+    );
+    std::fs::write(&cert, ca.root_pem())?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&key)?;
+    f.write_all(ca.key_pem().as_bytes())?;
+    Ok((cert, key))
+}
