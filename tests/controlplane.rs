@@ -447,3 +447,69 @@ fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
         "both nodes' certificates come from the control plane:\n{cp}"
     );
 }
+
+/// istiod's waypoint fields reach the proxy over xDS and are obeyed: the
+/// control plane serves a server workload with a waypoint, the client's
+/// traffic arrives at the waypoint (the lab's recording stand-in); a
+/// waypoint the state does not know refuses the connection.
+#[test]
+fn a_waypoint_served_over_xds_is_used_and_an_unknown_one_refuses() {
+    use ambit::identity::Identity;
+    use ambit::lab::waypoint::WaypointStandIn;
+
+    let mut m = Mesh::new("cpwp");
+    let (client, server, wp) = (m.pod("client"), m.pod("server"), m.pod("wp"));
+    let mesh = |waypoint_ip: &str| {
+        format!(
+            "workloads:\n{}- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{}\"], protocol: HBONE, waypoint: {{destination: \"/{waypoint_ip}\", hboneMtlsPort: 15008}}}}\n{}",
+            workload(&client, "client-sa", "HBONE"),
+            server.ip,
+            workload(&wp, "wp-sa", "HBONE"),
+        )
+    };
+    serve_mesh(&m, &mesh(&wp.ip.to_string()));
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let waypoint = Identity::new(TD, "default", "wp-sa");
+    let stand_in =
+        WaypointStandIn::start(&wp, (&m.ca.0, &m.ca.1), waypoint, Default::default()).unwrap();
+
+    let target = std::net::SocketAddr::new(server.ip.into(), 8080);
+    let mut c = connect_from(&client, target).unwrap();
+    assert_eq!(echo_roundtrip(&mut c, b"via-xds").unwrap(), b"via-xds");
+    let seen = stand_in.seen();
+    assert_eq!(
+        seen.len(),
+        1,
+        "the connection went through the waypoint: {seen:?}"
+    );
+    assert_eq!(seen[0].authority, target.to_string());
+    assert_eq!(
+        echo.peers().len(),
+        1,
+        "and the waypoint's leg reached the app"
+    );
+
+    // The waypoint now names an address nobody has: refused, not bypassed.
+    std::fs::write(m.lab.dir.join("cp.yaml"), mesh("10.99.99.99")).unwrap();
+    wait_for(
+        "the unknown waypoint to refuse",
+        Duration::from_secs(15),
+        || {
+            connect_from(&client, target)
+                .and_then(|mut c| echo_roundtrip(&mut c, b"x"))
+                .map_or(true, |b| b.is_empty())
+        },
+    );
+    // (Until the update arrives a connection may still take the waypoint.)
+    let (peers, seen) = (echo.peers().len(), stand_in.seen().len());
+    let refused = connect_from(&client, target).and_then(|mut c| echo_roundtrip(&mut c, b"y"));
+    assert!(refused.map_or(true, |b| b.is_empty()));
+    assert_eq!(
+        echo.peers().len(),
+        peers,
+        "nothing reached the app around the waypoint"
+    );
+    assert_eq!(stand_in.seen().len(), seen);
+}

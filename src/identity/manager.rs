@@ -126,6 +126,17 @@ impl CertManager {
         Ok(handle)
     }
 
+    /// Every held certificate (for the admin dump), by identity.
+    pub fn certificates(&self) -> Vec<(Identity, Arc<TlsIdentity>)> {
+        let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all: Vec<_> = held
+            .iter()
+            .map(|(id, h)| (id.clone(), h.load_full()))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
     /// Identities held, with their current expiry (for the admin dump).
     pub fn summary(&self) -> Vec<(String, SystemTime)> {
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());

@@ -7,7 +7,8 @@
 //! The rooms: `topology` (the node, pods, processes), `traffic` (drivers),
 //! `probes` (kernel state), `cni_call` (plugins as a runtime calls them),
 //! `node` (a whole `ambit node` with the real CNI chain), and, for tests
-//! only, `kubeapi` (a Kubernetes API server stand-in).
+//! only, `kubeapi` (a Kubernetes API server stand-in) and `waypoint` (an
+//! HBONE server that records what it is sent).
 
 mod cni_call;
 #[cfg(feature = "testing")]
@@ -16,6 +17,8 @@ pub mod node;
 mod probes;
 mod topology;
 mod traffic;
+#[cfg(feature = "testing")]
+pub mod waypoint;
 
 pub use cni_call::CniCall;
 pub use probes::{

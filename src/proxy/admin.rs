@@ -44,6 +44,8 @@ pub(super) struct AdminView {
     pub certs: Arc<CertManager>,
     pub pool: Arc<pool::Pool>,
     pub pods: Arc<inpod::PodTable>,
+    /// Of workloads that do not name theirs.
+    pub trust_domain: String,
 }
 
 /// 15000 (localhost): config dump, log level, shutdown.
@@ -57,7 +59,13 @@ pub(super) fn admin(view: AdminView) -> Handler {
         (_, "/config_dump") => (
             StatusCode::OK,
             JSON,
-            config_dump(&view.state, &view.certs, &view.pool, &view.pods),
+            config_dump(
+                &view.state,
+                &view.certs,
+                &view.pool,
+                &view.pods,
+                &view.trust_domain,
+            ),
         ),
         (_, "/") => (
             StatusCode::OK,

@@ -247,6 +247,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         certs,
         pool: pool.clone(),
         pods,
+        trust_domain: cfg.trust_domain.clone(),
     };
     sideport::serve(cfg.admin_addr, admin::admin(view))
         .await

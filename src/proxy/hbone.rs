@@ -50,20 +50,60 @@ pub struct ConnectRequest {
     pub target: SocketAddr,
     /// The original client address (`forwarded: for=`).
     pub source: SocketAddr,
-    /// `baggage` values of the source workload.
-    pub cluster: String,
-    pub namespace: String,
-    pub workload: String,
-    pub service: String,
-    pub revision: String,
+    /// The service the client asked for, when the hop is to its waypoint
+    /// (`forwarded: ...;host=`).
+    pub host: Option<String>,
+    /// The source workload's `baggage`, made once per pod ([`baggage`]).
+    pub baggage: http::HeaderValue,
+}
+
+/// What the `baggage` header says of a source workload, as ztunnel writes
+/// it: entries in this order, each left out when its value is empty.
+#[derive(Debug, Default)]
+pub struct Baggage<'a> {
+    pub cluster: &'a str,
+    pub namespace: &'a str,
+    /// `deployment`, `cronjob`, `pod` or `job`: the key is `k8s.<type>.name`.
+    pub workload_type: &'a str,
+    pub workload_name: &'a str,
+    pub service: &'a str,
+    pub revision: &'a str,
+    pub region: &'a str,
+    pub zone: &'a str,
+}
+
+impl Baggage<'_> {
+    /// The header value; one that is not a valid header is left empty.
+    pub fn header(&self) -> http::HeaderValue {
+        let type_key = format!("k8s.{}.name", self.workload_type);
+        let entries = [
+            ("k8s.cluster.name", self.cluster),
+            ("k8s.namespace.name", self.namespace),
+            (type_key.as_str(), self.workload_name),
+            ("service.name", self.service),
+            ("service.version", self.revision),
+            ("cloud.region", self.region),
+            ("cloud.availability_zone", self.zone),
+        ];
+        let text = entries
+            .iter()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        http::HeaderValue::from_str(&text).unwrap_or(http::HeaderValue::from_static(""))
+    }
 }
 
 impl ConnectRequest {
+    fn forwarded(&self) -> String {
+        match &self.host {
+            Some(host) => format!("for=\"{}\";host={host}", self.source),
+            None => format!("for=\"{}\"", self.source),
+        }
+    }
+
     pub fn to_http(&self) -> Result<Request<()>, http::Error> {
-        let baggage = format!(
-            "k8s.cluster.name={},k8s.namespace.name={},k8s.pod.name={},service.name={},service.version={}",
-            self.cluster, self.namespace, self.workload, self.service, self.revision
-        );
         let traceparent = format!(
             "00-{:032x}-{:016x}-00",
             fastrand::u128(1..),
@@ -72,8 +112,8 @@ impl ConnectRequest {
         Request::builder()
             .method(Method::CONNECT)
             .uri(self.target.to_string())
-            .header("forwarded", format!("for=\"{}\"", self.source))
-            .header("baggage", baggage)
+            .header("forwarded", self.forwarded())
+            .header("baggage", self.baggage.clone())
             .header("traceparent", traceparent)
             .body(())
     }
@@ -148,12 +188,49 @@ mod tests {
         ConnectRequest {
             target: "10.0.0.3:8080".parse().unwrap(),
             source: "10.0.0.2:40000".parse().unwrap(),
-            cluster: "Kubernetes".into(),
-            namespace: "default".into(),
-            workload: "client".into(),
-            service: "client".into(),
-            revision: "latest".into(),
+            host: None,
+            baggage: Baggage {
+                cluster: "Kubernetes",
+                namespace: "default",
+                workload_type: "deployment",
+                workload_name: "client",
+                service: "client",
+                revision: "latest",
+                ..Default::default()
+            }
+            .header(),
         }
+    }
+
+    #[test]
+    fn baggage_names_the_workload_by_its_type_and_leaves_out_what_is_empty() {
+        let b = Baggage {
+            cluster: "east",
+            namespace: "shop",
+            workload_type: "cronjob",
+            workload_name: "nightly",
+            service: "nightly",
+            revision: "v2",
+            region: "eu-west",
+            zone: "eu-west-1a",
+        };
+        assert_eq!(
+            b.header(),
+            "k8s.cluster.name=east,k8s.namespace.name=shop,k8s.cronjob.name=nightly,\
+             service.name=nightly,service.version=v2,cloud.region=eu-west,cloud.availability_zone=eu-west-1a"
+        );
+        let sparse = Baggage {
+            namespace: "shop",
+            workload_type: "deployment",
+            ..Default::default()
+        };
+        assert_eq!(sparse.header(), "k8s.namespace.name=shop");
+        // A value that cannot go in a header yields an empty one, not a panic.
+        let bad = Baggage {
+            namespace: "a\nb",
+            ..Default::default()
+        };
+        assert_eq!(bad.header(), "");
     }
 
     #[test]

@@ -171,7 +171,8 @@ impl Inbound {
                 reply(&mut respond, StatusCode::UNAUTHORIZED);
                 // Labelled from what the state holds: the address a denied
                 // peer names in `forwarded` is not looked up on demand.
-                let mut labels = self.labels(src_ip, Some(&peer_id), false).await;
+                let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
+                let mut labels = self.labels(&sources, Some(&peer_id), false).await;
                 labels.connection_security_policy = "mutual_tls";
                 ConnectionRecord::denied(
                     self.metrics.clone(),
@@ -184,7 +185,8 @@ impl Inbound {
                 return;
             }
         };
-        let mut labels = self.labels(src_ip, Some(&peer_id), true).await;
+        let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
+        let mut labels = self.labels(&sources, Some(&peer_id), true).await;
         labels.connection_security_policy = "mutual_tls";
         let mut record = self.record(labels, Direction::InboundHbone, src.or(Some(peer)), target);
         record.set_allowed_by(allowed_by);
@@ -237,7 +239,7 @@ impl Inbound {
                 return;
             }
         };
-        let mut labels = self.labels(Some(peer.ip()), None, true).await;
+        let mut labels = self.labels(&[peer.ip()], None, true).await;
         labels.connection_security_policy = "unknown";
         let auth = self.authorized(None, peer.ip(), target);
         let allowed_by = match auth.check(&self.state.load()) {
@@ -315,11 +317,15 @@ impl Inbound {
         }
     }
 
-    /// The metric labels of a connection from `src_ip`; with `fetch`, on
-    /// demand, a source the state does not hold yet is asked for first.
+    /// The metric labels of a connection. Over HBONE, `sources` are the
+    /// address the peer reported (`forwarded`) and then the peer's own
+    /// address, and the first whose workload is who the certificate says
+    /// the peer is names the source: a header never makes a peer pass for
+    /// another workload (traffic through a waypoint is the waypoint's).
+    /// With `fetch`, on demand, a source not held yet is asked for first.
     async fn labels(
         &self,
-        src_ip: Option<IpAddr>,
+        sources: &[IpAddr],
         peer: Option<&Identity>,
         fetch: bool,
     ) -> ConnectionLabels {
@@ -337,7 +343,7 @@ impl Inbound {
             l.source_principal = id.to_string();
         }
         let mut state = self.state.load();
-        if let (Some(ip), Some(demand), true) = (src_ip, &self.demand, fetch) {
+        if let (Some(&ip), Some(demand), true) = (sources.first(), &self.demand, fetch) {
             // On demand, a source not known yet is asked for (once); with a
             // stream open the answer is awaited, so the connection is
             // labelled like the rest.
@@ -346,7 +352,11 @@ impl Inbound {
                 state = self.state.load();
             }
         }
-        if let Some(w) = src_ip.and_then(|ip| state.workload_by_addr(&pod.network, ip)) {
+        let source = sources
+            .iter()
+            .filter_map(|ip| state.workload_by_addr(&pod.network, *ip))
+            .find(|w| peer.is_none_or(|id| w.identity(&pod.identity.trust_domain) == *id));
+        if let Some(w) = source {
             l.source_workload = w.name.clone();
             l.source_workload_namespace = w.namespace.clone();
             l.source_canonical_service = w.canonical_service().to_string();

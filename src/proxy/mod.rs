@@ -25,5 +25,6 @@ pub mod rbac;
 mod reauth;
 mod record;
 mod timewait;
+mod waypoint;
 
 pub use app::{run, start, ProxyHandle};

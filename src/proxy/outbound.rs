@@ -4,7 +4,7 @@
 //! anything else passes through untouched.
 
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -17,22 +17,26 @@ use super::metrics::{ConnectionLabels, Metrics};
 use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use super::record::{ConnectionRecord, Direction};
+use super::waypoint;
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
 use crate::xds::client::OnDemand;
-use crate::xds::types::{Protocol, Service, Workload};
+use crate::xds::types::{GatewayAddress, Protocol, Service, Workload};
 use crate::xds::{State, StateHandle};
 
 /// Where an outbound connection goes.
 #[derive(Debug, Clone)]
 pub enum Route {
-    /// Mutual TLS + CONNECT to the destination pod's proxy.
+    /// Mutual TLS + CONNECT to the destination pod's proxy, or to the
+    /// destination's waypoint (`workload` is then the waypoint's, and
+    /// `target`, the CONNECT authority, is still the original destination).
     Hbone {
         proxy: SocketAddr,
         target: SocketAddr,
         identities: Vec<Identity>,
         workload: Arc<Workload>,
         service: Option<Arc<Service>>,
+        waypoint: bool,
     },
     /// Plain TCP to a known workload that is not meshed.
     Tcp {
@@ -44,11 +48,26 @@ pub enum Route {
     Passthrough { target: SocketAddr },
     /// A service with no healthy endpoint for that port.
     NoEndpoint { service: Arc<Service> },
+    /// The destination has a waypoint that cannot be reached: refused,
+    /// never sent around the waypoint.
+    NoWaypoint { reason: String },
 }
 
-/// Decides the route of a connection to `dst` (pure: reads only `state`).
-pub fn route(state: &State, network: &str, dst: SocketAddr, trust_domain: &str) -> Route {
+/// Decides the route of a connection from a pod with addresses `source` to
+/// `dst` (pure: reads only `state`).
+pub fn route(
+    state: &State,
+    network: &str,
+    source: &[IpAddr],
+    dst: SocketAddr,
+    trust_domain: &str,
+) -> Route {
     if let Some(svc) = state.service_by_vip(network, dst.ip()) {
+        if let Some(gw) = waypoint::of_service(svc) {
+            if let Some(r) = via_waypoint(state, &gw, source, dst, Some(svc), trust_domain) {
+                return r;
+            }
+        }
         let Some(&svc_target) = svc.ports.get(&dst.port()) else {
             return Route::NoEndpoint {
                 service: svc.clone(),
@@ -72,9 +91,53 @@ pub fn route(state: &State, network: &str, dst: SocketAddr, trust_domain: &str) 
         return to_workload(ep.workload.clone(), target, Some(svc.clone()), trust_domain);
     }
     match state.workload_by_addr(network, dst.ip()) {
-        Some(w) => to_workload(w.clone(), dst, None, trust_domain),
+        Some(w) => {
+            if let Some(gw) = &w.waypoint {
+                if let Some(r) = via_waypoint(state, gw, source, dst, None, trust_domain) {
+                    return r;
+                }
+            }
+            to_workload(w.clone(), dst, None, trust_domain)
+        }
         None => Route::Passthrough { target: dst },
     }
+}
+
+/// HBONE to the waypoint `gw` with the original destination `dst` as the
+/// CONNECT authority, checking the waypoint's identity; `None` when the
+/// source is the waypoint itself (its traffic goes on to the destination).
+fn via_waypoint(
+    state: &State,
+    gw: &GatewayAddress,
+    source: &[IpAddr],
+    dst: SocketAddr,
+    service: Option<&Arc<Service>>,
+    td: &str,
+) -> Option<Route> {
+    let resolved = match waypoint::resolve(state, gw) {
+        Ok(r) => r,
+        Err(reason) => return Some(Route::NoWaypoint { reason }),
+    };
+    let candidates = &resolved.workloads;
+    if waypoint::is_from(candidates, source) {
+        return None;
+    }
+    let w = candidates[fastrand::usize(..candidates.len())].clone();
+    let mut identities = vec![w.identity(td)];
+    identities.extend(
+        resolved
+            .sans
+            .iter()
+            .filter_map(|s| s.parse::<Identity>().ok()),
+    );
+    Some(Route::Hbone {
+        proxy: SocketAddr::new(w.workload_ips[0], gw.hbone_mtls_port),
+        target: dst,
+        identities,
+        workload: w,
+        service: service.cloned(),
+        waypoint: true,
+    })
 }
 
 fn to_workload(
@@ -97,6 +160,7 @@ fn to_workload(
                 identities,
                 workload,
                 service,
+                waypoint: false,
             }
         }
         Protocol::Tcp => Route::Tcp {
@@ -143,6 +207,8 @@ pub enum OutboundError {
     },
     #[error("service {0} has no healthy endpoint for this port")]
     NoEndpoint(String),
+    #[error("{0}; refused rather than sent around the waypoint")]
+    NoWaypoint(String),
 }
 
 /// The outbound side of one pod.
@@ -154,7 +220,6 @@ pub struct Outbound {
     pub pool: Arc<Pool>,
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
-    pub cluster: String,
     pub trust_domain: String,
 }
 
@@ -192,29 +257,31 @@ impl Outbound {
                 return;
             }
         };
-        let mut route = route(
-            &self.state.load(),
-            &self.pod.network,
-            dst,
-            &self.trust_domain,
-        );
+        let decide = || {
+            let state = self.state.load();
+            route(
+                &state,
+                &self.pod.network,
+                &self.pod.ips,
+                dst,
+                &self.trust_domain,
+            )
+        };
+        let mut route = decide();
         if let (Route::Passthrough { .. }, Some(demand)) = (&route, &self.demand) {
             // Unknown here; maybe not to the control plane. Ask once, then decide.
             if demand.fetch_address(&self.pod.network, dst.ip()).await {
-                route = self::route(
-                    &self.state.load(),
-                    &self.pod.network,
-                    dst,
-                    &self.trust_domain,
-                );
+                route = decide();
             }
         }
         let labels = self.labels(&route);
         let kind = match &route {
+            Route::Hbone { waypoint: true, .. } => "waypoint",
             Route::Hbone { .. } => "hbone",
             Route::Tcp { .. } => "tcp",
             Route::Passthrough { .. } => "passthrough",
             Route::NoEndpoint { .. } => "no-endpoint",
+            Route::NoWaypoint { .. } => "no-waypoint",
         };
         let mut record = ConnectionRecord::open(
             self.metrics.clone(),
@@ -229,15 +296,20 @@ impl Outbound {
                 proxy,
                 target,
                 identities,
+                service,
+                waypoint,
                 ..
             } => {
-                self.hbone(&mut stream, peer, proxy, target, identities)
+                // A waypoint is told which service the client asked for.
+                let host = service.filter(|_| waypoint).map(|s| s.hostname.clone());
+                self.hbone(&mut stream, peer, proxy, target, identities, host)
                     .await
             }
             Route::Tcp { target, .. } | Route::Passthrough { target } => {
                 self.plain(&stream, target).await
             }
             Route::NoEndpoint { service } => Err(OutboundError::NoEndpoint(service.key())),
+            Route::NoWaypoint { reason } => Err(OutboundError::NoWaypoint(reason)),
         };
         // Cut short: nothing carried, or a copy ended by the other side's failure.
         let (t, cut_short) = match result {
@@ -291,6 +363,7 @@ impl Outbound {
         proxy: SocketAddr,
         target: SocketAddr,
         identities: Vec<Identity>,
+        host: Option<String>,
     ) -> Result<(Transferred, bool), OutboundError> {
         let key = PoolKey {
             pod: self.pod.uid.clone(),
@@ -303,11 +376,8 @@ impl Outbound {
         let req = ConnectRequest {
             target,
             source: src,
-            cluster: self.cluster.clone(),
-            namespace: self.pod.namespace.clone(),
-            workload: self.pod.name.clone(),
-            service: self.pod.canonical_service.clone(),
-            revision: self.pod.canonical_revision.clone(),
+            host,
+            baggage: self.pod.baggage.clone(),
         }
         .to_http()
         .map_err(|e| OutboundError::Connect {
@@ -410,7 +480,7 @@ impl Outbound {
                 workload, service, ..
             } => (Some(workload), service.as_ref()),
             Route::NoEndpoint { service } => (None, Some(service)),
-            Route::Passthrough { .. } => (None, None),
+            Route::Passthrough { .. } | Route::NoWaypoint { .. } => (None, None),
         };
         if let Some(w) = workload {
             l.destination_workload = w.name.clone();
@@ -459,7 +529,140 @@ services:
     }
 
     fn r(dst: &str) -> Route {
-        route(&state(), "", dst.parse().unwrap(), "cluster.local")
+        route(&state(), "", &[], dst.parse().unwrap(), "cluster.local")
+    }
+
+    /// A mesh where `api` (service and pods) has waypoints of every form.
+    fn waypoint_state() -> State {
+        crate::xds::local::parse(
+            Path::new("w.yaml"),
+            r#"
+workloads:
+- {name: wp, namespace: shop, serviceAccount: waypoint, workloadIps: [10.0.0.9], protocol: HBONE,
+   services: {"shop/wp.shop.svc.cluster.local": {15008: 15008}}}
+- {name: wp2, namespace: shop, serviceAccount: waypoint2, workloadIps: [10.0.0.10], protocol: HBONE}
+- {name: api, namespace: shop, serviceAccount: api, workloadIps: [10.0.0.3], protocol: HBONE,
+   waypoint: {destination: "/10.0.0.9", hboneMtlsPort: 15008},
+   services: {"shop/api.shop.svc.cluster.local": {80: 8080}}}
+- {name: by-name, namespace: shop, workloadIps: [10.0.0.4], protocol: HBONE,
+   waypoint: {destination: "shop/wp.shop.svc.cluster.local"}}
+- {name: orphan, namespace: shop, workloadIps: [10.0.0.5], protocol: HBONE,
+   waypoint: {destination: "/10.0.0.99"}}
+services:
+- {name: api, namespace: shop, hostname: api.shop.svc.cluster.local, vips: ["/10.96.0.20"], ports: {80: 8080},
+   waypoint: {destination: "/10.0.0.9", hboneMtlsPort: 15008}}
+- {name: wp, namespace: shop, hostname: wp.shop.svc.cluster.local, vips: ["/10.96.0.9"], ports: {15008: 15008}}
+- {name: split, namespace: shop, hostname: split.shop.svc.cluster.local, vips: ["/10.96.0.21"], ports: {80: 8080},
+   weightedWaypoints: [{destination: "/10.0.0.9", weight: 3}, {destination: "/10.0.0.10", weight: 1}]}
+- {name: gone, namespace: shop, hostname: gone.shop.svc.cluster.local, vips: ["/10.96.0.22"], ports: {80: 8080},
+   waypoint: {destination: "shop/nowhere.shop.svc.cluster.local"}}
+"#,
+        )
+        .unwrap()
+    }
+
+    fn from(src: &[&str], dst: &str) -> Route {
+        let src: Vec<IpAddr> = src.iter().map(|s| s.parse().unwrap()).collect();
+        route(
+            &waypoint_state(),
+            "",
+            &src,
+            dst.parse().unwrap(),
+            "cluster.local",
+        )
+    }
+
+    fn waypoint_hop(route: Route) -> (SocketAddr, SocketAddr, Vec<Identity>) {
+        match route {
+            Route::Hbone {
+                proxy,
+                target,
+                identities,
+                waypoint: true,
+                ..
+            } => (proxy, target, identities),
+            other => panic!("not through a waypoint: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn service_and_workload_traffic_goes_to_the_waypoint_with_the_original_destination() {
+        let waypoint = Identity::new("cluster.local", "shop", "waypoint");
+        // Service-addressed: the authority is the service VIP and port.
+        let (proxy, target, ids) = waypoint_hop(from(&["10.0.0.2"], "10.96.0.20:80"));
+        assert_eq!(proxy, "10.0.0.9:15008".parse().unwrap());
+        assert_eq!(target, "10.96.0.20:80".parse().unwrap());
+        assert_eq!(
+            ids,
+            vec![waypoint.clone()],
+            "the client checks the waypoint's identity"
+        );
+        // Workload-addressed: the authority is the pod IP and port.
+        let (proxy, target, ids) = waypoint_hop(from(&["10.0.0.2"], "10.0.0.3:8080"));
+        assert_eq!(
+            (proxy, target),
+            (
+                "10.0.0.9:15008".parse().unwrap(),
+                "10.0.0.3:8080".parse().unwrap()
+            )
+        );
+        assert_eq!(ids, vec![waypoint.clone()]);
+        // A waypoint named by hostname: one of that service's endpoints.
+        let (proxy, _, ids) = waypoint_hop(from(&["10.0.0.2"], "10.0.0.4:8080"));
+        assert_eq!(
+            (proxy, ids),
+            ("10.0.0.9:15008".parse().unwrap(), vec![waypoint])
+        );
+    }
+
+    #[test]
+    fn the_waypoints_own_traffic_goes_to_the_destination() {
+        match from(&["10.0.0.9"], "10.0.0.3:8080") {
+            Route::Hbone {
+                proxy,
+                waypoint: false,
+                ..
+            } => assert_eq!(proxy, "10.0.0.3:15008".parse().unwrap()),
+            other => panic!("{other:?}"),
+        }
+        match from(&["10.0.0.9"], "10.96.0.20:80") {
+            Route::Hbone {
+                target,
+                waypoint: false,
+                ..
+            } => assert_eq!(target, "10.0.0.3:8080".parse().unwrap()),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_unknown_waypoint_refuses_instead_of_bypassing() {
+        for dst in ["10.0.0.5:8080", "10.96.0.22:80"] {
+            match from(&["10.0.0.2"], dst) {
+                Route::NoWaypoint { reason } => assert!(reason.contains("not known"), "{reason}"),
+                other => panic!("{dst}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn weighted_waypoints_split_by_weight() {
+        let n = 4000;
+        let to_first = (0..n)
+            .filter(|_| {
+                waypoint_hop(from(&["10.0.0.2"], "10.96.0.21:80"))
+                    .0
+                    .ip()
+                    .to_string()
+                    == "10.0.0.9"
+            })
+            .count();
+        // 3:1 → 75 %; 4000 draws land within ±4 points far beyond chance.
+        let share = to_first as f64 / n as f64;
+        assert!(
+            (0.71..0.79).contains(&share),
+            "share to the weight-3 waypoint: {share}"
+        );
     }
 
     #[test]

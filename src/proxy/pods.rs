@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
-use super::hbone::H2Settings;
+use super::hbone::{Baggage, H2Settings};
 use super::pod::{self, Drain, Pod, PodRef, SocketFactory};
 use super::{dns, inbound, metrics, outbound, pool, reauth};
 use crate::constants::{DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
@@ -88,6 +88,32 @@ impl ProxyShared {
             Some(w) => w.workload_ips.clone(),
             None => interfaces()?,
         };
+        let canonical_service = workload
+            .map(|w| w.canonical_service().to_string())
+            .unwrap_or_else(|| info.name.clone());
+        let canonical_revision = workload
+            .map(|w| w.canonical_revision.clone())
+            .filter(|r| !r.is_empty())
+            .unwrap_or_else(|| "latest".into());
+        // Named by its workload (`k8s.deployment.name=...`); a pod the state
+        // gives no workload name is named as a pod.
+        let (workload_type, workload_name) = match workload {
+            Some(w) if !w.workload_name.is_empty() => {
+                (w.workload_type.as_str(), w.workload_name.as_str())
+            }
+            _ => ("pod", info.name.as_str()),
+        };
+        let baggage = Baggage {
+            cluster: &self.cluster,
+            namespace: &info.namespace,
+            workload_type,
+            workload_name,
+            service: &canonical_service,
+            revision: &canonical_revision,
+            region: workload.map_or("", |w| w.locality.region.as_str()),
+            zone: workload.map_or("", |w| w.locality.zone.as_str()),
+        }
+        .header();
         Ok(Arc::new(Pod {
             uid: info.uid.clone(),
             name: info.name.clone(),
@@ -96,13 +122,9 @@ impl ProxyShared {
             network: workload
                 .map(|w| w.network.clone())
                 .unwrap_or_else(|| self.network.clone()),
-            canonical_service: workload
-                .map(|w| w.canonical_service().to_string())
-                .unwrap_or_else(|| info.name.clone()),
-            canonical_revision: workload
-                .map(|w| w.canonical_revision.clone())
-                .filter(|r| !r.is_empty())
-                .unwrap_or_else(|| "latest".into()),
+            canonical_service,
+            canonical_revision,
+            baggage,
             tls: self.certs.get(&identity).await?,
             identity,
             ips,
@@ -146,7 +168,6 @@ impl ProxyShared {
             pool: self.pool.clone(),
             metrics: self.metrics.clone(),
             h2: self.h2,
-            cluster: self.cluster.clone(),
             trust_domain: self.trust_domain.clone(),
         });
         let inbound = Arc::new(inbound::Inbound {

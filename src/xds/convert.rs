@@ -8,8 +8,10 @@ use std::net::IpAddr;
 use crate::proto::security as pb_sec;
 use crate::proto::workload as pb;
 use crate::xds::types::{
-    Authorization, Cidr, HealthStatus, NetworkAddress, PolicyAction, PolicyScope, Protocol,
-    RbacMatch, Service, ServiceAccountMatch, StringMatch, Workload,
+    ApplicationTunnel, Authorization, Cidr, GatewayAddress, GatewayDestination, HealthStatus,
+    LoadBalancing, Locality, NetworkAddress, NetworkMode, PolicyAction, PolicyScope, Protocol,
+    RbacMatch, Service, ServiceAccountMatch, StringMatch, TunnelToApp, Visibility,
+    WeightedWaypoint, Workload,
 };
 
 pub const ADDRESS_TYPE: &str = "type.googleapis.com/istio.workload.Address";
@@ -66,6 +68,37 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
         }
         Err(_) => return Err(format!("unknown tunnel protocol {}", w.tunnel_protocol)),
     };
+    let workload_type = match pb::WorkloadType::try_from(w.workload_type) {
+        Ok(pb::WorkloadType::Deployment) => "deployment",
+        Ok(pb::WorkloadType::Cronjob) => "cronjob",
+        Ok(pb::WorkloadType::Pod) => "pod",
+        Ok(pb::WorkloadType::Job) => "job",
+        Err(_) => return Err(format!("unknown workload type {}", w.workload_type)),
+    };
+    let network_mode = match pb::NetworkMode::try_from(w.network_mode) {
+        Ok(pb::NetworkMode::Standard) => NetworkMode::Standard,
+        Ok(pb::NetworkMode::HostNetwork) => NetworkMode::HostNetwork,
+        Err(_) => return Err(format!("unknown network mode {}", w.network_mode)),
+    };
+    let application_tunnel = match w.application_tunnel {
+        None => None,
+        Some(t) => Some(ApplicationTunnel {
+            protocol: match pb::application_tunnel::Protocol::try_from(t.protocol) {
+                Ok(pb::application_tunnel::Protocol::None) => TunnelToApp::None,
+                Ok(pb::application_tunnel::Protocol::Proxy) => TunnelToApp::Proxy,
+                Err(_) => {
+                    return Err(format!(
+                        "unknown application tunnel protocol {}",
+                        t.protocol
+                    ))
+                }
+            },
+            port: match t.port {
+                0 => None,
+                p => Some(port(p)?),
+            },
+        }),
+    };
     let mut services = HashMap::new();
     for (svc, list) in w.services {
         let mut ports = BTreeMap::new();
@@ -103,15 +136,138 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
         },
         services,
         authorization_policies: w.authorization_policies,
-        ..Default::default()
+        hostname: w.hostname,
+        waypoint: w.waypoint.map(gateway_from_proto).transpose()?,
+        network_gateway: w.network_gateway.map(gateway_from_proto).transpose()?,
+        workload_type: workload_type.into(),
+        native_tunnel: w.native_tunnel,
+        application_tunnel,
+        locality: w
+            .locality
+            .map(|l| Locality {
+                region: l.region,
+                zone: l.zone,
+                subzone: l.subzone,
+            })
+            .unwrap_or_default(),
+        network_mode,
+        capacity: w.capacity,
+        extensions: w.extensions.into_iter().map(|e| e.name).collect(),
     })
+}
+
+/// A waypoint or gateway; one that names neither an address nor a service is refused.
+fn gateway_from_proto(g: pb::GatewayAddress) -> Result<GatewayAddress, String> {
+    let destination = match g.destination {
+        Some(pb::gateway_address::Destination::Address(a)) => {
+            GatewayDestination::Address(NetworkAddress {
+                network: a.network,
+                address: ip_from(&a.address)?,
+            })
+        }
+        Some(pb::gateway_address::Destination::Hostname(h)) => {
+            if h.namespace.is_empty() || h.hostname.is_empty() {
+                return Err("a gateway hostname needs a namespace and a hostname".into());
+            }
+            GatewayDestination::Hostname {
+                namespace: h.namespace,
+                hostname: h.hostname,
+            }
+        }
+        None => return Err("a gateway address with no destination".into()),
+    };
+    let hbone_mtls_port = match g.hbone_mtls_port {
+        0 => crate::constants::HBONE_PORT,
+        p => port(p)?,
+    };
+    Ok(GatewayAddress {
+        destination,
+        hbone_mtls_port,
+    })
+}
+
+fn enum_name<E: TryFrom<i32>>(
+    v: i32,
+    name: impl Fn(E) -> &'static str,
+    what: &str,
+) -> Result<String, String> {
+    E::try_from(v)
+        .map(|e| name(e).to_string())
+        .map_err(|_| format!("unknown {what} {v}"))
 }
 
 pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
     let mut ports = BTreeMap::new();
+    let mut app_protocols = BTreeMap::new();
     for p in s.ports {
-        ports.insert(port(p.service_port)?, port(p.target_port)?);
+        let service_port = port(p.service_port)?;
+        ports.insert(service_port, port(p.target_port)?);
+        let app = enum_name(
+            p.app_protocol,
+            |a: pb::AppProtocol| a.as_str_name(),
+            "app protocol",
+        )?;
+        if app != "UNKNOWN" {
+            app_protocols.insert(service_port, app);
+        }
     }
+    let load_balancing = match s.load_balancing {
+        None => None,
+        Some(lb) => Some(LoadBalancing {
+            routing_preference: lb
+                .routing_preference
+                .into_iter()
+                .map(|p| {
+                    enum_name(
+                        p,
+                        |x: pb::load_balancing::Scope| x.as_str_name(),
+                        "routing preference",
+                    )
+                })
+                .collect::<Result<_, _>>()?,
+            mode: match enum_name(
+                lb.mode,
+                |x: pb::load_balancing::Mode| x.as_str_name(),
+                "load balancing mode",
+            )? {
+                m if m == "UNSPECIFIED_MODE" => String::new(),
+                m => m,
+            },
+            health_policy: enum_name(
+                lb.health_policy,
+                |x: pb::load_balancing::HealthPolicy| x.as_str_name(),
+                "health policy",
+            )?,
+        }),
+    };
+    let ip_families = match enum_name(
+        s.ip_families,
+        |x: pb::IpFamilies| x.as_str_name(),
+        "IP families",
+    )? {
+        f if f == "AUTOMATIC" => None,
+        f => Some(f),
+    };
+    let visibility = match pb::service::Visibility::try_from(s.visibility) {
+        Ok(pb::service::Visibility::Public) => Visibility::Public,
+        Ok(pb::service::Visibility::Namespace) => Visibility::Namespace,
+        Err(_) => return Err(format!("unknown visibility {}", s.visibility)),
+    };
+    let weighted_waypoints = s
+        .weighted_waypoints
+        .into_iter()
+        .map(|w| {
+            let g = gateway_from_proto(
+                w.destination
+                    .ok_or("a weighted waypoint with no destination")?,
+            )?;
+            Ok(WeightedWaypoint {
+                destination: g.destination,
+                hbone_mtls_port: g.hbone_mtls_port,
+                weight: w.weight,
+            })
+        })
+        .collect::<Result<_, String>>()?;
     Ok(Service {
         name: s.name,
         namespace: s.namespace,
@@ -128,7 +284,15 @@ pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
             .collect::<Result<_, String>>()?,
         ports,
         subject_alt_names: s.subject_alt_names,
-        ..Default::default()
+        waypoint: s.waypoint.map(gateway_from_proto).transpose()?,
+        weighted_waypoints,
+        load_balancing,
+        ip_families,
+        canonical: s.canonical,
+        ingress_use_waypoint: s.ingress_use_waypoint,
+        visibility,
+        app_protocols,
+        extensions: s.extensions.into_iter().map(|e| e.name).collect(),
     })
 }
 
@@ -142,6 +306,7 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
                 .map(|(s, t)| pb::Port {
                     service_port: *s as u32,
                     target_port: *t as u32,
+                    app_protocol: pb::AppProtocol::Unknown as i32,
                 })
                 .collect();
             (k.clone(), pb::PortList { ports })
@@ -171,7 +336,56 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
             },
             cluster_id: w.cluster_id.clone(),
             services,
+            hostname: w.hostname.clone(),
+            waypoint: w.waypoint.as_ref().map(gateway_to_proto),
+            network_gateway: w.network_gateway.as_ref().map(gateway_to_proto),
+            workload_type: match w.workload_type.as_str() {
+                "cronjob" => pb::WorkloadType::Cronjob,
+                "pod" => pb::WorkloadType::Pod,
+                "job" => pb::WorkloadType::Job,
+                _ => pb::WorkloadType::Deployment,
+            } as i32,
+            native_tunnel: w.native_tunnel,
+            application_tunnel: w.application_tunnel.map(|t| pb::ApplicationTunnel {
+                protocol: match t.protocol {
+                    TunnelToApp::None => pb::application_tunnel::Protocol::None,
+                    TunnelToApp::Proxy => pb::application_tunnel::Protocol::Proxy,
+                } as i32,
+                port: t.port.map_or(0, u32::from),
+            }),
+            locality: (w.locality != Locality::default()).then(|| pb::Locality {
+                region: w.locality.region.clone(),
+                zone: w.locality.zone.clone(),
+                subzone: w.locality.subzone.clone(),
+            }),
+            network_mode: match w.network_mode {
+                NetworkMode::Standard => pb::NetworkMode::Standard,
+                NetworkMode::HostNetwork => pb::NetworkMode::HostNetwork,
+            } as i32,
+            extensions: Vec::new(),
+            capacity: w.capacity,
         })),
+    }
+}
+
+fn gateway_to_proto(g: &GatewayAddress) -> pb::GatewayAddress {
+    use pb::gateway_address::Destination;
+    pb::GatewayAddress {
+        destination: Some(match &g.destination {
+            GatewayDestination::Address(a) => Destination::Address(pb::NetworkAddress {
+                network: a.network.clone(),
+                address: ip_bytes(a.address),
+                length: None,
+            }),
+            GatewayDestination::Hostname {
+                namespace,
+                hostname,
+            } => Destination::Hostname(pb::NamespacedHostname {
+                namespace: namespace.clone(),
+                hostname: hostname.clone(),
+            }),
+        }),
+        hbone_mtls_port: u32::from(g.hbone_mtls_port),
     }
 }
 
@@ -187,6 +401,7 @@ pub fn service_to_proto(s: &Service) -> pb::Address {
                 .map(|v| pb::NetworkAddress {
                     network: v.network.clone(),
                     address: ip_bytes(v.address),
+                    length: None,
                 })
                 .collect(),
             ports: s
@@ -195,9 +410,50 @@ pub fn service_to_proto(s: &Service) -> pb::Address {
                 .map(|(p, t)| pb::Port {
                     service_port: *p as u32,
                     target_port: *t as u32,
+                    app_protocol: s
+                        .app_protocols
+                        .get(p)
+                        .and_then(|a| pb::AppProtocol::from_str_name(a))
+                        .unwrap_or(pb::AppProtocol::Unknown)
+                        as i32,
                 })
                 .collect(),
             subject_alt_names: s.subject_alt_names.clone(),
+            waypoint: s.waypoint.as_ref().map(gateway_to_proto),
+            load_balancing: s.load_balancing.as_ref().map(|lb| pb::LoadBalancing {
+                routing_preference: lb
+                    .routing_preference
+                    .iter()
+                    .filter_map(|p| pb::load_balancing::Scope::from_str_name(p))
+                    .map(|p| p as i32)
+                    .collect(),
+                mode: pb::load_balancing::Mode::from_str_name(&lb.mode)
+                    .unwrap_or(pb::load_balancing::Mode::UnspecifiedMode)
+                    as i32,
+                health_policy: pb::load_balancing::HealthPolicy::from_str_name(&lb.health_policy)
+                    .unwrap_or(pb::load_balancing::HealthPolicy::OnlyHealthy)
+                    as i32,
+            }),
+            ip_families: s
+                .ip_families
+                .as_deref()
+                .and_then(pb::IpFamilies::from_str_name)
+                .unwrap_or(pb::IpFamilies::Automatic) as i32,
+            extensions: Vec::new(),
+            canonical: s.canonical,
+            ingress_use_waypoint: s.ingress_use_waypoint,
+            weighted_waypoints: s
+                .weighted_waypoints
+                .iter()
+                .map(|w| pb::WeightedWaypoint {
+                    destination: Some(gateway_to_proto(&w.gateway())),
+                    weight: w.weight,
+                })
+                .collect(),
+            visibility: match s.visibility {
+                Visibility::Public => pb::service::Visibility::Public,
+                Visibility::Namespace => pb::service::Visibility::Namespace,
+            } as i32,
         })),
     }
 }
@@ -304,10 +560,23 @@ fn match_to(m: &RbacMatch) -> pb_sec::Match {
         not_destination_ports: m.not_destination_ports.iter().map(|p| *p as u32).collect(),
         service_accounts: m.service_accounts.iter().map(sa_to).collect(),
         not_service_accounts: m.not_service_accounts.iter().map(sa_to).collect(),
+        extensions: Vec::new(),
     }
 }
 
 pub fn authorization_from_proto(a: pb_sec::Authorization) -> Result<Authorization, String> {
+    // An extension changes what the policy means: refuse it rather than
+    // enforce something weaker than istiod asked for.
+    let extensions = a.extensions.iter().chain(
+        a.rules
+            .iter()
+            .flat_map(|r| &r.clauses)
+            .flat_map(|c| &c.matches)
+            .flat_map(|m| &m.extensions),
+    );
+    if let Some(e) = extensions.map(|e| &e.name).next() {
+        return Err(format!("extension {e:?} is not supported"));
+    }
     let scope = match pb_sec::Scope::try_from(a.scope) {
         Ok(pb_sec::Scope::Global) => PolicyScope::Global,
         Ok(pb_sec::Scope::Namespace) => PolicyScope::Namespace,
@@ -370,6 +639,7 @@ pub fn authorization_to_proto(a: &Authorization) -> pb_sec::Authorization {
             })
             .collect(),
         dry_run: a.dry_run,
+        extensions: Vec::new(),
     }
 }
 
@@ -384,9 +654,16 @@ mod tests {
             Path::new("t.yaml"),
             r#"
 workloads:
-- {uid: u1, name: a, namespace: n, serviceAccount: sa, workloadIps: [10.0.0.1, "fd00::1"], protocol: HBONE, services: {"n/s.n.svc.cluster.local": {80: 8080}}}
+- {uid: u1, name: a, namespace: n, serviceAccount: sa, workloadIps: [10.0.0.1, "fd00::1"], protocol: HBONE, services: {"n/s.n.svc.cluster.local": {80: 8080}},
+   waypoint: {destination: "n/wp.n.svc.cluster.local", hboneMtlsPort: 15009}, workloadType: job, nativeTunnel: true,
+   locality: {region: r, zone: z}, capacity: 3, applicationTunnel: {protocol: NONE, port: 15088}}
+- {uid: u2, name: h, namespace: n, workloadIps: [10.0.0.2], networkMode: HOST_NETWORK}
 services:
-- {name: s, namespace: n, hostname: s.n.svc.cluster.local, vips: ["/10.96.0.1"], ports: {80: 8080}, subjectAltNames: ["spiffe://td/ns/n/sa/x"]}
+- {name: s, namespace: n, hostname: s.n.svc.cluster.local, vips: ["/10.96.0.1"], ports: {80: 8080}, subjectAltNames: ["spiffe://td/ns/n/sa/x"],
+   waypoint: {destination: "/10.0.0.9"}, appProtocols: {80: HTTP2}, canonical: true, ipFamilies: DUAL,
+   loadBalancer: {healthPolicy: ONLY_HEALTHY}}
+- {name: w, namespace: n, hostname: w.n.svc.cluster.local, vips: ["/10.96.0.2"], ports: {80: 8080}, ingressUseWaypoint: true,
+   weightedWaypoints: [{destination: "/10.0.0.9", weight: 2}, {destination: "n/wp.n.svc.cluster.local", hboneMtlsPort: 15009, weight: 1}]}
 policies:
 - {name: p, namespace: n, action: Deny, rules: [[[{namespaces: [!Exact x], sourceIps: [10.0.0.0/8], destinationPorts: [22]}]]]}
 "#,
@@ -427,5 +704,234 @@ policies:
         };
         assert!(workload_from_proto(w).unwrap_err().contains("LEGACY"));
         assert!(address_from_proto(pb::Address { r#type: None }).is_err());
+    }
+
+    /// Protobuf wire bytes written by hand from Istio's field numbers, so
+    /// the decode is checked against istiod's numbering, not our encoder.
+    mod wire {
+        pub fn varint(mut v: u64) -> Vec<u8> {
+            let mut out = Vec::new();
+            loop {
+                let b = (v & 0x7f) as u8;
+                v >>= 7;
+                if v == 0 {
+                    out.push(b);
+                    return out;
+                }
+                out.push(b | 0x80);
+            }
+        }
+        pub fn num(field: u64, v: u64) -> Vec<u8> {
+            [varint(field << 3), varint(v)].concat()
+        }
+        pub fn bytes(field: u64, b: &[u8]) -> Vec<u8> {
+            [varint(field << 3 | 2), varint(b.len() as u64), b.to_vec()].concat()
+        }
+    }
+
+    fn decode(bytes: Vec<u8>) -> Result<AddressResource, String> {
+        use prost::Message;
+        address_from_proto(pb::Address::decode(bytes.as_slice()).map_err(|e| e.to_string())?)
+    }
+
+    #[test]
+    fn every_workload_field_decodes_from_istios_field_numbers() {
+        use wire::{bytes, num};
+        let waypoint = [
+            bytes(2, &[bytes(1, b"net1"), bytes(2, &[10, 0, 0, 9])].concat()),
+            num(3, 15009),
+        ]
+        .concat();
+        let workload = [
+            bytes(20, b"uid-1"),
+            bytes(1, b"api-0"),
+            bytes(2, b"shop"),
+            bytes(3, &[10, 0, 0, 3]),
+            bytes(21, b"api-0.shop"),
+            bytes(4, b"net1"),
+            num(5, 1),
+            bytes(7, b"api"),
+            bytes(8, &waypoint),
+            num(12, 2),
+            bytes(13, b"api"),
+            num(14, 1),
+            bytes(23, &[num(1, 0), num(2, 15088)].concat()),
+            bytes(
+                24,
+                &[
+                    bytes(1, b"eu-west"),
+                    bytes(2, b"eu-west-1a"),
+                    bytes(3, b"rack7"),
+                ]
+                .concat(),
+            ),
+            num(25, 1),
+            bytes(27, &num(1, 4)),
+        ]
+        .concat();
+        let AddressResource::Workload(w) = decode(bytes(1, &workload)).unwrap() else {
+            panic!("not a workload");
+        };
+        assert_eq!(
+            (w.uid.as_str(), w.name.as_str(), w.hostname.as_str()),
+            ("uid-1", "api-0", "api-0.shop")
+        );
+        assert_eq!(
+            w.waypoint,
+            Some(GatewayAddress {
+                destination: GatewayDestination::Address(NetworkAddress {
+                    network: "net1".into(),
+                    address: "10.0.0.9".parse().unwrap(),
+                }),
+                hbone_mtls_port: 15009,
+            })
+        );
+        assert_eq!(w.workload_type, "pod");
+        assert!(w.native_tunnel);
+        assert_eq!(
+            w.application_tunnel,
+            Some(ApplicationTunnel {
+                protocol: TunnelToApp::None,
+                port: Some(15088)
+            })
+        );
+        assert_eq!(
+            (
+                w.locality.region.as_str(),
+                w.locality.zone.as_str(),
+                w.locality.subzone.as_str()
+            ),
+            ("eu-west", "eu-west-1a", "rack7")
+        );
+        assert_eq!(w.network_mode, NetworkMode::HostNetwork);
+        assert_eq!(w.capacity, Some(4));
+        // A network gateway (field 19) decodes, and the workload is refused for it.
+        let gated = [bytes(20, b"uid-2"), bytes(19, &waypoint)].concat();
+        let AddressResource::Workload(g) = decode(bytes(1, &gated)).unwrap() else {
+            panic!("not a workload");
+        };
+        assert!(
+            g.unsupported().unwrap().contains("network gateway"),
+            "{:?}",
+            g.unsupported()
+        );
+    }
+
+    #[test]
+    fn every_service_field_decodes_from_istios_field_numbers() {
+        use wire::{bytes, num};
+        let by_name = bytes(
+            1,
+            &[bytes(1, b"shop"), bytes(2, b"wp.shop.svc.cluster.local")].concat(),
+        );
+        let weighted = |ip: u8, w: u64| {
+            bytes(
+                13,
+                &[
+                    bytes(1, &bytes(2, &[bytes(2, &[10, 0, 0, ip])].concat())),
+                    num(2, w),
+                ]
+                .concat(),
+            )
+        };
+        let service = [
+            bytes(1, b"api"),
+            bytes(2, b"shop"),
+            bytes(3, b"api.shop.svc.cluster.local"),
+            bytes(4, &[bytes(1, b""), bytes(2, &[10, 96, 0, 20])].concat()),
+            bytes(5, &[num(1, 80), num(2, 8080), num(3, 2)].concat()),
+            bytes(6, b"spiffe://cluster.local/ns/shop/sa/api"),
+            bytes(7, &by_name),
+            bytes(8, &[num(3, 0)].concat()),
+            num(9, 3),
+            num(11, 1),
+            num(12, 1),
+            weighted(9, 3),
+            weighted(10, 1),
+            num(14, 0),
+        ]
+        .concat();
+        let AddressResource::Service(s) = decode(bytes(2, &service)).unwrap() else {
+            panic!("not a service");
+        };
+        assert_eq!(s.key(), "shop/api.shop.svc.cluster.local");
+        assert_eq!(s.ports.get(&80), Some(&8080));
+        assert_eq!(s.app_protocols.get(&80).map(String::as_str), Some("HTTP2"));
+        assert_eq!(
+            s.waypoint
+                .as_ref()
+                .map(|w| (w.destination.to_string(), w.hbone_mtls_port)),
+            Some(("shop/wp.shop.svc.cluster.local".to_string(), 15008)),
+            "an unset port means 15008"
+        );
+        assert_eq!(s.ip_families.as_deref(), Some("DUAL"));
+        assert!(s.canonical && s.ingress_use_waypoint);
+        assert_eq!(s.visibility, Visibility::Public);
+        assert_eq!(
+            s.weighted_waypoints
+                .iter()
+                .map(|w| (w.destination.to_string(), w.weight))
+                .collect::<Vec<_>>(),
+            [("/10.0.0.9".to_string(), 3), ("/10.0.0.10".to_string(), 1)]
+        );
+        assert_eq!(
+            s.unsupported(),
+            None,
+            "only ONLY_HEALTHY load balancing: served"
+        );
+    }
+
+    #[test]
+    fn unknown_enums_and_behaviour_ambit_lacks_are_refused_with_a_reason() {
+        use wire::{bytes, num};
+        let refused = |field: &[u8]| decode(bytes(1, &[bytes(20, b"u"), field.to_vec()].concat()));
+        assert!(refused(&num(12, 9))
+            .unwrap_err()
+            .contains("unknown workload type 9"));
+        assert!(refused(&num(25, 7))
+            .unwrap_err()
+            .contains("unknown network mode 7"));
+        assert!(refused(&bytes(8, &num(3, 15008)))
+            .unwrap_err()
+            .contains("no destination"));
+        let svc = |field: Vec<u8>| {
+            decode(bytes(
+                2,
+                &[bytes(1, b"s"), bytes(2, b"n"), bytes(3, b"s.n"), field].concat(),
+            ))
+        };
+        assert!(svc(num(14, 5))
+            .unwrap_err()
+            .contains("unknown visibility 5"));
+        let lacks = |r: Result<AddressResource, String>| match r.unwrap() {
+            AddressResource::Service(s) => s.unsupported().unwrap_or_default(),
+            AddressResource::Workload(w) => w.unsupported().unwrap_or_default(),
+        };
+        assert!(lacks(svc(num(14, 1))).contains("visibility NAMESPACE"));
+        assert!(lacks(svc(bytes(8, &num(2, 1)))).contains("load balancing"));
+        let zero = bytes(
+            13,
+            &[bytes(1, &bytes(2, &bytes(2, &[10, 0, 0, 9]))), num(2, 0)].concat(),
+        );
+        assert!(lacks(svc(zero)).contains("total weight of 0"));
+        let ext = bytes(10, &bytes(1, b"istio.io/some-extension"));
+        assert!(lacks(svc(ext)).contains("some-extension"));
+        let tunnel = bytes(23, &num(1, 1));
+        assert!(lacks(refused(&tunnel)).contains("PROXY"));
+        let by_hostname_only = bytes(21, b"vm.example.com");
+        assert!(lacks(refused(&by_hostname_only)).contains("hostname"));
+        // A policy with an extension is refused too: enforcing less than
+        // istiod asked for is never the fallback.
+        let p = pb_sec::Authorization {
+            name: "p".into(),
+            extensions: vec![pb::Extension {
+                name: "istio.io/l7".into(),
+                config: None,
+            }],
+            ..Default::default()
+        };
+        assert!(authorization_from_proto(p)
+            .unwrap_err()
+            .contains("istio.io/l7"));
     }
 }

@@ -1,5 +1,5 @@
 //! The mesh state the data path reads: an immutable, indexed snapshot swapped
-//! in whole by whichever source owns the state (local file now, xDS later).
+//! in whole by whichever source owns the state (xDS or the local file).
 //!
 //! Readers call [`StateHandle::load`] once per connection and never lock;
 //! writers build a complete new [`State`] and swap it in one step, so a reader
@@ -11,7 +11,9 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use super::types::{Authorization, HealthStatus, NetworkAddress, PolicyScope, Service, Workload};
+use super::types::{
+    Authorization, HealthStatus, NetworkAddress, NetworkMode, PolicyScope, Service, Workload,
+};
 
 /// A workload backing a service, with its own port overrides.
 #[derive(Debug, Clone)]
@@ -81,6 +83,13 @@ impl State {
                 });
                 continue;
             }
+            if let Some(reason) = w.unsupported() {
+                errors.push(ResourceError {
+                    resource: name,
+                    reason,
+                });
+                continue;
+            }
             if st.workloads.contains_key(&w.uid) {
                 errors.push(ResourceError {
                     resource: name,
@@ -89,8 +98,14 @@ impl State {
                 continue;
             }
             let w = Arc::new(w);
+            // A hostNetwork workload's IPs are its node's, shared with the
+            // node's other hostNetwork pods: it is never found by IP.
+            let indexed: &[IpAddr] = match w.network_mode {
+                NetworkMode::HostNetwork => &[],
+                NetworkMode::Standard => &w.workload_ips,
+            };
             let mut clash = None;
-            for ip in &w.workload_ips {
+            for ip in indexed {
                 let key = NetworkAddress {
                     network: w.network.clone(),
                     address: *ip,
@@ -109,7 +124,7 @@ impl State {
                 });
                 continue;
             }
-            for ip in &w.workload_ips {
+            for ip in indexed {
                 st.by_addr.insert(
                     NetworkAddress {
                         network: w.network.clone(),
@@ -134,6 +149,13 @@ impl State {
                 errors.push(ResourceError {
                     resource: name,
                     reason: "hostname and namespace are required".into(),
+                });
+                continue;
+            }
+            if let Some(reason) = s.unsupported() {
+                errors.push(ResourceError {
+                    resource: name,
+                    reason,
                 });
                 continue;
             }
@@ -207,6 +229,11 @@ impl State {
     }
 
     /// Healthy endpoints of a service.
+    /// Every workload backing `service`, healthy or not.
+    pub fn endpoints<'a>(&'a self, service: &Service) -> impl Iterator<Item = &'a Endpoint> + 'a {
+        self.endpoints.get(&service.key()).into_iter().flatten()
+    }
+
     pub fn healthy_endpoints<'a>(
         &'a self,
         service: &Service,

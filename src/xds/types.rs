@@ -87,7 +87,8 @@ pub struct Workload {
     pub canonical_revision: String,
     #[serde(default)]
     pub workload_name: String,
-    #[serde(default)]
+    /// `deployment`, `cronjob`, `pod` or `job` (istiod's `workload_type`).
+    #[serde(default = "default_workload_type")]
     pub workload_type: String,
     #[serde(default)]
     pub status: HealthStatus,
@@ -96,21 +97,154 @@ pub struct Workload {
     pub services: HashMap<String, BTreeMap<u16, u16>>,
     #[serde(default)]
     pub authorization_policies: Vec<String>,
-    // Fields of ztunnel's format that Ambit accepts but does not act on yet.
+    /// Set for a workload reached by name instead of by address.
     #[serde(default)]
-    pub hostname: Option<serde_yaml::Value>,
+    pub hostname: String,
+    /// Traffic to this workload goes through this waypoint.
     #[serde(default)]
-    pub waypoint: Option<serde_yaml::Value>,
+    pub waypoint: Option<GatewayAddress>,
+    /// Reached from other networks through this gateway (not supported:
+    /// a workload that names one is refused).
     #[serde(default)]
-    pub network_gateway: Option<serde_yaml::Value>,
+    pub network_gateway: Option<GatewayAddress>,
+    /// The workload terminates HBONE itself.
     #[serde(default)]
-    pub native_tunnel: Option<serde_yaml::Value>,
+    pub native_tunnel: bool,
     #[serde(default)]
-    pub application_tunnel: Option<serde_yaml::Value>,
+    pub application_tunnel: Option<ApplicationTunnel>,
     #[serde(default)]
-    pub locality: Option<serde_yaml::Value>,
+    pub locality: Locality,
     #[serde(default)]
-    pub network_mode: Option<serde_yaml::Value>,
+    pub network_mode: NetworkMode,
+    /// Relative weight when load balancing (istiod's `capacity`).
+    #[serde(default)]
+    pub capacity: Option<u32>,
+    /// Names of extensions istiod attached (from xDS only).
+    #[serde(skip)]
+    pub extensions: Vec<String>,
+}
+
+/// Where a waypoint or gateway is: one address, or a service by name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum GatewayDestination {
+    Address(NetworkAddress),
+    /// `namespace/hostname` of a service.
+    Hostname {
+        namespace: String,
+        hostname: String,
+    },
+}
+
+impl TryFrom<String> for GatewayDestination {
+    type Error = String;
+    /// `network/IP` (or a bare IP) is an address; `namespace/hostname` a service.
+    fn try_from(s: String) -> Result<Self, String> {
+        if let Ok(a) = NetworkAddress::try_from(s.clone()) {
+            return Ok(GatewayDestination::Address(a));
+        }
+        match s.split_once('/') {
+            Some((ns, host)) if !ns.is_empty() && !host.is_empty() => {
+                Ok(GatewayDestination::Hostname {
+                    namespace: ns.to_string(),
+                    hostname: host.to_string(),
+                })
+            }
+            _ => Err(format!(
+                "{s:?} is neither network/IP nor namespace/hostname"
+            )),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for GatewayDestination {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        GatewayDestination::try_from(String::deserialize(d)?).map_err(serde::de::Error::custom)
+    }
+}
+
+impl fmt::Display for GatewayDestination {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            GatewayDestination::Address(a) => a.fmt(f),
+            GatewayDestination::Hostname {
+                namespace,
+                hostname,
+            } => write!(f, "{namespace}/{hostname}"),
+        }
+    }
+}
+
+/// A waypoint or gateway and the port its HBONE listener takes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GatewayAddress {
+    pub destination: GatewayDestination,
+    #[serde(default = "default_hbone_port")]
+    pub hbone_mtls_port: u16,
+}
+
+fn default_hbone_port() -> u16 {
+    crate::constants::HBONE_PORT
+}
+
+/// One of several waypoints of a service, chosen in proportion to `weight`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WeightedWaypoint {
+    pub destination: GatewayDestination,
+    #[serde(default = "default_hbone_port")]
+    pub hbone_mtls_port: u16,
+    pub weight: u32,
+}
+
+impl WeightedWaypoint {
+    pub fn gateway(&self) -> GatewayAddress {
+        GatewayAddress {
+            destination: self.destination.clone(),
+            hbone_mtls_port: self.hbone_mtls_port,
+        }
+    }
+}
+
+/// How a workload wants tunnelled traffic handed to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApplicationTunnel {
+    pub protocol: TunnelToApp,
+    #[serde(default)]
+    pub port: Option<u16>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum TunnelToApp {
+    #[default]
+    #[serde(rename = "NONE")]
+    None,
+    /// PROXY protocol in front of the application's bytes.
+    #[serde(rename = "PROXY")]
+    Proxy,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Locality {
+    pub region: String,
+    pub zone: String,
+    pub subzone: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum NetworkMode {
+    #[default]
+    #[serde(rename = "STANDARD", alias = "Standard")]
+    Standard,
+    /// Shares the node's network: never indexed by its (the node's) IP.
+    #[serde(rename = "HOST_NETWORK", alias = "HostNetwork")]
+    HostNetwork,
+}
+
+fn default_workload_type() -> String {
+    "deployment".to_string()
 }
 
 fn default_service_account() -> String {
@@ -118,6 +252,41 @@ fn default_service_account() -> String {
 }
 
 impl Workload {
+    /// Why Ambit cannot serve this workload as istiod means it, if it
+    /// cannot: such a workload is refused (NACKed), never routed around.
+    pub fn unsupported(&self) -> Option<String> {
+        if let Some(e) = self.extensions.first() {
+            return Some(format!("extension {e:?} is not supported"));
+        }
+        if let Some(g) = &self.network_gateway {
+            return Some(format!(
+                "network gateway {} (another network) is not supported yet",
+                g.destination
+            ));
+        }
+        if !self.hostname.is_empty() && self.workload_ips.is_empty() {
+            return Some(format!(
+                "a workload reached by hostname ({}) is not supported yet",
+                self.hostname
+            ));
+        }
+        if let Some(t) = &self.application_tunnel {
+            if t.protocol == TunnelToApp::Proxy {
+                return Some("application tunnel PROXY is not supported yet".into());
+            }
+        }
+        if let Some(GatewayAddress {
+            destination: GatewayDestination::Address(a),
+            ..
+        }) = &self.waypoint
+        {
+            if a.network == self.network && self.workload_ips.contains(&a.address) {
+                return Some(format!("its waypoint {a} is the workload itself"));
+            }
+        }
+        None
+    }
+
     /// The SPIFFE identity this workload's certificate carries.
     pub fn identity(&self, default_trust_domain: &str) -> Identity {
         let td = if self.trust_domain.is_empty() {
@@ -152,15 +321,89 @@ pub struct Service {
     pub ports: BTreeMap<u16, u16>,
     #[serde(default)]
     pub subject_alt_names: Vec<String>,
+    /// Traffic to this service goes through this waypoint.
     #[serde(default)]
-    pub waypoint: Option<serde_yaml::Value>,
+    pub waypoint: Option<GatewayAddress>,
+    /// Several waypoints, chosen by weight (takes the place of `waypoint`).
     #[serde(default)]
-    pub load_balancer: Option<serde_yaml::Value>,
+    pub weighted_waypoints: Vec<WeightedWaypoint>,
+    #[serde(default, rename = "loadBalancer")]
+    pub load_balancing: Option<LoadBalancing>,
     #[serde(default)]
-    pub ip_families: Option<serde_yaml::Value>,
+    pub ip_families: Option<String>,
+    /// The service that names a hostname several services share.
+    #[serde(default)]
+    pub canonical: bool,
+    /// Traffic from ingress gateways also goes through the waypoint.
+    #[serde(default)]
+    pub ingress_use_waypoint: bool,
+    #[serde(default)]
+    pub visibility: Visibility,
+    /// Service port → application protocol istiod declared (`HTTP11`, ...).
+    #[serde(default)]
+    pub app_protocols: BTreeMap<u16, String>,
+    /// Names of extensions istiod attached (from xDS only).
+    #[serde(skip)]
+    pub extensions: Vec<String>,
+}
+
+/// istiod's load-balancing choices for a service.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct LoadBalancing {
+    /// `REGION`, `ZONE`, ...: endpoints are preferred in that order.
+    pub routing_preference: Vec<String>,
+    /// `STRICT`, `FAILOVER`, `PASSTHROUGH` (empty: unspecified).
+    pub mode: String,
+    /// `ALLOW_ALL` lets unhealthy endpoints take traffic.
+    pub health_policy: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum Visibility {
+    #[default]
+    #[serde(rename = "PUBLIC", alias = "Public")]
+    Public,
+    /// Only workloads of the service's namespace may use it.
+    #[serde(rename = "NAMESPACE", alias = "Namespace")]
+    Namespace,
 }
 
 impl Service {
+    /// Why Ambit cannot serve this service as istiod means it, if it cannot:
+    /// such a service is refused (NACKed), never routed around.
+    pub fn unsupported(&self) -> Option<String> {
+        if let Some(e) = self.extensions.first() {
+            return Some(format!("extension {e:?} is not supported"));
+        }
+        if self.visibility == Visibility::Namespace {
+            return Some("visibility NAMESPACE is not supported yet".into());
+        }
+        if let Some(lb) = &self.load_balancing {
+            if !lb.routing_preference.is_empty() || !lb.mode.is_empty() {
+                return Some(format!(
+                    "load balancing (mode {:?}, preference {:?}) is not supported yet",
+                    lb.mode, lb.routing_preference
+                ));
+            }
+            if !lb.health_policy.is_empty() && lb.health_policy != "ONLY_HEALTHY" {
+                return Some(format!(
+                    "load balancing health policy {:?} is not supported yet",
+                    lb.health_policy
+                ));
+            }
+        }
+        let total: u64 = self
+            .weighted_waypoints
+            .iter()
+            .map(|w| u64::from(w.weight))
+            .sum();
+        if !self.weighted_waypoints.is_empty() && total == 0 {
+            return Some("weighted waypoints with a total weight of 0".into());
+        }
+        None
+    }
+
     /// The key workloads use to name it: `namespace/hostname`.
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.hostname)

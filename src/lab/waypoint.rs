@@ -1,0 +1,186 @@
+//! A waypoint stand-in for the tests: an HBONE server in a lab pod (mutual
+//! TLS with a certificate of its own identity, HTTP/2 CONNECT on 15008) that
+//! records every CONNECT it is sent (authority, headers, the peer's
+//! identity) and carries the stream on to the destination over HBONE, as a
+//! real waypoint does after its L7 work. It does no policy and no L7: it is
+//! the observer that shows where a proxy sent its traffic.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::LabPod;
+use crate::constants::HBONE_PORT;
+use crate::identity::{tls, Identity, LocalCa, WorkloadCert};
+
+/// One CONNECT the stand-in received.
+#[derive(Debug, Clone)]
+pub struct ConnectSeen {
+    /// `:authority` as sent.
+    pub authority: String,
+    /// Every header, lower-case names.
+    pub headers: HashMap<String, String>,
+    /// The SPIFFE identity of the client certificate.
+    pub peer: String,
+}
+
+/// A running stand-in; stops with the lab pod's netns.
+pub struct WaypointStandIn {
+    seen: Arc<Mutex<Vec<ConnectSeen>>>,
+}
+
+impl WaypointStandIn {
+    /// Serves HBONE on `pod`'s 15008 as `identity`, with a certificate from
+    /// the CA in `ca` (cert, key). A CONNECT to an authority in `forward`
+    /// is carried to the address it maps to (a service VIP to an endpoint);
+    /// any other authority is carried to itself.
+    pub fn start(
+        pod: &LabPod,
+        ca: (&Path, &Path),
+        identity: Identity,
+        forward: HashMap<SocketAddr, SocketAddr>,
+    ) -> std::io::Result<WaypointStandIn> {
+        let ca = LocalCa::from_files(ca.0, ca.1).map_err(std::io::Error::other)?;
+        let cert = ca
+            .issue(&identity, Duration::from_secs(3600))
+            .map_err(std::io::Error::other)?;
+        let listener = pod
+            .ns
+            .run(|| std::net::TcpListener::bind(("0.0.0.0", HBONE_PORT)))??;
+        listener.set_nonblocking(true)?;
+        let seen: Arc<Mutex<Vec<ConnectSeen>>> = Arc::default();
+        let (ns, record) = (pod.ns.clone(), seen.clone());
+        std::thread::spawn(move || {
+            // Outbound dials must leave from the waypoint pod's netns too.
+            let _ = ns.run(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                rt.block_on(serve(listener, cert, record, Arc::new(forward)))
+            });
+        });
+        Ok(WaypointStandIn { seen })
+    }
+
+    /// The CONNECTs received so far, oldest first.
+    pub fn seen(&self) -> Vec<ConnectSeen> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+async fn serve(
+    listener: std::net::TcpListener,
+    cert: WorkloadCert,
+    seen: Arc<Mutex<Vec<ConnectSeen>>>,
+    forward: Arc<HashMap<SocketAddr, SocketAddr>>,
+) -> std::io::Result<()> {
+    let listener = TcpListener::from_std(listener)?;
+    let server = Arc::new(tls::server_config(&cert).map_err(std::io::Error::other)?);
+    let client = Arc::new(tls::client_config(&cert).map_err(std::io::Error::other)?);
+    loop {
+        let (tcp, _) = listener.accept().await?;
+        let (server, client, seen, forward) = (
+            server.clone(),
+            client.clone(),
+            seen.clone(),
+            forward.clone(),
+        );
+        tokio::spawn(async move {
+            let Ok(tls) = tokio_rustls::TlsAcceptor::from(server).accept(tcp).await else {
+                return;
+            };
+            let peer = tls
+                .get_ref()
+                .1
+                .peer_certificates()
+                .and_then(|c| c.first())
+                .and_then(tls::identity_of)
+                .map(|i| i.to_string())
+                .unwrap_or_default();
+            let Ok(mut conn) = h2::server::handshake(tls).await else {
+                return;
+            };
+            while let Some(Ok((req, respond))) = conn.accept().await {
+                let seen_now = ConnectSeen {
+                    authority: req.uri().to_string(),
+                    headers: req
+                        .headers()
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("").to_string()))
+                        .collect(),
+                    peer: peer.clone(),
+                };
+                seen.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(seen_now);
+                let (client, forward) = (client.clone(), forward.clone());
+                tokio::spawn(carry(req, respond, client, forward));
+            }
+        });
+    }
+}
+
+/// Carries one CONNECT on over HBONE to its destination's proxy.
+async fn carry(
+    req: Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<Bytes>,
+    client: Arc<rustls::ClientConfig>,
+    forward: Arc<HashMap<SocketAddr, SocketAddr>>,
+) {
+    let refuse = |respond: &mut h2::server::SendResponse<Bytes>| {
+        let resp = Response::builder()
+            .status(StatusCode::SERVICE_UNAVAILABLE)
+            .body(())
+            .unwrap_or_default();
+        let _ = respond.send_response(resp, true);
+    };
+    let Ok(authority) = req.uri().to_string().parse::<SocketAddr>() else {
+        return refuse(&mut respond);
+    };
+    let target = forward.get(&authority).copied().unwrap_or(authority);
+    let upstream = async {
+        let tcp = TcpStream::connect((target.ip(), HBONE_PORT)).await.ok()?;
+        let connector = tokio_rustls::TlsConnector::from(client);
+        let tls = connector
+            .connect(tls::hbone_server_name(), tcp)
+            .await
+            .ok()?;
+        let (sender, conn) = h2::client::handshake(tls).await.ok()?;
+        tokio::spawn(conn);
+        let mut sender = sender.ready().await.ok()?;
+        let mut up = Request::builder()
+            .method(http::Method::CONNECT)
+            .uri(target.to_string());
+        if let Some(f) = req.headers().get("forwarded") {
+            up = up.header("forwarded", f);
+        }
+        let (resp, send) = sender.send_request(up.body(()).ok()?, false).ok()?;
+        let resp = resp.await.ok()?;
+        (resp.status() == StatusCode::OK).then(|| (send, resp.into_body()))
+    };
+    let Some((up_send, up_recv)) = upstream.await else {
+        return refuse(&mut respond);
+    };
+    let Ok(down_send) = respond.send_response(Response::new(()), false) else {
+        return;
+    };
+    let down_recv = req.into_body();
+    tokio::join!(pipe(down_recv, up_send), pipe(up_recv, down_send));
+}
+
+/// Copies one HTTP/2 stream's data into another, ending it at the end.
+async fn pipe(mut from: h2::RecvStream, mut to: h2::SendStream<Bytes>) {
+    while let Some(Ok(data)) = from.data().await {
+        let _ = from.flow_control().release_capacity(data.len());
+        if to.send_data(data, false).is_err() {
+            return;
+        }
+    }
+    let _ = to.send_data(Bytes::new(), true);
+}

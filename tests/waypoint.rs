@@ -1,0 +1,229 @@
+//! Waypoints: traffic to a service or workload that istiod gives a waypoint
+//! goes to the waypoint over HBONE (with the original destination as the
+//! CONNECT authority and the waypoint's identity checked), never around it;
+//! the waypoint's own leg to the pod is accepted by the pod's proxy; a
+//! waypoint taken away sends traffic direct again; one named but absent
+//! refuses the connection. The waypoint is the lab's recording stand-in.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ambit::identity::Identity;
+use ambit::lab::waypoint::WaypointStandIn;
+use ambit::lab::{connect_from, echo_roundtrip, LabPod};
+use common::{counter, wait_until, workload, Mesh, TD};
+
+const VIP: &str = "10.96.0.50";
+const SETTLE: Duration = Duration::from_secs(10);
+
+/// The local config: client, server (behind `server_waypoint`, if any), the
+/// waypoint pods, and service `api` (behind `service_waypoint`, if any).
+fn config(
+    client: &LabPod,
+    server: &LabPod,
+    waypoints: &[&LabPod],
+    server_waypoint: Option<&str>,
+    service_waypoint: &str,
+) -> String {
+    let mut out = String::from("workloads:\n");
+    out.push_str(&workload(client, "client-sa", "HBONE"));
+    let wp = server_waypoint
+        .map(|d| format!(", waypoint: {{destination: \"{d}\"}}"))
+        .unwrap_or_default();
+    out.push_str(&format!(
+        "- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{}\"], protocol: HBONE{wp},\n   services: {{\"default/api.default.svc.cluster.local\": {{80: 8080}}}}}}\n",
+        server.ip
+    ));
+    for w in waypoints {
+        out.push_str(&workload(w, &format!("{}-sa", w.name), "HBONE"));
+    }
+    out.push_str(&format!(
+        "services:\n- {{name: api, namespace: default, hostname: api.default.svc.cluster.local, vips: [\"/{VIP}\"], ports: {{80: 8080}}{service_waypoint}}}\n"
+    ));
+    out
+}
+
+fn identity(sa: &str) -> String {
+    Identity::new(TD, "default", sa).to_string()
+}
+
+fn roundtrip(client: &LabPod, dst: SocketAddr, msg: &[u8]) -> Vec<u8> {
+    connect_from(client, dst)
+        .and_then(|mut c| echo_roundtrip(&mut c, msg))
+        .unwrap_or_default()
+}
+
+#[test]
+fn traffic_with_a_waypoint_goes_through_it_and_never_around_it() {
+    let mut m = Mesh::new("wayp");
+    let (client, server, wp) = (m.pod("client"), m.pod("server"), m.pod("wp"));
+    let vip: SocketAddr = format!("{VIP}:80").parse().unwrap();
+    let server_app: SocketAddr = SocketAddr::new(server.ip.into(), 8080);
+    let at_wp = format!("/{}", wp.ip);
+    let by_address = format!(", waypoint: {{destination: \"{at_wp}\"}}");
+    m.write_config(&config(&client, &server, &[&wp], Some(&at_wp), &by_address));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
+    // The waypoint pod runs no Ambit: the stand-in terminates HBONE itself.
+    let forward = HashMap::from([(vip, server_app)]);
+    let stand_in = WaypointStandIn::start(
+        &wp,
+        (&m.ca.0, &m.ca.1),
+        Identity::new(TD, "default", "wp-sa"),
+        forward,
+    )
+    .unwrap();
+
+    // Workload-addressed: the pod IP reaches the waypoint, authority = pod IP:port.
+    assert_eq!(roundtrip(&client, server_app, b"to-pod"), b"to-pod");
+    let seen = stand_in.seen();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].authority, server_app.to_string());
+    assert_eq!(
+        seen[0].peer,
+        identity("client-sa"),
+        "the client's proxy speaks for the client"
+    );
+    let forwarded = &seen[0].headers["forwarded"];
+    assert!(
+        forwarded.starts_with(&format!("for=\"{}:", client.ip)),
+        "{forwarded}"
+    );
+    let baggage = &seen[0].headers["baggage"];
+    assert!(
+        baggage.contains("k8s.namespace.name=default") && baggage.contains("k8s.pod.name=client"),
+        "{baggage}"
+    );
+
+    // Service-addressed: authority = the VIP and service port, and the
+    // waypoint is told the service's name.
+    assert_eq!(roundtrip(&client, vip, b"to-service"), b"to-service");
+    let seen = stand_in.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[1].authority, vip.to_string());
+    assert!(
+        seen[1].headers["forwarded"].ends_with(";host=api.default.svc.cluster.local"),
+        "{:?}",
+        seen[1].headers
+    );
+
+    // The waypoint's leg to the pod was accepted by the server's proxy, from
+    // the waypoint's identity: the application saw both connections.
+    assert_eq!(echo.peers().len(), 2);
+    wait_until(
+        "the server's proxy counts the waypoint's connections",
+        SETTLE,
+        || {
+            counter(
+                &m.metrics(&server),
+                "istio_tcp_connections_opened_total",
+                &[
+                    ("reporter", "destination"),
+                    ("source_principal", &identity("wp-sa")),
+                    // Labelled by the authenticated peer, not by the client
+                    // address the waypoint reports in `forwarded`.
+                    ("source_workload", "wp"),
+                ],
+            ) == 2
+        },
+    );
+    // The client's access log names the hop.
+    wait_until(
+        "the client's access log shows the waypoint route",
+        SETTLE,
+        || m.proxy_log(&client).matches("route=\"waypoint\"").count() == 2,
+    );
+
+    // The waypoint taken away (config edit): traffic goes direct again.
+    m.write_config(&config(&client, &server, &[&wp], None, ""));
+    // (Until the proxy reloads, a connection may still take the waypoint.)
+    wait_until("direct again after the waypoint is removed", SETTLE, || {
+        let before = stand_in.seen().len();
+        roundtrip(&client, server_app, b"direct") == b"direct" && stand_in.seen().len() == before
+    });
+    let before = stand_in.seen().len();
+    assert_eq!(roundtrip(&client, vip, b"direct-svc"), b"direct-svc");
+    assert_eq!(roundtrip(&client, server_app, b"again"), b"again");
+    assert_eq!(
+        stand_in.seen().len(),
+        before,
+        "nothing more reached the waypoint"
+    );
+
+    // A waypoint named but absent: refused, never sent around it.
+    let nowhere = ", waypoint: {destination: \"/10.99.99.99\"}";
+    m.write_config(&config(
+        &client,
+        &server,
+        &[&wp],
+        Some("/10.99.99.99"),
+        nowhere,
+    ));
+    wait_until("refused once the waypoint is unknown", SETTLE, || {
+        roundtrip(&client, server_app, b"x").is_empty()
+    });
+    let peers_before = echo.peers().len();
+    assert!(
+        roundtrip(&client, vip, b"y").is_empty(),
+        "service traffic refused too"
+    );
+    assert_eq!(
+        echo.peers().len(),
+        peers_before,
+        "the application saw nothing"
+    );
+    wait_until(
+        "the refusal is counted and logged with its reason",
+        SETTLE,
+        || {
+            let log = m.proxy_log(&client);
+            log.contains("route=\"no-waypoint\"")
+                && log.contains("waypoint /10.99.99.99 is not known")
+        },
+    );
+}
+
+#[test]
+fn weighted_waypoints_split_a_services_traffic() {
+    let mut m = Mesh::new("wwayp");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    let (heavy, light) = (m.pod("heavy"), m.pod("light"));
+    let vip: SocketAddr = format!("{VIP}:80").parse().unwrap();
+    let server_app = SocketAddr::new(server.ip.into(), 8080);
+    let weighted = format!(
+        ", weightedWaypoints: [{{destination: \"/{}\", weight: 3}}, {{destination: \"/{}\", weight: 1}}]",
+        heavy.ip, light.ip
+    );
+    m.write_config(&config(
+        &client,
+        &server,
+        &[&heavy, &light],
+        None,
+        &weighted,
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let _echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
+    let start = |pod: &LabPod| {
+        let id = Identity::new(TD, "default", &format!("{}-sa", pod.name));
+        let forward = HashMap::from([(vip, server_app)]);
+        WaypointStandIn::start(pod, (&m.ca.0, &m.ca.1), id, forward).unwrap()
+    };
+    let (to_heavy, to_light) = (start(&heavy), start(&light));
+    let n = 200;
+    for i in 0..n {
+        let msg = format!("m{i}");
+        assert_eq!(roundtrip(&client, vip, msg.as_bytes()), msg.as_bytes());
+    }
+    let (h, l) = (to_heavy.seen().len(), to_light.seen().len());
+    assert_eq!(h + l, n, "every connection went to one of the waypoints");
+    // 3:1 of 200 is 150; ±25 is over four standard deviations (σ ≈ 6.1).
+    assert!(
+        (125..=175).contains(&h),
+        "weight-3 waypoint took {h} of {n}"
+    );
+}
