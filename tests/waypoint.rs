@@ -131,6 +131,18 @@ fn traffic_with_a_waypoint_goes_through_it_and_never_around_it() {
             ) == 2
         },
     );
+    // The server's proxy names the service the client asked for (the
+    // waypoint passes `host=` on) and ztunnel's app/version/cluster labels.
+    let sm = m.metrics(&server);
+    let inbound = [
+        ("reporter", "destination"),
+        ("destination_service", "api.default.svc.cluster.local"),
+        ("destination_service_name", "api"),
+        ("destination_app", "server"),
+        ("destination_version", "latest"),
+        ("source_app", "wp"),
+    ];
+    assert_eq!(counter(&sm, "istio_tcp_connections_opened_total", &inbound), 2, "{sm}");
     // The client's access log names the hop.
     wait_until(
         "the client's access log shows the waypoint route",

@@ -172,6 +172,14 @@ pub fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The service a peer says the client asked for: `forwarded: ...;host=`.
+pub fn forwarded_host<B>(req: &Request<B>) -> Option<String> {
+    let v = req.headers().get("forwarded")?.to_str().ok()?;
+    v.split(';')
+        .find_map(|part| part.trim().strip_prefix("host="))
+        .map(|h| h.trim_matches('"').to_string())
+}
+
 /// The source address a peer reported in `forwarded: for="ip:port"`.
 pub fn forwarded_for<B>(req: &Request<B>) -> Option<SocketAddr> {
     let v = req.headers().get("forwarded")?.to_str().ok()?;

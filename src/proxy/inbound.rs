@@ -12,7 +12,7 @@ use http::{Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
-use super::hbone::{canonical, forwarded_for, validate_connect, H2Settings};
+use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{end_unserved, Lifecycle, PodRef, TLS_SEND_BUFFER};
@@ -21,7 +21,8 @@ use super::record::{ConnectionRecord, Direction};
 use crate::constants::PROXY_OWN_PORTS;
 use crate::identity::{tls, Identity};
 use crate::xds::client::OnDemand;
-use crate::xds::StateHandle;
+use crate::xds::types::Service;
+use crate::xds::{State, StateHandle};
 
 /// How long a peer has to finish the TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -172,7 +173,8 @@ impl Inbound {
                 // Labelled from what the state holds: the address a denied
                 // peer names in `forwarded` is not looked up on demand.
                 let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
-                let mut labels = self.labels(&sources, Some(&peer_id), false).await;
+                let to = (target.port(), forwarded_host(&req));
+                let mut labels = self.labels(&sources, Some(&peer_id), to, false).await;
                 labels.connection_security_policy = "mutual_tls";
                 ConnectionRecord::denied(
                     self.metrics.clone(),
@@ -186,7 +188,8 @@ impl Inbound {
             }
         };
         let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
-        let mut labels = self.labels(&sources, Some(&peer_id), true).await;
+        let to = (target.port(), forwarded_host(&req));
+        let mut labels = self.labels(&sources, Some(&peer_id), to, true).await;
         labels.connection_security_policy = "mutual_tls";
         let mut record = self.record(labels, Direction::InboundHbone, src.or(Some(peer)), target);
         record.set_allowed_by(allowed_by);
@@ -239,7 +242,9 @@ impl Inbound {
                 return;
             }
         };
-        let mut labels = self.labels(&[peer.ip()], None, true).await;
+        let mut labels = self
+            .labels(&[peer.ip()], None, (target.port(), None), true)
+            .await;
         labels.connection_security_policy = "unknown";
         let auth = self.authorized(None, peer.ip(), target);
         let allowed_by = match auth.check(&self.state.load()) {
@@ -323,10 +328,14 @@ impl Inbound {
     /// the peer is names the source: a header never makes a peer pass for
     /// another workload (traffic through a waypoint is the waypoint's).
     /// With `fetch`, on demand, a source not held yet is asked for first.
+    /// `to` is the destination port and the service the peer says the
+    /// client asked for (`forwarded: host=`), which name the
+    /// `destination_service` among the pod's own services.
     async fn labels(
         &self,
         sources: &[IpAddr],
         peer: Option<&Identity>,
+        to: (u16, Option<String>),
         fetch: bool,
     ) -> ConnectionLabels {
         let pod = &self.pod;
@@ -337,6 +346,9 @@ impl Inbound {
             destination_canonical_service: pod.canonical_service.clone(),
             destination_canonical_revision: pod.canonical_revision.clone(),
             destination_principal: pod.identity.to_string(),
+            destination_app: pod.canonical_service.clone(),
+            destination_version: pod.canonical_revision.clone(),
+            destination_cluster: pod.cluster.clone(),
             ..Default::default()
         };
         if let Some(id) = peer {
@@ -360,13 +372,106 @@ impl Inbound {
             l.source_workload = w.name.clone();
             l.source_workload_namespace = w.namespace.clone();
             l.source_canonical_service = w.canonical_service().to_string();
+            l.source_canonical_revision = if w.canonical_revision.is_empty() {
+                "latest".into()
+            } else {
+                w.canonical_revision.clone()
+            };
+            l.source_app = l.source_canonical_service.clone();
+            l.source_version = l.source_canonical_revision.clone();
+            if !w.cluster_id.is_empty() {
+                l.source_cluster = w.cluster_id.clone();
+            }
+        }
+        if let Some(svc) =
+            inbound_service(&state, (&pod.namespace, &pod.name), to.0, to.1.as_deref())
+        {
+            l.destination_service = svc.hostname.clone();
+            l.destination_service_namespace = svc.namespace.clone();
+            l.destination_service_name = svc.name.clone();
         }
         l
     }
+}
+
+/// The service an inbound connection was for, among the pod's own: the one
+/// the client named (`forwarded: host=`), else the first whose target port
+/// is the connection's port (as ztunnel guesses it).
+fn inbound_service<'a>(
+    state: &'a State,
+    (namespace, name): (&str, &str),
+    port: u16,
+    host: Option<&str>,
+) -> Option<&'a Arc<Service>> {
+    let w = state.workload_by_name(namespace, name)?;
+    let mut keys: Vec<&String> = w.services.keys().collect();
+    keys.sort();
+    let named = host.and_then(|h| {
+        keys.iter()
+            .filter_map(|k| state.service_by_host(k))
+            .find(|s| s.hostname == h)
+    });
+    named.or_else(|| {
+        keys.iter()
+            .filter(|k| {
+                let svc = state.service_by_host(k);
+                w.services[k.as_str()].iter().any(|(sp, tp)| {
+                    let target = match (*tp, svc.and_then(|s| s.ports.get(sp))) {
+                        (0, Some(&t)) if t != 0 => t,
+                        (0, _) => *sp,
+                        (t, _) => t,
+                    };
+                    target == port
+                })
+            })
+            .find_map(|k| state.service_by_host(k))
+    })
 }
 
 fn reply(respond: &mut SendResponse<Bytes>, status: StatusCode) {
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     let _ = respond.send_response(resp, true);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_inbound_service_is_the_one_named_else_the_one_on_the_port() {
+        let st = crate::xds::local::parse(
+            std::path::Path::new("in.yaml"),
+            r#"
+workloads:
+- {name: api-0, namespace: shop, workloadIps: [10.0.0.3],
+   services: {"shop/api.shop.svc.cluster.local": {80: 8080}, "shop/admin.shop.svc.cluster.local": {90: 0},
+              "shop/grpc.shop.svc.cluster.local": {81: 8080}}}
+services:
+- {name: api, namespace: shop, hostname: api.shop.svc.cluster.local, vips: ["/10.96.0.1"], ports: {80: 8080}}
+- {name: admin, namespace: shop, hostname: admin.shop.svc.cluster.local, vips: ["/10.96.0.2"], ports: {90: 9090}}
+- {name: grpc, namespace: shop, hostname: grpc.shop.svc.cluster.local, vips: ["/10.96.0.3"], ports: {81: 8080}}
+"#,
+        )
+        .unwrap();
+        let pod = ("shop", "api-0");
+        let name = |port, host| inbound_service(&st, pod, port, host).map(|s| s.name.clone());
+        // Two services reach 8080: the one the client named wins.
+        assert_eq!(
+            name(8080, Some("grpc.shop.svc.cluster.local")).as_deref(),
+            Some("grpc")
+        );
+        assert_eq!(
+            name(8080, None).as_deref(),
+            Some("api"),
+            "else the first by key"
+        );
+        // Target port 0: the service's own target port.
+        assert_eq!(name(9090, None).as_deref(), Some("admin"));
+        assert_eq!(name(7000, None), None);
+        assert_eq!(
+            inbound_service(&st, ("shop", "other"), 8080, None).map(|s| s.name.clone()),
+            None
+        );
+    }
 }

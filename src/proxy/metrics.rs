@@ -12,7 +12,9 @@ use prometheus_client::registry::Registry;
 
 use super::copy::Transferred;
 
-/// Labels of one connection, as Istio reports them. Unknown values read "unknown".
+/// Labels of one connection, as Istio reports them (ztunnel's set and
+/// order; `*_app` and `*_version` are the canonical service and revision).
+/// Unknown values read "unknown".
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct ConnectionLabels {
     pub reporter: &'static str,
@@ -21,6 +23,9 @@ pub struct ConnectionLabels {
     pub source_canonical_revision: String,
     pub source_workload_namespace: String,
     pub source_principal: String,
+    pub source_app: String,
+    pub source_version: String,
+    pub source_cluster: String,
     pub destination_service: String,
     pub destination_service_namespace: String,
     pub destination_service_name: String,
@@ -29,6 +34,9 @@ pub struct ConnectionLabels {
     pub destination_canonical_revision: String,
     pub destination_workload_namespace: String,
     pub destination_principal: String,
+    pub destination_app: String,
+    pub destination_version: String,
+    pub destination_cluster: String,
     pub request_protocol: &'static str,
     pub response_flags: &'static str,
     pub connection_security_policy: &'static str,
@@ -44,6 +52,9 @@ impl Default for ConnectionLabels {
             source_canonical_revision: u(),
             source_workload_namespace: u(),
             source_principal: u(),
+            source_app: u(),
+            source_version: u(),
+            source_cluster: u(),
             destination_service: u(),
             destination_service_namespace: u(),
             destination_service_name: u(),
@@ -52,6 +63,9 @@ impl Default for ConnectionLabels {
             destination_canonical_revision: u(),
             destination_workload_namespace: u(),
             destination_principal: u(),
+            destination_app: u(),
+            destination_version: u(),
+            destination_cluster: u(),
             request_protocol: "tcp",
             response_flags: "-",
             connection_security_policy: "unknown",

@@ -467,6 +467,9 @@ impl Outbound {
             source_canonical_revision: pod.canonical_revision.clone(),
             source_workload_namespace: pod.namespace.clone(),
             source_principal: pod.identity.to_string(),
+            source_app: pod.canonical_service.clone(),
+            source_version: pod.canonical_revision.clone(),
+            source_cluster: pod.cluster.clone(),
             ..Default::default()
         };
         let (workload, service) = match route {
@@ -491,6 +494,11 @@ impl Outbound {
             } else {
                 w.canonical_revision.clone()
             };
+            l.destination_app = l.destination_canonical_service.clone();
+            l.destination_version = l.destination_canonical_revision.clone();
+            if !w.cluster_id.is_empty() {
+                l.destination_cluster = w.cluster_id.clone();
+            }
             if matches!(route, Route::Hbone { .. }) {
                 l.destination_principal = w.identity(&self.trust_domain).to_string();
             }

@@ -473,6 +473,8 @@ pub struct Pod {
     /// Labels for metrics: the pod's canonical service and revision.
     pub canonical_service: String,
     pub canonical_revision: String,
+    /// The cluster the pod runs in (its workload's, else the proxy's).
+    pub cluster: String,
     /// The `baggage` header of every CONNECT this pod's traffic sends.
     pub baggage: http::HeaderValue,
 }

@@ -103,8 +103,12 @@ impl ProxyShared {
             }
             _ => ("pod", info.name.as_str()),
         };
+        let cluster = workload
+            .map(|w| w.cluster_id.clone())
+            .filter(|c| !c.is_empty())
+            .unwrap_or_else(|| self.cluster.clone());
         let baggage = Baggage {
-            cluster: &self.cluster,
+            cluster: &cluster,
             namespace: &info.namespace,
             workload_type,
             workload_name,
@@ -124,6 +128,7 @@ impl ProxyShared {
                 .unwrap_or_else(|| self.network.clone()),
             canonical_service,
             canonical_revision,
+            cluster,
             baggage,
             tls: self.certs.get(&identity).await?,
             identity,
