@@ -60,7 +60,7 @@ fn main() {
     let took = t.elapsed();
     let after = rss_kb();
     let probe = state
-        .service_by_vip("", IpAddr::V4(Ipv4Addr::from(0x6400_0000u32 + 42)))
+        .service_by_vip("", IpAddr::V4(Ipv4Addr::from(0x6400_0000u32 + 42)), None)
         .expect("indexed");
     assert_eq!(state.healthy_endpoints(probe).count(), w / s);
     println!("ambit state ingest: {w} workloads + {s} services");

@@ -142,7 +142,11 @@ fn traffic_with_a_waypoint_goes_through_it_and_never_around_it() {
         ("destination_version", "latest"),
         ("source_app", "wp"),
     ];
-    assert_eq!(counter(&sm, "istio_tcp_connections_opened_total", &inbound), 2, "{sm}");
+    assert_eq!(
+        counter(&sm, "istio_tcp_connections_opened_total", &inbound),
+        2,
+        "{sm}"
+    );
     // The client's access log names the hop.
     wait_until(
         "the client's access log shows the waypoint route",

@@ -16,7 +16,7 @@ use hickory_proto::rr::{RData, Record, RecordType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::pod::PodRef;
-use crate::xds::{State, StateHandle};
+use crate::xds::{best_service, State, StateHandle};
 
 /// TTL of the answers the proxy makes itself.
 pub const TTL: u32 = 30;
@@ -58,26 +58,23 @@ fn candidates(name: &str, namespace: &str) -> Vec<String> {
 /// Addresses of the mesh service `name` means, or `None` if it is not one.
 fn lookup(state: &State, name: &str, namespace: &str) -> Option<Vec<IpAddr>> {
     for candidate in candidates(name, namespace) {
-        let mut found = false;
-        let mut ips = Vec::new();
-        for svc in state.services_named(&candidate) {
-            found = true;
-            if svc.vips.is_empty() {
-                // Headless: the endpoints themselves.
-                ips.extend(
-                    state
-                        .healthy_endpoints(svc)
-                        .flat_map(|e| e.workload.workload_ips.iter().copied()),
-                );
-            } else {
-                ips.extend(svc.vips.iter().map(|v| v.address));
-            }
-        }
-        if found {
-            ips.sort();
-            ips.dedup();
-            return Some(ips);
-        }
+        // Several namespaces may define the hostname: the client's own
+        // first, else the canonical one, else the first (as ztunnel picks).
+        let Some(svc) = best_service(state.services_named(&candidate), Some(namespace)) else {
+            continue;
+        };
+        let mut ips: Vec<IpAddr> = if svc.vips.is_empty() {
+            // Headless: the endpoints themselves.
+            state
+                .healthy_endpoints(svc)
+                .flat_map(|e| e.workload.workload_ips.iter().copied())
+                .collect()
+        } else {
+            svc.vips.iter().map(|v| v.address).collect()
+        };
+        ips.sort();
+        ips.dedup();
+        return Some(ips);
     }
     None
 }

@@ -53,16 +53,27 @@ pub enum Route {
     NoWaypoint { reason: String },
 }
 
-/// Decides the route of a connection from a pod with addresses `source` to
-/// `dst` (pure: reads only `state`).
+/// The pod a connection comes from, as routing sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Client<'a> {
+    /// Picks among services sharing a VIP, and hides other namespaces'
+    /// namespace-only services.
+    pub namespace: &'a str,
+    /// Tells a waypoint's own traffic.
+    pub ips: &'a [IpAddr],
+}
+
+/// Decides the route of a connection from `client` to `dst` (pure: reads
+/// only `state`).
 pub fn route(
     state: &State,
     network: &str,
-    source: &[IpAddr],
+    client: Client<'_>,
     dst: SocketAddr,
     trust_domain: &str,
 ) -> Route {
-    if let Some(svc) = state.service_by_vip(network, dst.ip()) {
+    let source = client.ips;
+    if let Some(svc) = state.service_by_vip(network, dst.ip(), Some(client.namespace)) {
         if let Some(gw) = waypoint::of_service(svc) {
             if let Some(r) = via_waypoint(state, &gw, source, dst, Some(svc), trust_domain) {
                 return r;
@@ -259,13 +270,11 @@ impl Outbound {
         };
         let decide = || {
             let state = self.state.load();
-            route(
-                &state,
-                &self.pod.network,
-                &self.pod.ips,
-                dst,
-                &self.trust_domain,
-            )
+            let client = Client {
+                namespace: &self.pod.namespace,
+                ips: &self.pod.ips,
+            };
+            route(&state, &self.pod.network, client, dst, &self.trust_domain)
         };
         let mut route = decide();
         if let (Route::Passthrough { .. }, Some(demand)) = (&route, &self.demand) {
@@ -537,7 +546,11 @@ services:
     }
 
     fn r(dst: &str) -> Route {
-        route(&state(), "", &[], dst.parse().unwrap(), "cluster.local")
+        let client = Client {
+            namespace: "default",
+            ips: &[],
+        };
+        route(&state(), "", client, dst.parse().unwrap(), "cluster.local")
     }
 
     /// A mesh where `api` (service and pods) has waypoints of every form.
@@ -571,10 +584,14 @@ services:
 
     fn from(src: &[&str], dst: &str) -> Route {
         let src: Vec<IpAddr> = src.iter().map(|s| s.parse().unwrap()).collect();
+        let client = Client {
+            namespace: "shop",
+            ips: &src,
+        };
         route(
             &waypoint_state(),
             "",
-            &src,
+            client,
             dst.parse().unwrap(),
             "cluster.local",
         )
@@ -726,5 +743,37 @@ services:
     fn tcp_workload_and_unknown_destinations() {
         assert!(matches!(r("10.0.0.4:80"), Route::Tcp { .. }));
         assert!(matches!(r("192.0.2.1:443"), Route::Passthrough { .. }));
+    }
+
+    #[test]
+    fn a_shared_vip_routes_to_the_clients_own_namespace_first() {
+        let st = crate::xds::local::parse(
+            Path::new("v.yaml"),
+            r#"
+workloads:
+- {name: db-a, namespace: shop, workloadIps: [10.0.0.21], protocol: HBONE, services: {"shop/db.example.com": {5432: 5432}}}
+- {name: db-b, namespace: bank, workloadIps: [10.0.0.22], protocol: HBONE, services: {"bank/db.example.com": {5432: 5432}}}
+services:
+- {name: db, namespace: shop, hostname: db.example.com, vips: ["/10.96.0.40"], ports: {5432: 5432}}
+- {name: db, namespace: bank, hostname: db.example.com, vips: ["/10.96.0.40"], ports: {5432: 5432}}
+"#,
+        )
+        .unwrap();
+        let target = |ns: &str| match route(
+            &st,
+            "",
+            Client {
+                namespace: ns,
+                ips: &[],
+            },
+            "10.96.0.40:5432".parse().unwrap(),
+            "cluster.local",
+        ) {
+            Route::Hbone { target, .. } => target.ip().to_string(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(target("shop"), "10.0.0.21");
+        assert_eq!(target("bank"), "10.0.0.22");
+        assert_eq!(target("elsewhere"), "10.0.0.21", "else the first to arrive");
     }
 }

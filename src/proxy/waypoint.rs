@@ -43,7 +43,7 @@ pub fn resolve(state: &State, gw: &GatewayAddress) -> Result<Resolved, String> {
                     sans: Vec::new(),
                 });
             }
-            match state.service_by_vip(&a.network, a.address) {
+            match state.service_by_vip(&a.network, a.address, None) {
                 Some(svc) => (a.to_string(), svc),
                 None => return Err(format!("waypoint {a} is not known")),
             }

@@ -179,14 +179,11 @@ fn hold<T>(
     r: &Resource,
     value: T,
 ) {
-    let arrived = match map.get(&r.name) {
-        Some((_, _, arrived)) => *arrived,
-        None => {
-            *arrivals += 1;
-            *arrivals
-        }
-    };
-    map.insert(r.name.clone(), (r.version.clone(), value, arrived));
+    // An update counts as a new arrival: among workloads sharing an
+    // address, or services sharing a VIP, the latest one sent wins ties
+    // (as in ztunnel, which re-inserts a resource on every update).
+    *arrivals += 1;
+    map.insert(r.name.clone(), (r.version.clone(), value, *arrivals));
 }
 
 /// The values of `map`, first held first.
@@ -681,7 +678,7 @@ mod tests {
     }
 
     #[test]
-    fn conflicting_resources_are_reported() {
+    fn workloads_sharing_an_ip_are_both_held() {
         let mut held = Held::default();
         let resp = DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
@@ -693,18 +690,18 @@ mod tests {
         };
         assert!(held.apply(&resp).is_empty());
         let (st, conflicts) = held.state();
+        assert!(conflicts.is_empty(), "{conflicts:?}");
+        assert_eq!(st.workloads().count(), 2);
+        let at = st.workload_by_addr("", "10.0.0.1".parse().unwrap());
         assert_eq!(
-            conflicts.len(),
-            1,
-            "two workloads on one IP: one is refused"
+            at.map(|w| w.name.as_str()),
+            Some("b"),
+            "the latest of equals"
         );
-        assert!(st
-            .workload_by_addr("", "10.0.0.1".parse().unwrap())
-            .is_some());
     }
 
     #[test]
-    fn of_two_workloads_on_one_ip_the_one_held_first_keeps_it() {
+    fn of_two_workloads_on_one_ip_the_one_updated_last_wins() {
         // Many rounds: a map's order would pick either one now and then.
         for round in 0..64u8 {
             let mut held = Held::default();
@@ -732,7 +729,8 @@ mod tests {
                 .workload_by_addr("", "10.0.0.1".parse().unwrap())
                 .unwrap();
             assert_eq!(owner.name, old, "round {round}");
-            assert_eq!(conflicts.len(), 1, "round {round}: {conflicts:?}");
+            assert!(conflicts.is_empty(), "round {round}: {conflicts:?}");
+            assert_eq!(st.workloads().count(), 2 + round as usize, "round {round}");
         }
     }
 

@@ -276,9 +276,18 @@ pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
             .addresses
             .into_iter()
             .map(|a| {
+                let address = ip_from(&a.address)?;
+                let full = if address.is_ipv4() { 32 } else { 128 };
+                if a.length.is_some_and(|l| l != full) {
+                    // A range of addresses: routing it as one would be wrong.
+                    return Err(format!(
+                        "VIP range {address}/{} is not supported yet",
+                        a.length.unwrap_or(full)
+                    ));
+                }
                 Ok(NetworkAddress {
                     network: a.network,
-                    address: ip_from(&a.address)?,
+                    address,
                 })
             })
             .collect::<Result<_, String>>()?,

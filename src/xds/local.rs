@@ -177,7 +177,7 @@ policies:
         assert_eq!(legacy.protocol, Protocol::Tcp);
         assert_eq!(legacy.service_account, "default");
         let svc = st
-            .service_by_vip("", "10.96.0.10".parse().unwrap())
+            .service_by_vip("", "10.96.0.10".parse().unwrap(), None)
             .unwrap();
         assert_eq!(svc.ports[&80], 8080);
         let eps: Vec<_> = st.healthy_endpoints(svc).collect();
@@ -205,10 +205,10 @@ policies:
 
     #[test]
     fn conflicts_are_rejected_with_the_resource_named() {
-        let text = "workloads:\n- {name: a, namespace: n, workloadIps: [10.0.0.1]}\n- {name: b, namespace: n, workloadIps: [10.0.0.1]}\n";
+        let text = "services:\n- {name: a, namespace: n, hostname: h.n, vips: [\"/10.96.0.1\"]}\n- {name: b, namespace: n, hostname: h.n, vips: [\"/10.96.0.2\"]}\n";
         let err = parse(Path::new("m.yaml"), text).unwrap_err().to_string();
         assert!(
-            err.contains("workloads[1] (n/b): IP 10.0.0.1 already belongs to n/a"),
+            err.contains("services[1] (n/h.n): service n/h.n is defined twice"),
             "{err}"
         );
     }

@@ -8,4 +8,4 @@ mod metrics;
 mod store;
 pub mod types;
 
-pub use store::{State, StateHandle};
+pub use store::{best_service, State, StateHandle};

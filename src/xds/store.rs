@@ -12,7 +12,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::types::{
-    Authorization, HealthStatus, NetworkAddress, NetworkMode, PolicyScope, Service, Workload,
+    Authorization, HealthStatus, NetworkAddress, NetworkMode, PolicyScope, Protocol, Service,
+    Workload,
 };
 
 /// A workload backing a service, with its own port overrides.
@@ -27,16 +28,35 @@ pub struct Endpoint {
 #[derive(Debug, Default)]
 pub struct State {
     workloads: HashMap<String, Arc<Workload>>,
-    by_addr: HashMap<NetworkAddress, Arc<Workload>>,
+    /// Every workload claiming an address, in arrival order.
+    by_addr: HashMap<NetworkAddress, Vec<Arc<Workload>>>,
     /// (namespace, name) → workload, for finding a pod the agent names.
     by_name: HashMap<(String, String), Arc<Workload>>,
-    services_by_vip: HashMap<NetworkAddress, Arc<Service>>,
+    /// Services may share a VIP (across namespaces): in arrival order.
+    services_by_vip: HashMap<NetworkAddress, Vec<Arc<Service>>>,
     services_by_host: HashMap<String, Arc<Service>>,
     endpoints: HashMap<String, Vec<Endpoint>>,
     policies: HashMap<String, Arc<Authorization>>,
     /// Namespace-scoped policies by namespace, and the global ones.
     policies_by_ns: HashMap<String, Vec<Arc<Authorization>>>,
     global_policies: Vec<Arc<Authorization>>,
+}
+
+/// ztunnel's choice among services that share a VIP or a hostname.
+pub fn best_service<'a>(
+    services: impl Iterator<Item = &'a Arc<Service>>,
+    client: Option<&str>,
+) -> Option<&'a Arc<Service>> {
+    let mut pick: Option<&Arc<Service>> = None;
+    for s in services.filter(|s| client.is_none_or(|c| s.visible_to(c))) {
+        if Some(s.namespace.as_str()) == client {
+            return Some(s);
+        }
+        if s.canonical || pick.is_none() {
+            pick = Some(s);
+        }
+    }
+    pick
 }
 
 /// Why a resource could not join the state; names the resource.
@@ -104,34 +124,15 @@ impl State {
                 NetworkMode::HostNetwork => &[],
                 NetworkMode::Standard => &w.workload_ips,
             };
-            let mut clash = None;
+            // Several workloads may claim an address (an IP reused while
+            // the old pod's removal is on its way, a WorkloadEntry beside a
+            // pod): all are held; lookups pick as ztunnel does.
             for ip in indexed {
                 let key = NetworkAddress {
                     network: w.network.clone(),
                     address: *ip,
                 };
-                if let Some(other) = st.by_addr.get(&key) {
-                    clash = Some(format!(
-                        "IP {ip} already belongs to {}/{}",
-                        other.namespace, other.name
-                    ));
-                }
-            }
-            if let Some(reason) = clash {
-                errors.push(ResourceError {
-                    resource: name,
-                    reason,
-                });
-                continue;
-            }
-            for ip in indexed {
-                st.by_addr.insert(
-                    NetworkAddress {
-                        network: w.network.clone(),
-                        address: *ip,
-                    },
-                    w.clone(),
-                );
+                st.by_addr.entry(key).or_default().push(w.clone());
             }
             for (svc, ports) in &w.services {
                 st.endpoints.entry(svc.clone()).or_default().push(Endpoint {
@@ -159,16 +160,19 @@ impl State {
                 });
                 continue;
             }
-            if let Some(vip) = s.vips.iter().find(|v| st.services_by_vip.contains_key(v)) {
+            if st.services_by_host.contains_key(&s.key()) {
                 errors.push(ResourceError {
                     resource: name,
-                    reason: format!("VIP {vip} already belongs to another service"),
+                    reason: format!("service {} is defined twice", s.key()),
                 });
                 continue;
             }
             let s = Arc::new(s);
             for vip in &s.vips {
-                st.services_by_vip.insert(vip.clone(), s.clone());
+                st.services_by_vip
+                    .entry(vip.clone())
+                    .or_default()
+                    .push(s.clone());
             }
             st.services_by_host.insert(s.key(), s);
         }
@@ -196,22 +200,38 @@ impl State {
         (st, errors)
     }
 
+    /// The workload at an address. Of several claimants, as ztunnel
+    /// ranks them: a Kubernetes pod (uid `...//Pod/...`) in the mesh, then
+    /// any pod, then any workload in the mesh, then the rest; the latest to
+    /// arrive among equals.
     pub fn workload_by_addr(&self, network: &str, ip: IpAddr) -> Option<&Arc<Workload>> {
-        self.by_addr.get(&NetworkAddress {
+        let key = NetworkAddress {
             network: network.to_string(),
             address: ip,
-        })
+        };
+        let rank = |w: &Arc<Workload>| (w.uid.contains("//Pod/"), w.protocol == Protocol::Hbone);
+        self.by_addr.get(&key)?.iter().max_by_key(|w| rank(w))
     }
 
     pub fn workload_by_name(&self, namespace: &str, name: &str) -> Option<&Arc<Workload>> {
         self.by_name.get(&(namespace.to_string(), name.to_string()))
     }
 
-    pub fn service_by_vip(&self, network: &str, ip: IpAddr) -> Option<&Arc<Service>> {
-        self.services_by_vip.get(&NetworkAddress {
+    /// The service a client in namespace `client` (any, if `None`) reaches
+    /// at a VIP, as ztunnel picks among services sharing it: only those
+    /// visible to the client; one of the client's namespace first, else the
+    /// last marked `canonical`, else the first to arrive.
+    pub fn service_by_vip(
+        &self,
+        network: &str,
+        ip: IpAddr,
+        client: Option<&str>,
+    ) -> Option<&Arc<Service>> {
+        let key = NetworkAddress {
             network: network.to_string(),
             address: ip,
-        })
+        };
+        best_service(self.services_by_vip.get(&key)?.iter(), client)
     }
 
     /// Services whose hostname is `hostname` (any namespace).
@@ -315,5 +335,108 @@ impl StateHandle {
     /// A receiver that wakes after every [`StateHandle::store`].
     pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
         self.version.subscribe()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn state(yaml: &str) -> Result<State, String> {
+        crate::xds::local::parse(Path::new("s.yaml"), yaml).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn services_share_a_vip_and_the_clients_namespace_wins_then_canonical_then_first() {
+        let st = state(
+            r#"
+services:
+- {name: a, namespace: one, hostname: db.example.com, vips: ["/10.96.0.30"], ports: {5432: 5432}}
+- {name: b, namespace: two, hostname: db.example.com, vips: ["/10.96.0.30"], ports: {5432: 5432}}
+- {name: c, namespace: three, hostname: db.example.com, vips: ["/10.96.0.30"], ports: {5432: 5432}, canonical: true}
+- {name: hidden, namespace: four, hostname: private.four, vips: ["/10.96.0.31"], ports: {80: 80}, visibility: NAMESPACE}
+"#,
+        )
+        .unwrap();
+        let at = |ip: &str, ns: Option<&str>| {
+            st.service_by_vip("", ip.parse().unwrap(), ns)
+                .map(|s| s.name.clone())
+        };
+        assert_eq!(
+            at("10.96.0.30", Some("two")).as_deref(),
+            Some("b"),
+            "own namespace"
+        );
+        assert_eq!(
+            at("10.96.0.30", Some("elsewhere")).as_deref(),
+            Some("c"),
+            "canonical"
+        );
+        assert_eq!(at("10.96.0.30", None).as_deref(), Some("c"));
+        // Namespace-only visibility: seen from its namespace alone.
+        assert_eq!(at("10.96.0.31", Some("four")).as_deref(), Some("hidden"));
+        assert_eq!(at("10.96.0.31", Some("one")), None);
+        // The same namespace/hostname twice is still a conflict.
+        let twice = state(
+            "services:\n- {name: a, namespace: n, hostname: h, vips: [\"/10.96.0.1\"]}\n- {name: b, namespace: n, hostname: h, vips: [\"/10.96.0.2\"]}\n",
+        );
+        assert!(twice.unwrap_err().contains("defined twice"));
+    }
+
+    #[test]
+    fn host_network_workloads_share_the_node_ip_and_are_not_found_by_it() {
+        let st = state(
+            r#"
+workloads:
+- {name: kube-proxy, namespace: kube-system, workloadIps: [192.168.1.10], networkMode: HOST_NETWORK}
+- {name: node-exporter, namespace: monitoring, workloadIps: [192.168.1.10], networkMode: HOST_NETWORK}
+- {name: app, namespace: shop, workloadIps: [10.0.0.3]}
+"#,
+        )
+        .unwrap();
+        assert_eq!(
+            st.workloads().count(),
+            3,
+            "both hostNetwork workloads are held"
+        );
+        assert!(st
+            .workload_by_addr("", "192.168.1.10".parse().unwrap())
+            .is_none());
+        assert!(st.workload_by_name("monitoring", "node-exporter").is_some());
+        assert!(st
+            .workload_by_addr("", "10.0.0.3".parse().unwrap())
+            .is_some());
+    }
+
+    #[test]
+    fn workloads_sharing_an_ip_are_all_held_and_the_lookup_ranks_them() {
+        let st = state(
+            r#"
+workloads:
+- {uid: c//Pod/n/old, name: old, namespace: n, workloadIps: [10.0.0.9], protocol: HBONE}
+- {uid: c//WorkloadEntry/n/vm, name: vm, namespace: n, workloadIps: [10.0.0.9], protocol: HBONE}
+- {uid: c//Pod/n/new, name: new, namespace: n, workloadIps: [10.0.0.9], protocol: HBONE}
+- {uid: c//Pod/n/plain, name: plain, namespace: n, workloadIps: [10.0.0.8]}
+- {uid: c//WorkloadEntry/n/meshed, name: meshed, namespace: n, workloadIps: [10.0.0.8], protocol: HBONE}
+"#,
+        )
+        .unwrap();
+        let at = |ip: &str| {
+            st.workload_by_addr("", ip.parse().unwrap())
+                .map(|w| w.name.clone())
+        };
+        assert_eq!(st.workloads().count(), 5);
+        assert_eq!(
+            at("10.0.0.9").as_deref(),
+            Some("new"),
+            "a meshed pod, the latest"
+        );
+        assert_eq!(
+            at("10.0.0.8").as_deref(),
+            Some("plain"),
+            "a pod over a WorkloadEntry"
+        );
     }
 }

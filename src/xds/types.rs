@@ -376,9 +376,6 @@ impl Service {
         if let Some(e) = self.extensions.first() {
             return Some(format!("extension {e:?} is not supported"));
         }
-        if self.visibility == Visibility::Namespace {
-            return Some("visibility NAMESPACE is not supported yet".into());
-        }
         if let Some(lb) = &self.load_balancing {
             if !lb.routing_preference.is_empty() || !lb.mode.is_empty() {
                 return Some(format!(
@@ -402,6 +399,11 @@ impl Service {
             return Some("weighted waypoints with a total weight of 0".into());
         }
         None
+    }
+
+    /// Whether a workload of namespace `client` may use this service.
+    pub fn visible_to(&self, client: &str) -> bool {
+        self.visibility == Visibility::Public || self.namespace == client
     }
 
     /// The key workloads use to name it: `namespace/hostname`.

@@ -263,7 +263,12 @@ fn unknown_enums_and_behaviour_ambit_lacks_are_refused_with_a_reason() {
         AddressResource::Service(s) => s.unsupported().unwrap_or_default(),
         AddressResource::Workload(w) => w.unsupported().unwrap_or_default(),
     };
-    assert!(lacks(svc(num(14, 1))).contains("visibility NAMESPACE"));
+    assert_eq!(lacks(svc(num(14, 1))), "", "NAMESPACE visibility is served");
+    // A VIP range (NetworkAddress.length short of the full address).
+    let range = bytes(4, &[bytes(2, &[10, 96, 0, 0]), num(3, 24)].concat());
+    assert!(svc(range).unwrap_err().contains("VIP range 10.96.0.0/24"));
+    let whole = bytes(4, &[bytes(2, &[10, 96, 0, 1]), num(3, 32)].concat());
+    assert!(svc(whole).is_ok(), "a full-length VIP is one address");
     assert!(lacks(svc(bytes(8, &num(2, 1)))).contains("load balancing"));
     let zero = bytes(
         13,
