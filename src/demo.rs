@@ -74,16 +74,6 @@ fn events(node: &Node) -> Vec<serde_json::Value> {
     v
 }
 
-fn find<'a>(
-    evs: &'a [serde_json::Value],
-    msg: &str,
-    key: &str,
-    value: &str,
-) -> Option<&'a serde_json::Value> {
-    evs.iter()
-        .find(|e| e["message"] == msg && e[key].as_str() == Some(value))
-}
-
 fn field(e: Option<&serde_json::Value>, key: &str) -> String {
     e.and_then(|v| {
         v[key]
@@ -189,22 +179,21 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             connect_from(&client, target).and_then(|mut c| echo_roundtrip(&mut c, &payload));
         std::thread::sleep(Duration::from_millis(200));
         let evs = events(&node);
-        let out = evs.iter().find(|e| {
-            matches!(
-                e["message"].as_str(),
-                Some("outbound connection closed" | "outbound connection failed")
-            ) && e["dst.addr"].as_str() == Some(&target.to_string())
-        });
+        // Access lines (`connection complete`) by direction; the target is
+        // the tunnel's (`dst.hbone_addr`) over HBONE, else `dst.addr`.
+        let to = target.to_string();
+        let line = |direction: &str, e: &&serde_json::Value| {
+            let dst = e["dst.hbone_addr"].as_str().or(e["dst.addr"].as_str());
+            e["message"] == "connection complete" && e["direction"] == direction && dst == Some(&to)
+        };
+        let out = evs.iter().find(|e| line("outbound", e));
         let route = field(out, "route");
         let inbound = evs
             .iter()
-            .find(|e| e["message"] == "inbound HBONE connection closed");
-        let denied = find(
-            &evs,
-            "inbound HBONE connection denied by policy",
-            "dst.addr",
-            &target.to_string(),
-        );
+            .find(|e| e["message"] == "connection complete" && e["decision"] == "allow");
+        let denied = evs
+            .iter()
+            .find(|e| line("inbound", e) && e["decision"] == "deny");
         let hbone = route == "hbone";
         rows.push(Row {
             what,
@@ -213,15 +202,15 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
             bytes: format!(
                 "{} / {}",
                 field(out, "bytes_sent"),
-                field(out, "bytes_received")
+                field(out, "bytes_recv")
             ),
             src_id: if hbone {
-                field(denied.or(inbound), "src.principal")
+                field(denied.or(inbound), "src.identity")
             } else {
                 "-".into()
             },
             dst_id: if hbone {
-                field(out, "dst.principal")
+                field(out, "dst.identity")
             } else {
                 "-".into()
             },

@@ -618,9 +618,8 @@ fn access_logs_name_workloads_identities_bytes_and_decision_and_quitquitquit_dra
     drop(conn);
     // Each proxy writes its line when it closes the connection.
     wait_until("the close in both proxies' access logs", SETTLE, || {
-        m.proxy_log(&client).contains("outbound connection closed")
-            && m.proxy_log(&server)
-                .contains("inbound HBONE connection closed")
+        m.proxy_log(&client).contains("connection complete")
+            && m.proxy_log(&server).contains("connection complete")
     });
 
     // The client's proxy logs JSON: one object per line, one line at close.
@@ -628,39 +627,64 @@ fn access_logs_name_workloads_identities_bytes_and_decision_and_quitquitquit_dra
     let closed: Vec<serde_json::Value> = log
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["fields"]["message"] == "outbound connection closed")
+        .filter(|v| v["target"] == "access" && v["fields"]["message"] == "connection complete")
         .collect();
     assert_eq!(closed.len(), 1, "{log}");
     let f = &closed[0]["fields"];
-    assert_eq!(f["src.workload"], "default/client", "{f}");
-    assert_eq!(f["dst.workload"], "default/server", "{f}");
+    // ztunnel's names: workload and namespace apart, identities, the
+    // tunnel's target in dst.hbone_addr, bytes_recv, duration in ms.
     assert_eq!(
-        f["src.principal"],
+        (f["src.workload"].as_str(), f["src.namespace"].as_str()),
+        (Some("client"), Some("default")),
+        "{f}"
+    );
+    assert_eq!(
+        (f["dst.workload"].as_str(), f["dst.namespace"].as_str()),
+        (Some("server"), Some("default")),
+        "{f}"
+    );
+    assert_eq!(
+        f["src.identity"],
         "spiffe://cluster.local/ns/default/sa/client-sa"
     );
     assert_eq!(
-        f["dst.principal"],
+        f["dst.identity"],
         "spiffe://cluster.local/ns/default/sa/server-sa"
     );
+    assert_eq!(f["direction"], "outbound");
     assert_eq!(
-        (f["bytes_sent"].as_u64(), f["bytes_received"].as_u64()),
+        f["dst.hbone_addr"].as_str(),
+        Some(echo.addr.to_string().as_str()),
+        "{f}"
+    );
+    assert_eq!(
+        f["dst.addr"].as_str(),
+        Some(format!("{}:15008", server.ip).as_str()),
+        "{f}"
+    );
+    assert_eq!(
+        (f["bytes_sent"].as_u64(), f["bytes_recv"].as_u64()),
         (Some(1000), Some(1000))
     );
-    assert!(f["duration_ms"].as_u64().is_some(), "{f}");
+    assert!(
+        f["duration"].as_str().is_some_and(|d| d.ends_with("ms")),
+        "{f}"
+    );
 
     // The server's proxy logs text, with the policy decision.
     let log = m.proxy_log(&server);
     let line = log
         .lines()
-        .find(|l| l.contains("inbound HBONE connection closed"))
+        .find(|l| l.contains("connection complete") && l.contains("direction=\"inbound\""))
         .unwrap_or_else(|| panic!("{log}"));
     for part in [
-        "src.workload=default/client",
-        "src.principal=spiffe://cluster.local/ns/default/sa/client-sa",
-        "dst.workload=default/server",
+        "src.workload=\"client\"",
+        "src.namespace=\"default\"",
+        "src.identity=\"spiffe://cluster.local/ns/default/sa/client-sa\"",
+        "dst.workload=\"server\"",
         "bytes_sent=1000",
-        "bytes_received=1000",
-        "duration_ms=",
+        "bytes_recv=1000",
+        "duration=\"",
         "decision=\"allow\"",
         "policy=",
     ] {

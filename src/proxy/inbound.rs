@@ -18,7 +18,7 @@ use super::outbound::original_dst;
 use super::pod::{end_unserved, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
 use super::record::{ConnectionRecord, Direction};
-use crate::constants::PROXY_OWN_PORTS;
+use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::{tls, Identity};
 use crate::xds::client::OnDemand;
 use crate::xds::types::Service;
@@ -176,12 +176,12 @@ impl Inbound {
                 let to = (target.port(), forwarded_host(&req));
                 let mut labels = self.labels(&sources, Some(&peer_id), to, false).await;
                 labels.connection_security_policy = "mutual_tls";
+                let hbone = SocketAddr::new(local_ip, HBONE_PORT);
                 ConnectionRecord::denied(
                     self.metrics.clone(),
                     labels,
                     Direction::InboundHbone,
-                    Some(peer),
-                    target,
+                    (Some(peer), target, Some(hbone)),
                     policy,
                 );
                 return;
@@ -192,6 +192,7 @@ impl Inbound {
         let mut labels = self.labels(&sources, Some(&peer_id), to, true).await;
         labels.connection_security_policy = "mutual_tls";
         let mut record = self.record(labels, Direction::InboundHbone, src.or(Some(peer)), target);
+        record.set_hbone(SocketAddr::new(local_ip, HBONE_PORT));
         record.set_allowed_by(allowed_by);
         let mut upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
             Ok(s) => s,
@@ -250,13 +251,12 @@ impl Inbound {
         let allowed_by = match auth.check(&self.state.load()) {
             Ok(p) => p.unwrap_or_else(|| "-".into()),
             Err(policy) => {
-                let (metrics, src) = (self.metrics.clone(), Some(peer));
+                let (metrics, ends) = (self.metrics.clone(), (Some(peer), target, None));
                 ConnectionRecord::denied(
                     metrics,
                     labels,
                     Direction::InboundPlaintext,
-                    src,
-                    target,
+                    ends,
                     policy,
                 );
                 end_unserved(&stream).await;

@@ -300,6 +300,9 @@ impl Outbound {
             dst,
         );
         record.set_route(kind);
+        if let Route::Hbone { proxy, .. } = &route {
+            record.set_hbone(*proxy);
+        }
         let result = match route {
             Route::Hbone {
                 proxy,

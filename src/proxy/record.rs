@@ -1,5 +1,5 @@
 //! One proxied connection from open to close, as metrics and the access log
-//! see it. [`ConnectionRecord::open`] counts it opened; exactly one of
+//! see it (ztunnel's `connection complete` line and field names). [`ConnectionRecord::open`] counts it opened; exactly one of
 //! `closed`, `failed` or `denied` counts it closed, adds its bytes and writes
 //! its single access-log line (tracing target `access`). A record dropped
 //! unfinished (its task cancelled) still counts the close and logs it, so
@@ -23,11 +23,11 @@ pub enum Direction {
 }
 
 impl Direction {
+    /// ztunnel's `direction`: both inbound listeners are `inbound`.
     fn as_str(self) -> &'static str {
         match self {
             Direction::Outbound => "outbound",
-            Direction::InboundHbone => "inbound HBONE",
-            Direction::InboundPlaintext => "inbound plaintext",
+            Direction::InboundHbone | Direction::InboundPlaintext => "inbound",
         }
     }
 }
@@ -47,6 +47,9 @@ pub struct ConnectionRecord {
     src: Option<SocketAddr>,
     dst: SocketAddr,
     route: Option<&'static str>,
+    /// Over HBONE: the outer address (dialed, or accepted on); `dst` is
+    /// then the tunnel's target.
+    hbone: Option<SocketAddr>,
     /// Inbound: the policy that allowed it (`-`: no policy applies).
     policy: Option<String>,
     start: Instant,
@@ -70,6 +73,7 @@ impl ConnectionRecord {
             src,
             dst,
             route: None,
+            hbone: None,
             policy: None,
             start: Instant::now(),
             finished: false,
@@ -79,6 +83,12 @@ impl ConnectionRecord {
     /// Outbound: how the destination is reached (`hbone`, `passthrough`, ...).
     pub fn set_route(&mut self, route: &'static str) {
         self.route = Some(route);
+    }
+
+    /// Over HBONE: `outer` is the address dialed (outbound) or accepted on
+    /// (inbound); the record's destination is the tunnel's target.
+    pub fn set_hbone(&mut self, outer: SocketAddr) {
+        self.hbone = Some(outer);
     }
 
     /// Inbound: the policy that allowed the connection.
@@ -104,12 +114,13 @@ impl ConnectionRecord {
         metrics: Arc<Metrics>,
         mut labels: ConnectionLabels,
         direction: Direction,
-        src: Option<SocketAddr>,
-        dst: SocketAddr,
+        (src, dst, hbone): (Option<SocketAddr>, SocketAddr, Option<SocketAddr>),
         policy: impl Display,
     ) {
         labels.response_flags = "DENY";
-        Self::open(metrics, labels, direction, src, dst).end(End::Denied(policy.to_string()));
+        let mut record = Self::open(metrics, labels, direction, src, dst);
+        record.hbone = hbone;
+        record.end(End::Denied(policy.to_string()));
     }
 
     fn end(&mut self, end: End) {
@@ -122,14 +133,13 @@ impl ConnectionRecord {
         self.log(&end, t);
     }
 
+    /// The access-log line, with ztunnel's message and field names (and
+    /// Ambit's `route`, `policy` and `decision` after them). Unknown
+    /// values and identities of connections without mTLS are left out.
     fn log(&self, end: &End, t: Transferred) {
         let l = &self.labels;
-        let src_workload = format!("{}/{}", l.source_workload_namespace, l.source_workload);
-        let dst_workload = format!(
-            "{}/{}",
-            l.destination_workload_namespace, l.destination_workload
-        );
-        let dir = self.direction.as_str();
+        let known = |s: &str| (s != "unknown").then(|| s.to_string());
+        let mtls = l.connection_security_policy == "mutual_tls";
         let (policy, decision) = match end {
             End::Denied(p) => (Some(p.as_str()), Some("deny")),
             _ => (
@@ -137,34 +147,50 @@ impl ConnectionRecord {
                 self.policy.as_ref().map(|_| "allow"),
             ),
         };
-        let duration_ms = self.start.elapsed().as_millis() as u64;
+        let error = match end {
+            End::Closed(_, e) => e.clone(),
+            End::Failed(e) => Some(e.clone()),
+            End::Denied(_) => Some("denied by policy".to_string()),
+        };
+        let level = match end {
+            End::Failed(_) => tracing::Level::WARN,
+            _ => tracing::Level::INFO,
+        };
+        // Over HBONE, the address dialed (or accepted on) and the tunnel's target.
+        let (dst_addr, hbone_addr) = match self.hbone {
+            Some(outer) => (outer, Some(self.dst)),
+            None => (self.dst, None),
+        };
         macro_rules! line {
-            ($level:expr, $error:expr, $what:literal) => {
+            ($level:expr) => {
                 tracing::event!(
                     target: "access",
                     $level,
                     src.addr = self.src.map(display),
-                    src.workload = %src_workload,
-                    src.principal = %l.source_principal,
-                    dst.addr = %self.dst,
-                    dst.workload = %dst_workload,
-                    dst.principal = %l.destination_principal,
+                    src.workload = known(&l.source_workload),
+                    src.namespace = known(&l.source_workload_namespace),
+                    src.identity = known(&l.source_principal).filter(|_| mtls),
+                    dst.addr = %dst_addr,
+                    dst.hbone_addr = hbone_addr.map(display),
+                    dst.service = known(&l.destination_service),
+                    dst.workload = known(&l.destination_workload),
+                    dst.namespace = known(&l.destination_workload_namespace),
+                    dst.identity = known(&l.destination_principal).filter(|_| mtls),
+                    direction = self.direction.as_str(),
+                    bytes_sent = t.sent,
+                    bytes_recv = t.received,
+                    duration = format!("{}ms", self.start.elapsed().as_millis()),
                     route = self.route,
                     policy = policy.map(display),
                     decision,
-                    bytes_sent = t.sent,
-                    bytes_received = t.received,
-                    duration_ms,
-                    error = $error,
-                    "{dir} connection {}",
-                    $what
+                    error,
+                    "connection complete"
                 )
             };
         }
-        match end {
-            End::Closed(_, error) => line!(tracing::Level::INFO, error.as_deref(), "closed"),
-            End::Failed(error) => line!(tracing::Level::WARN, Some(error.as_str()), "failed"),
-            End::Denied(_) => line!(tracing::Level::INFO, None::<&str>, "denied by policy"),
+        match level {
+            tracing::Level::WARN => line!(tracing::Level::WARN),
+            _ => line!(tracing::Level::INFO),
         }
     }
 }
@@ -230,8 +256,13 @@ mod tests {
         metrics.register(&mut registry);
         let labels = ConnectionLabels {
             source_workload: "client".into(),
+            source_workload_namespace: "shop".into(),
+            source_principal: "spiffe://cluster.local/ns/shop/sa/client".into(),
+            destination_service: "api.shop.svc.cluster.local".into(),
+            connection_security_policy: "mutual_tls",
             ..Default::default()
         };
+        let outer: SocketAddr = "10.0.0.3:15008".parse().unwrap();
         let (src, dst) = (
             "10.0.0.2:40000".parse().unwrap(),
             "10.0.0.3:8080".parse().unwrap(),
@@ -245,6 +276,7 @@ mod tests {
                 dst,
             );
             carried.set_route("hbone");
+            carried.set_hbone(outer);
             let t = Transferred {
                 sent: 10,
                 received: 3,
@@ -252,14 +284,8 @@ mod tests {
             };
             carried.closed(t, None);
             let m = metrics.clone();
-            ConnectionRecord::denied(
-                m,
-                labels.clone(),
-                Direction::InboundHbone,
-                Some(src),
-                dst,
-                "ns/deny",
-            );
+            let ends = (Some(src), dst, Some(outer));
+            ConnectionRecord::denied(m, labels.clone(), Direction::InboundHbone, ends, "ns/deny");
             ConnectionRecord::open(
                 metrics.clone(),
                 labels.clone(),
@@ -295,37 +321,55 @@ mod tests {
 
         assert_eq!(lines.len(), 4, "{lines:?}");
         assert!(lines.iter().all(|l| l["target"] == "access"), "{lines:?}");
-        let messages: Vec<&str> = lines
-            .iter()
-            .map(|l| l["fields"]["message"].as_str().unwrap())
-            .collect();
-        assert_eq!(
-            messages,
-            [
-                "outbound connection closed",
-                "inbound HBONE connection denied by policy",
-                "inbound plaintext connection failed",
-                "outbound connection closed",
-            ]
+        assert!(
+            lines
+                .iter()
+                .all(|l| l["fields"]["message"] == "connection complete"),
+            "{lines:?}"
         );
+        // ztunnel's fields: over HBONE, dst.addr is the outer address and
+        // dst.hbone_addr the tunnel's target.
         let f = &lines[0]["fields"];
         assert_eq!(f["src.addr"], "10.0.0.2:40000");
-        assert_eq!(f["dst.addr"], "10.0.0.3:8080");
-        assert_eq!(f["src.workload"], "unknown/client");
-        assert_eq!(f["route"], "hbone");
         assert_eq!(
-            (f["bytes_sent"].as_u64(), f["bytes_received"].as_u64()),
+            (f["src.workload"].as_str(), f["src.namespace"].as_str()),
+            (Some("client"), Some("shop"))
+        );
+        assert_eq!(
+            f["src.identity"],
+            "spiffe://cluster.local/ns/shop/sa/client"
+        );
+        assert_eq!(
+            (f["dst.addr"].as_str(), f["dst.hbone_addr"].as_str()),
+            (Some("10.0.0.3:15008"), Some("10.0.0.3:8080"))
+        );
+        assert_eq!(f["dst.service"], "api.shop.svc.cluster.local");
+        assert!(
+            f.get("dst.workload").is_none() && f.get("dst.identity").is_none(),
+            "unknown values are left out: {f}"
+        );
+        assert_eq!(f["direction"], "outbound");
+        assert_eq!(
+            (f["bytes_sent"].as_u64(), f["bytes_recv"].as_u64()),
             (Some(10), Some(3))
         );
+        assert!(
+            f["duration"].as_str().is_some_and(|d| d.ends_with("ms")),
+            "{f}"
+        );
+        assert_eq!(f["route"], "hbone");
         assert!(
             f.get("decision").is_none(),
             "outbound has no policy decision: {f}"
         );
         let f = &lines[1]["fields"];
+        assert_eq!(f["direction"], "inbound");
         assert_eq!(
             (f["policy"].as_str(), f["decision"].as_str()),
             (Some("ns/deny"), Some("deny"))
         );
+        assert_eq!(f["error"], "denied by policy");
+        assert_eq!(lines[2]["level"], "WARN");
         assert_eq!(lines[2]["fields"]["error"], "connection refused");
         assert_eq!(lines[3]["fields"]["error"], "cancelled before it closed");
     }
