@@ -126,6 +126,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "SPIFFE trust domain of this mesh",
     },
     Key {
+        name: "cluster_domain",
+        env: &["CLUSTER_DOMAIN"],
+        default: "cluster.local",
+        help: "Kubernetes cluster DNS domain: service names <svc>.<ns>.svc.<domain> and the pods' search domains",
+    },
+    Key {
         name: "cluster_id",
         env: &["CLUSTER_ID", "ISTIO_META_CLUSTER_ID"],
         default: "Kubernetes",
@@ -301,6 +307,7 @@ pub struct ProxyConfig {
     pub pod_namespace: String,
     pub instance_ip: String,
     pub trust_domain: String,
+    pub cluster_domain: String,
     pub cluster_id: String,
     pub node_name: String,
     pub network: String,
@@ -435,6 +442,16 @@ impl ProxyConfig {
                 s.parse::<std::net::IpAddr>().ok().map(|_| s.to_string())
             })?,
             trust_domain,
+            cluster_domain: l.require("cluster_domain", "a DNS name", |s| {
+                let s = s.strip_suffix('.').unwrap_or(s);
+                let ok = !s.is_empty()
+                    && s.split('.').all(|label| {
+                        !label.is_empty()
+                            && label.len() <= 63
+                            && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                    });
+                ok.then(|| s.to_ascii_lowercase())
+            })?,
             cluster_id: l.require("cluster_id", "a name", |s| Some(s.to_string()))?,
             node_name: l
                 .get("node_name", "a name", |s| Some(s.to_string()))?
@@ -732,6 +749,15 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("`workload_info` is required"), "{err}");
+        let err = layers(BASE, &["--cluster-domain", "corp internal"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`cluster_domain` = \"corp internal\"") && err.contains("a DNS name"),
+            "{err}"
+        );
+        let c = layers(BASE, &["--cluster-domain", "Corp.Internal."]).unwrap();
+        assert_eq!(c.cluster_domain, "corp.internal");
         let err = layers(BASE, &["--proxy-mode", "sideways"])
             .unwrap_err()
             .to_string();

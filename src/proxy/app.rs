@@ -173,6 +173,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         },
         cluster: cfg.cluster_id.clone(),
         trust_domain: cfg.trust_domain.clone(),
+        cluster_domain: cfg.cluster_domain.as_str().into(),
         network: cfg.network.clone(),
         sockets,
         ipv6: cfg.ipv6,

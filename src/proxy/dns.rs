@@ -32,7 +32,6 @@ pub const MAX_IN_FLIGHT: usize = 256;
 const TCP_IDLE: Duration = Duration::from_secs(10);
 /// TCP connections one pod may hold open; more are closed at once.
 pub const MAX_TCP_CONNECTIONS: usize = 64;
-pub const CLUSTER_DOMAIN: &str = "cluster.local";
 
 /// What to do with one query.
 #[derive(Debug, PartialEq, Eq)]
@@ -45,19 +44,56 @@ pub enum Reply {
     Drop,
 }
 
-/// Names a query may mean, given the pod's search domains (`<ns>.svc.<cd>`, `svc.<cd>`, `<cd>`).
-fn candidates(name: &str, namespace: &str) -> Vec<String> {
-    let mut out = vec![name.to_string()];
-    if !name.ends_with(CLUSTER_DOMAIN) {
-        out.push(format!("{name}.{namespace}.svc.{CLUSTER_DOMAIN}"));
-        out.push(format!("{name}.svc.{CLUSTER_DOMAIN}"));
+/// Where a query comes from: the pod's namespace and the cluster's DNS
+/// domain give its search domains (`<ns>.svc.<cd>`, `svc.<cd>`, `<cd>`).
+#[derive(Debug, Clone, Copy)]
+pub struct Asker<'a> {
+    pub namespace: &'a str,
+    pub cluster_domain: &'a str,
+}
+
+/// Names a query may mean, in order: the name as asked; the name with one
+/// of the pod's search domains taken off (a stub resolver appends them, so
+/// `db.example.com.shop.svc.cluster.local` may be a ServiceEntry host); and
+/// each of those completed with the search domains (Kubernetes short forms).
+fn candidates(name: &str, asker: Asker<'_>) -> Vec<String> {
+    let cd = asker.cluster_domain;
+    let search = [
+        format!("{}.svc.{cd}", asker.namespace),
+        format!("svc.{cd}"),
+        cd.to_string(),
+    ];
+    let mut bases = vec![name.to_string()];
+    for s in &search {
+        if let Some(stripped) = name
+            .strip_suffix(s.as_str())
+            .and_then(|n| n.strip_suffix('.'))
+        {
+            if !stripped.is_empty() {
+                bases.push(stripped.to_string());
+            }
+        }
+    }
+    let mut out: Vec<String> = Vec::new();
+    for b in bases {
+        let mut forms = vec![b.clone()];
+        if !b.ends_with(cd) {
+            forms.push(format!("{b}.{}", search[0]));
+            forms.push(format!("{b}.{}", search[1]));
+        }
+        for f in forms {
+            if !out.contains(&f) {
+                out.push(f);
+            }
+        }
     }
     out
 }
 
 /// Addresses of the mesh service `name` means, or `None` if it is not one.
-fn lookup(state: &State, name: &str, namespace: &str) -> Option<Vec<IpAddr>> {
-    for candidate in candidates(name, namespace) {
+fn lookup(state: &State, name: &str, asker: Asker<'_>) -> Option<Vec<IpAddr>> {
+    let namespace = asker.namespace;
+    for candidate in candidates(name, asker) {
         // Several namespaces may define the hostname: the client's own
         // first, else the canonical one, else the first (as ztunnel picks).
         let Some(svc) = best_service(state.services_named(&candidate), Some(namespace)) else {
@@ -80,7 +116,7 @@ fn lookup(state: &State, name: &str, namespace: &str) -> Option<Vec<IpAddr>> {
 }
 
 /// Decides one query (pure: reads only `state`).
-pub fn reply(packet: &[u8], state: &State, namespace: &str) -> Reply {
+pub fn reply(packet: &[u8], state: &State, asker: Asker<'_>) -> Reply {
     let formerr = |id| {
         Message::error_msg(id, OpCode::Query, ResponseCode::FormErr)
             .to_vec()
@@ -103,7 +139,7 @@ pub fn reply(packet: &[u8], state: &State, namespace: &str) -> Reply {
     let q = &req.queries()[0];
     let name = q.name().to_lowercase().to_ascii();
     let name = name.trim_end_matches('.');
-    let Some(ips) = lookup(state, name, namespace) else {
+    let Some(ips) = lookup(state, name, asker) else {
         return Reply::Forward;
     };
     let mut resp = Message::new();
@@ -134,6 +170,8 @@ pub struct DnsProxy {
     pub state: StateHandle,
     pub upstreams: Arc<Vec<SocketAddr>>,
     pub metrics: Arc<super::metrics::Metrics>,
+    /// The cluster's DNS domain (`cluster_domain`).
+    cluster_domain: Arc<str>,
     /// [`MAX_IN_FLIGHT`] permits.
     in_flight: tokio::sync::Semaphore,
     /// [`MAX_TCP_CONNECTIONS`] permits.
@@ -148,9 +186,11 @@ impl DnsProxy {
         state: StateHandle,
         upstreams: Arc<Vec<SocketAddr>>,
         metrics: Arc<super::metrics::Metrics>,
+        cluster_domain: Arc<str>,
     ) -> Self {
         DnsProxy {
             pod,
+            cluster_domain,
             state,
             upstreams,
             metrics,
@@ -162,7 +202,11 @@ impl DnsProxy {
 
     async fn resolve(&self, packet: Vec<u8>) -> Option<Vec<u8>> {
         let by = |who| super::metrics::DnsLabels { answered_by: who };
-        match reply(&packet, &self.state.load(), &self.pod.namespace) {
+        let asker = Asker {
+            namespace: &self.pod.namespace,
+            cluster_domain: &self.cluster_domain,
+        };
+        match reply(&packet, &self.state.load(), asker) {
             Reply::Answer(bytes) => {
                 self.metrics.dns_requests.get_or_create(&by("proxy")).inc();
                 Some(bytes)
@@ -327,6 +371,13 @@ services:
         .unwrap()
     }
 
+    fn at(namespace: &str) -> Asker<'_> {
+        Asker {
+            namespace,
+            cluster_domain: "cluster.local",
+        }
+    }
+
     fn query(name: &str, ty: RecordType) -> Vec<u8> {
         let mut m = Message::new();
         m.set_id(4242)
@@ -353,12 +404,12 @@ services:
             answers(reply(
                 &query("echo.default.svc.cluster.local.", RecordType::A),
                 &st,
-                "default"
+                at("default")
             )),
             ["10.96.0.10"]
         );
         assert_eq!(
-            answers(reply(&query("echo.", RecordType::A), &st, "default")),
+            answers(reply(&query("echo.", RecordType::A), &st, at("default"))),
             ["10.96.0.10"],
             "short name in the pod's namespace"
         );
@@ -366,7 +417,7 @@ services:
             answers(reply(
                 &query("echo.default.", RecordType::AAAA),
                 &st,
-                "other"
+                at("other")
             )),
             ["fd00::10"]
         );
@@ -374,7 +425,7 @@ services:
             answers(reply(
                 &query("ECHO.default.svc.cluster.local.", RecordType::A),
                 &st,
-                "x"
+                at("x")
             )),
             ["10.96.0.10"],
             "case-insensitive"
@@ -383,7 +434,7 @@ services:
             answers(reply(
                 &query("db.data.svc.cluster.local.", RecordType::A),
                 &st,
-                "x"
+                at("x")
             )),
             ["10.0.0.7"],
             "headless: endpoints"
@@ -392,7 +443,7 @@ services:
             answers(reply(
                 &query("db.data.svc.cluster.local.", RecordType::AAAA),
                 &st,
-                "x"
+                at("x")
             ))
             .is_empty(),
             "NODATA, not forwarded"
@@ -400,16 +451,57 @@ services:
     }
 
     #[test]
+    fn search_expanded_names_and_another_cluster_domain() {
+        let st = crate::xds::local::parse(
+            Path::new("se.yaml"),
+            r#"
+services:
+- {name: db, namespace: shop, hostname: db.example.com, vips: ["/10.96.0.70"], ports: {5432: 5432}}
+- {name: web, namespace: shop, hostname: web.shop.svc.corp.internal, vips: ["/10.96.0.71"], ports: {80: 80}}
+"#,
+        )
+        .unwrap();
+        // A stub resolver appends the pod's search domains to a ServiceEntry host.
+        for expanded in [
+            "db.example.com.shop.svc.cluster.local.",
+            "db.example.com.svc.cluster.local.",
+            "db.example.com.cluster.local.",
+        ] {
+            assert_eq!(
+                answers(reply(&query(expanded, RecordType::A), &st, at("shop"))),
+                ["10.96.0.70"],
+                "{expanded}"
+            );
+        }
+        // A name that is not the mesh's, expanded or not, is forwarded.
+        let other = query("www.example.org.shop.svc.cluster.local.", RecordType::A);
+        assert_eq!(reply(&other, &st, at("shop")), Reply::Forward);
+        // The cluster domain is the cluster's, not always cluster.local.
+        let corp = Asker {
+            namespace: "shop",
+            cluster_domain: "corp.internal",
+        };
+        assert_eq!(
+            answers(reply(&query("web.", RecordType::A), &st, corp)),
+            ["10.96.0.71"]
+        );
+        assert_eq!(
+            reply(&query("web.", RecordType::A), &st, at("shop")),
+            Reply::Forward
+        );
+    }
+
+    #[test]
     fn other_names_are_forwarded_and_garbage_is_refused() {
         let st = state();
         assert_eq!(
-            reply(&query("example.com.", RecordType::A), &st, "default"),
+            reply(&query("example.com.", RecordType::A), &st, at("default")),
             Reply::Forward
         );
-        assert_eq!(reply(b"short", &st, "default"), Reply::Drop);
+        assert_eq!(reply(b"short", &st, at("default")), Reply::Drop);
         let mut junk = query("echo.", RecordType::A);
         junk.truncate(junk.len() - 3);
-        match reply(&junk, &st, "default") {
+        match reply(&junk, &st, at("default")) {
             Reply::Answer(b) => assert_eq!(
                 Message::from_vec(&b).unwrap().response_code(),
                 ResponseCode::FormErr
@@ -420,7 +512,7 @@ services:
             let mut rng = fastrand::Rng::with_seed(seed);
             let len = rng.usize(0..300);
             let bytes: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
-            let _ = reply(&bytes, &st, "default"); // never panics
+            let _ = reply(&bytes, &st, at("default")); // never panics
         }
     }
 

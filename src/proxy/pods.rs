@@ -24,6 +24,8 @@ pub struct ProxyShared {
     pub h2: H2Settings,
     pub cluster: String,
     pub trust_domain: String,
+    /// The cluster's DNS domain, for the DNS proxy's names.
+    pub cluster_domain: Arc<str>,
     pub network: String,
     /// Mark and congestion control of every pod socket.
     pub sockets: pod::SocketOptions,
@@ -192,6 +194,7 @@ impl ProxyShared {
                 self.state.clone(),
                 upstreams.clone(),
                 self.metrics.clone(),
+                self.cluster_domain.clone(),
             ));
             let mut addrs: Vec<SocketAddr> = vec![(Ipv4Addr::LOCALHOST, DNS_PORT).into()];
             if self.ipv6 {
