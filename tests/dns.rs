@@ -68,7 +68,17 @@ fn ask_tcp(pod: &LabPod, server: SocketAddr, packet: Vec<u8>) -> std::io::Result
 
 #[test]
 fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
-    let mesh = "workloads:\n- {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.86.0.2\"], protocol: HBONE}\n- {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.86.0.3\"], protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}\nservices:\n- {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n";
+    // Beside the pods: a DNS ServiceEntry, service `api` whose endpoint is
+    // the hostname api.external.example (no address: resolved on demand).
+    let mesh = "workloads:\n\
+        - {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.86.0.2\"], protocol: HBONE}\n\
+        - {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.86.0.3\"], protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}\n\
+        - {uid: ext, name: ext, namespace: default, hostname: api.external.example, protocol: TCP, services: {\"default/api.external.example\": {80: 8080}}}\n\
+        - {uid: gone, name: gone, namespace: default, hostname: nowhere.invalid, protocol: TCP, services: {\"default/nowhere.invalid\": {80: 8080}}}\n\
+        services:\n\
+        - {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n\
+        - {name: api, namespace: default, hostname: api.external.example, vips: [\"/10.96.0.20\"], ports: {80: 8080}}\n\
+        - {name: gone, namespace: default, hostname: nowhere.invalid, vips: [\"/10.96.0.21\"], ports: {80: 8080}}\n";
     let mut node = Node::start_full(
         env!("CARGO_BIN_EXE_ambit"),
         "dns",
@@ -93,6 +103,10 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
         "--port=53",
     ])
     .arg("--address=/external.example/192.0.2.7")
+    // The ServiceEntry's host is the server pod; answers live 30 s, and
+    // every query dnsmasq gets is logged.
+    .arg("--address=/api.external.example/10.86.0.3")
+    .args(["--local-ttl=30", "--log-queries", "--log-facility=-"])
     .arg(format!(
         "--pid-file={}",
         node.dir.join("dnsmasq.pid").display()
@@ -135,6 +149,50 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
     // ... and the pod connects to what it resolved.
     let mut c = connect_from(&client, "10.96.0.10:80".parse().unwrap()).unwrap();
     assert_eq!(echo_roundtrip(&mut c, b"resolved").unwrap(), b"resolved");
+
+    // The DNS ServiceEntry: its endpoint's hostname is resolved when a
+    // connection needs it, from the pod, and the answer kept for its TTL.
+    for i in 0..3 {
+        let msg = format!("by-name-{i}");
+        let mut c = connect_from(&client, "10.96.0.20:80".parse().unwrap()).unwrap();
+        assert_eq!(
+            echo_roundtrip(&mut c, msg.as_bytes()).unwrap(),
+            msg.as_bytes(),
+            "{}",
+            node.log()
+        );
+    }
+    let dnsmasq_log = std::fs::read_to_string(node.lab.log_path("dnsmasq")).unwrap_or_default();
+    assert_eq!(
+        dnsmasq_log.matches("query[A] api.external.example").count(),
+        1,
+        "resolved once, then from the cache within the TTL:\n{dnsmasq_log}"
+    );
+    let on_demand = node
+        .metrics()
+        .lines()
+        .filter(|l| {
+            l.starts_with("istio_on_demand_dns_total{")
+                && l.contains("hostname=\"api.external.example\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum::<u64>();
+    assert_eq!(
+        on_demand, 3,
+        "every connection that needed the name is counted"
+    );
+    // A name that does not resolve: the connection is refused, with the reason.
+    let refused = connect_from(&client, "10.96.0.21:80".parse().unwrap())
+        .and_then(|mut c| echo_roundtrip(&mut c, b"x"));
+    assert!(refused.map_or(true, |b| b.is_empty()));
+    common::wait_until(
+        "the unresolved name in the access log",
+        Duration::from_secs(10),
+        || {
+            let log = node.log();
+            log.contains("route=\"unresolved\"") && log.contains("on-demand DNS")
+        },
+    );
 
     // Other names are forwarded from the pod to the node's resolver.
     let resp = ask_udp(&client, resolver, query("external.example.", 4)).unwrap();

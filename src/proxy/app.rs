@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 
 use super::admin::{self, AdminView};
 use super::hbone::H2Settings;
+use super::hostname::HostnameResolver;
 use super::pod::{self, Drain, DrainTrigger, SocketFactory};
 use super::pods::{PodInfo, ProxyShared};
 use super::{dns, inpod, metrics, pool};
@@ -159,6 +160,12 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     let pool = pool::Pool::new(cfg.pool_max_streams, cfg.pool_idle_timeout);
     pool.spawn_evictor();
     let (stop_trigger, stop_accepting) = Drain::new();
+    // The node's resolvers: for the DNS proxy and for workloads reached by hostname.
+    let resolvers = Arc::new(if cfg.dns_upstreams.is_empty() {
+        dns::resolv_conf_servers(&std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default())
+    } else {
+        cfg.dns_upstreams.clone()
+    });
     let active: Arc<pod::ActiveConnections> = Arc::default();
     let shared = Arc::new(ProxyShared {
         state: state.clone(),
@@ -181,19 +188,13 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         active: active.clone(),
         tracker: Arc::default(),
         dns_upstreams: cfg.dns_proxy.then(|| {
-            let upstreams = if cfg.dns_upstreams.is_empty() {
-                dns::resolv_conf_servers(
-                    &std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default(),
-                )
-            } else {
-                cfg.dns_upstreams.clone()
-            };
             tracing::info!(
-                ?upstreams,
+                upstreams = ?resolvers,
                 "DNS proxy on; other names go to these resolvers"
             );
-            Arc::new(upstreams)
+            resolvers.clone()
         }),
+        hostnames: Arc::new(HostnameResolver::new(resolvers.clone())),
         demand,
     });
     shared.tracker.spawn_watcher(state.clone());

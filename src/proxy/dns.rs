@@ -15,7 +15,7 @@ use hickory_proto::rr::rdata::{A, AAAA};
 use hickory_proto::rr::{RData, Record, RecordType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::pod::PodRef;
+use super::pod::{PodRef, SocketFactory};
 use crate::xds::{best_service, State, StateHandle};
 
 /// TTL of the answers the proxy makes itself.
@@ -234,36 +234,7 @@ impl DnsProxy {
 
     /// Asks each upstream in turn, from the pod's netns with the pod mark.
     async fn forward(&self, packet: &[u8]) -> Option<Vec<u8>> {
-        for upstream in self.upstreams.iter() {
-            let Ok(sock) = self.pod.sockets.udp(*upstream, true) else {
-                continue;
-            };
-            if sock.send(packet).await.is_err() {
-                continue;
-            }
-            // The buffer is made only once a reply is there: a query waiting
-            // on a slow upstream holds none.
-            let reply = async {
-                loop {
-                    sock.readable().await?;
-                    let mut buf = vec![0u8; 65_535];
-                    match sock.try_recv(&mut buf) {
-                        Ok(n) => {
-                            buf.truncate(n);
-                            buf.shrink_to_fit();
-                            return Ok::<_, std::io::Error>(buf);
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                        Err(e) => return Err(e),
-                    }
-                }
-            };
-            if let Ok(Ok(buf)) = tokio::time::timeout(UPSTREAM_TIMEOUT, reply).await {
-                return Some(buf);
-            }
-            tracing::debug!(upstream = %upstream, "DNS upstream did not answer");
-        }
-        None
+        exchange(&self.pod.sockets, &self.upstreams, packet).await
     }
 
     /// Says, once per pod, that a limit is hit and more is being dropped.
@@ -339,6 +310,46 @@ impl DnsProxy {
             });
         }
     }
+}
+
+/// Sends `packet` to each upstream resolver in turn, from inside the pod's
+/// netns with the pod mark, and returns the first answer (within
+/// [`UPSTREAM_TIMEOUT`] each). Shared by the DNS proxy and on-demand DNS.
+pub(super) async fn exchange(
+    sockets: &SocketFactory,
+    upstreams: &[SocketAddr],
+    packet: &[u8],
+) -> Option<Vec<u8>> {
+    for upstream in upstreams {
+        let Ok(sock) = sockets.udp(*upstream, true) else {
+            continue;
+        };
+        if sock.send(packet).await.is_err() {
+            continue;
+        }
+        // The buffer is made only once a reply is there: a query waiting
+        // on a slow upstream holds none.
+        let reply = async {
+            loop {
+                sock.readable().await?;
+                let mut buf = vec![0u8; 65_535];
+                match sock.try_recv(&mut buf) {
+                    Ok(n) => {
+                        buf.truncate(n);
+                        buf.shrink_to_fit();
+                        return Ok::<_, std::io::Error>(buf);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+                    Err(e) => return Err(e),
+                }
+            }
+        };
+        if let Ok(Ok(buf)) = tokio::time::timeout(UPSTREAM_TIMEOUT, reply).await {
+            return Some(buf);
+        }
+        tracing::debug!(upstream = %upstream, "DNS upstream did not answer");
+    }
+    None
 }
 
 /// The node's resolvers from a resolv.conf text.

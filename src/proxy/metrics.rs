@@ -73,6 +73,21 @@ impl Default for ConnectionLabels {
     }
 }
 
+/// Labels of an on-demand DNS request (ztunnel's): the asking workload and
+/// the hostname resolved.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct OnDemandDnsLabels {
+    pub source_workload: String,
+    pub source_canonical_service: String,
+    pub source_canonical_revision: String,
+    pub source_workload_namespace: String,
+    pub source_principal: String,
+    pub source_app: String,
+    pub source_version: String,
+    pub source_cluster: String,
+    pub hostname: String,
+}
+
 /// Label of a DNS request: answered by the proxy or forwarded upstream.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 pub struct DnsLabels {
@@ -91,6 +106,8 @@ pub struct Metrics {
     pub dns_requests: Family<DnsLabels, Counter>,
     /// `istio_dns_upstream_failures_total`.
     pub dns_upstream_failures: Counter,
+    /// `istio_on_demand_dns_total`.
+    on_demand_dns: Family<OnDemandDnsLabels, Counter>,
     opened: Family<ConnectionLabels, Counter>,
     closed: Family<ConnectionLabels, Counter>,
     sent: Family<ConnectionLabels, Counter>,
@@ -119,6 +136,11 @@ impl Metrics {
             "received_bytes",
             "Bytes sent from destination back to source",
             self.received.clone(),
+        );
+        registry.register(
+            "istio_on_demand_dns",
+            "Connections that resolved a hostname on demand",
+            self.on_demand_dns.clone(),
         );
         let dns = registry.sub_registry_with_prefix("istio_dns");
         dns.register(
@@ -151,6 +173,23 @@ impl Metrics {
         if !sets.contains(labels) {
             sets.insert(labels.clone());
         }
+    }
+
+    /// Counts one on-demand resolution of `hostname` for a connection from
+    /// the source in `source` (its source labels).
+    pub fn on_demand_dns(&self, source: &ConnectionLabels, hostname: &str) {
+        let l = OnDemandDnsLabels {
+            source_workload: source.source_workload.clone(),
+            source_canonical_service: source.source_canonical_service.clone(),
+            source_canonical_revision: source.source_canonical_revision.clone(),
+            source_workload_namespace: source.source_workload_namespace.clone(),
+            source_principal: source.source_principal.clone(),
+            source_app: source.source_app.clone(),
+            source_version: source.source_version.clone(),
+            source_cluster: source.source_cluster.clone(),
+            hostname: hostname.to_string(),
+        };
+        self.on_demand_dns.get_or_create(&l).inc();
     }
 
     /// Drops every series of the pod `namespace/name`.

@@ -14,6 +14,7 @@ mod config_dump;
 mod copy;
 mod dns;
 mod hbone;
+mod hostname;
 mod inbound;
 mod inpod;
 mod metrics;

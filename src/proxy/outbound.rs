@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, TcpStream};
 
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
+use super::hostname::HostnameResolver;
 use super::metrics::{ConnectionLabels, Metrics};
 use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
@@ -51,6 +52,18 @@ pub enum Route {
     /// The destination has a waypoint that cannot be reached: refused,
     /// never sent around the waypoint.
     NoWaypoint { reason: String },
+    /// A service endpoint reached by hostname: resolve it (on demand), then
+    /// route to the address as to any workload.
+    Hostname {
+        workload: Arc<Workload>,
+        port: u16,
+        service: Arc<Service>,
+    },
+    /// A hostname that did not resolve.
+    Unresolved {
+        workload: Arc<Workload>,
+        reason: String,
+    },
 }
 
 /// The pod a connection comes from, as routing sees it.
@@ -86,7 +99,7 @@ pub fn route(
         };
         let endpoints: Vec<_> = state
             .healthy_endpoints(svc)
-            .filter(|e| !e.workload.workload_ips.is_empty())
+            .filter(|e| !e.workload.workload_ips.is_empty() || !e.workload.hostname.is_empty())
             .collect();
         if endpoints.is_empty() {
             return Route::NoEndpoint {
@@ -98,7 +111,15 @@ pub fn route(
             0 => dst.port(),
             p => p,
         };
-        let target = SocketAddr::new(ep.workload.workload_ips[0], port);
+        let Some(&ip) = ep.workload.workload_ips.first() else {
+            // Reached by name: resolved when the connection needs it.
+            return Route::Hostname {
+                workload: ep.workload.clone(),
+                port,
+                service: svc.clone(),
+            };
+        };
+        let target = SocketAddr::new(ip, port);
         return to_workload(ep.workload.clone(), target, Some(svc.clone()), trust_domain);
     }
     match state.workload_by_addr(network, dst.ip()) {
@@ -220,6 +241,8 @@ pub enum OutboundError {
     NoEndpoint(String),
     #[error("{0}; refused rather than sent around the waypoint")]
     NoWaypoint(String),
+    #[error("on-demand DNS: {0}")]
+    Unresolved(String),
 }
 
 /// The outbound side of one pod.
@@ -232,6 +255,8 @@ pub struct Outbound {
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
     pub trust_domain: String,
+    /// Resolves workloads reached by hostname.
+    pub hostnames: Arc<HostnameResolver>,
 }
 
 impl Outbound {
@@ -283,6 +308,14 @@ impl Outbound {
                 route = decide();
             }
         }
+        if let Route::Hostname {
+            workload,
+            port,
+            service,
+        } = route
+        {
+            route = self.resolve(workload, port, service, dst).await;
+        }
         let labels = self.labels(&route);
         let kind = match &route {
             Route::Hbone { waypoint: true, .. } => "waypoint",
@@ -291,6 +324,8 @@ impl Outbound {
             Route::Passthrough { .. } => "passthrough",
             Route::NoEndpoint { .. } => "no-endpoint",
             Route::NoWaypoint { .. } => "no-waypoint",
+            Route::Unresolved { .. } => "unresolved",
+            Route::Hostname { .. } => "hostname",
         };
         let mut record = ConnectionRecord::open(
             self.metrics.clone(),
@@ -322,6 +357,10 @@ impl Outbound {
             }
             Route::NoEndpoint { service } => Err(OutboundError::NoEndpoint(service.key())),
             Route::NoWaypoint { reason } => Err(OutboundError::NoWaypoint(reason)),
+            Route::Unresolved { reason, .. } => Err(OutboundError::Unresolved(reason)),
+            Route::Hostname { workload, .. } => {
+                Err(OutboundError::Unresolved(workload.hostname.clone()))
+            }
         };
         // Cut short: nothing carried, or a copy ended by the other side's failure.
         let (t, cut_short) = match result {
@@ -470,9 +509,36 @@ impl Outbound {
         Ok(PooledConn::new(sender, closed))
     }
 
-    fn labels(&self, route: &Route) -> ConnectionLabels {
+    /// Resolves a hostname endpoint from inside the pod (counted in
+    /// `istio_on_demand_dns_total`) and routes to the address found.
+    async fn resolve(
+        &self,
+        workload: Arc<Workload>,
+        port: u16,
+        service: Arc<Service>,
+        dst: SocketAddr,
+    ) -> Route {
+        self.metrics
+            .on_demand_dns(&self.source_labels(), &workload.hostname);
+        let found = self
+            .hostnames
+            .resolve(&self.pod.sockets, &workload.hostname, dst.ip())
+            .await;
+        match found {
+            Ok(ip) => to_workload(
+                workload,
+                SocketAddr::new(ip, port),
+                Some(service),
+                &self.trust_domain,
+            ),
+            Err(reason) => Route::Unresolved { workload, reason },
+        }
+    }
+
+    /// This pod as a source.
+    fn source_labels(&self) -> ConnectionLabels {
         let pod = &self.pod;
-        let mut l = ConnectionLabels {
+        ConnectionLabels {
             reporter: "source",
             source_workload: pod.name.clone(),
             source_canonical_service: pod.canonical_service.clone(),
@@ -483,7 +549,11 @@ impl Outbound {
             source_version: pod.canonical_revision.clone(),
             source_cluster: pod.cluster.clone(),
             ..Default::default()
-        };
+        }
+    }
+
+    fn labels(&self, route: &Route) -> ConnectionLabels {
+        let mut l = self.source_labels();
         let (workload, service) = match route {
             Route::Hbone {
                 workload, service, ..
@@ -496,6 +566,10 @@ impl Outbound {
             } => (Some(workload), service.as_ref()),
             Route::NoEndpoint { service } => (None, Some(service)),
             Route::Passthrough { .. } | Route::NoWaypoint { .. } => (None, None),
+            Route::Hostname {
+                workload, service, ..
+            } => (Some(workload), Some(service)),
+            Route::Unresolved { workload, .. } => (Some(workload), None),
         };
         if let Some(w) = workload {
             l.destination_workload = w.name.clone();

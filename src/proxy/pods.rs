@@ -8,6 +8,7 @@ use std::sync::Arc;
 use anyhow::Context;
 
 use super::hbone::{Baggage, H2Settings};
+use super::hostname::HostnameResolver;
 use super::pod::{self, Drain, Pod, PodRef, SocketFactory};
 use super::{dns, inbound, metrics, outbound, pool, reauth};
 use crate::constants::{DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
@@ -36,6 +37,8 @@ pub struct ProxyShared {
     pub tracker: Arc<reauth::Tracker>,
     /// Resolvers for non-mesh names; `None`: no DNS proxy.
     pub dns_upstreams: Option<Arc<Vec<SocketAddr>>>,
+    /// Resolves workloads reached by hostname (on demand, cached by TTL).
+    pub hostnames: Arc<HostnameResolver>,
     /// Fetches addresses the state lacks (`XDS_ON_DEMAND` with a control plane).
     pub demand: Option<xds::client::OnDemand>,
 }
@@ -176,6 +179,7 @@ impl ProxyShared {
             metrics: self.metrics.clone(),
             h2: self.h2,
             trust_domain: self.trust_domain.clone(),
+            hostnames: self.hostnames.clone(),
         });
         let inbound = Arc::new(inbound::Inbound {
             pod: pod.clone(),

@@ -264,12 +264,6 @@ impl Workload {
                 g.destination
             ));
         }
-        if !self.hostname.is_empty() && self.workload_ips.is_empty() {
-            return Some(format!(
-                "a workload reached by hostname ({}) is not supported yet",
-                self.hostname
-            ));
-        }
         if let Some(t) = &self.application_tunnel {
             if t.protocol == TunnelToApp::Proxy {
                 return Some("application tunnel PROXY is not supported yet".into());
