@@ -243,3 +243,60 @@ fn weighted_waypoints_split_a_services_traffic() {
         "weight-3 waypoint took {h} of {n}"
     );
 }
+
+/// The "sandwich": the waypoint's pod is itself captured by Ambit. Its
+/// proxy takes CONNECTs for the workloads it is the waypoint of (the
+/// authority is not its own address) and hands them to the waypoint's
+/// application on its own address, authority's port; a pod that is not the
+/// target's waypoint refuses them.
+#[test]
+fn a_captured_waypoint_pod_accepts_traffic_for_the_workloads_it_fronts() {
+    let mut m = Mesh::new("sandw");
+    let (client, server, wp) = (m.pod("client"), m.pod("server"), m.pod("wp"));
+    let server_app = SocketAddr::new(server.ip.into(), 8080);
+    let at_wp = format!("/{}", wp.ip);
+    m.write_config(&config(&client, &server, &[&wp], Some(&at_wp), ""));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    m.mesh(&wp, "wp-sa");
+    let server_echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
+    // The waypoint's application listens on the port traffic is for.
+    let waypoint_app = ambit::lab::EchoServer::start(&wp, 8080).unwrap();
+
+    assert_eq!(roundtrip(&client, server_app, b"sandwich"), b"sandwich");
+    assert_eq!(
+        waypoint_app.peers().len(),
+        1,
+        "the waypoint's application took it"
+    );
+    assert!(
+        server_echo.peers().is_empty(),
+        "nothing went around the waypoint"
+    );
+    wait_until("the waypoint pod's proxy counts it", SETTLE, || {
+        counter(
+            &m.metrics(&wp),
+            "istio_tcp_connections_opened_total",
+            &[
+                ("reporter", "destination"),
+                ("source_principal", &identity("client-sa")),
+            ],
+        ) == 1
+    });
+
+    // The waypoint taken away: the server is reached directly again, and
+    // the former waypoint no longer takes traffic for it.
+    m.write_config(&config(&client, &server, &[&wp], None, ""));
+    wait_until("direct again", SETTLE, || {
+        roundtrip(&client, server_app, b"direct") == b"direct" && !server_echo.peers().is_empty()
+    });
+    // (Until the proxies reload, a connection may still take the waypoint.)
+    let (at_waypoint, at_server) = (waypoint_app.peers().len(), server_echo.peers().len());
+    assert_eq!(roundtrip(&client, server_app, b"again"), b"again");
+    assert_eq!(
+        waypoint_app.peers().len(),
+        at_waypoint,
+        "the former waypoint took it"
+    );
+    assert_eq!(server_echo.peers().len(), at_server + 1);
+}

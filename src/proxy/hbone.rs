@@ -140,9 +140,14 @@ impl ConnectRejection {
 
 /// Checks a received CONNECT: method, `ip:port` authority, the IP is the one
 /// the connection arrived on (the pod's own), and the port is not the proxy's.
+/// Where a CONNECT is delivered: the authority, which must be this pod's
+/// address; or, when this pod is the waypoint of the workload or service
+/// the authority names (`fronts`), this pod's address with the authority's
+/// port (the "sandwich": the pod's waypoint application takes it from there).
 pub fn validate_connect<B>(
     req: &Request<B>,
     local_ip: IpAddr,
+    fronts: impl FnOnce(SocketAddr) -> bool,
 ) -> Result<SocketAddr, ConnectRejection> {
     if req.method() != Method::CONNECT {
         return Err(ConnectRejection::NotConnect(req.method().to_string()));
@@ -155,9 +160,13 @@ pub fn validate_connect<B>(
     let target: SocketAddr = authority
         .parse()
         .map_err(|_| ConnectRejection::BadAuthority(authority.to_string()))?;
-    if canonical(target.ip()) != canonical(local_ip) {
+    let target = if canonical(target.ip()) == canonical(local_ip) {
+        target
+    } else if fronts(target) {
+        SocketAddr::new(local_ip, target.port())
+    } else {
         return Err(ConnectRejection::NotThisPod(target.ip()));
-    }
+    };
     if PROXY_OWN_PORTS.contains(&target.port()) {
         return Err(ConnectRejection::ProxyPort(target.port()));
     }
@@ -267,11 +276,11 @@ mod tests {
         let local: IpAddr = "10.0.0.3".parse().unwrap();
         let ok = req().to_http().unwrap();
         assert_eq!(
-            validate_connect(&ok, local),
+            validate_connect(&ok, local, |_| false),
             Ok("10.0.0.3:8080".parse().unwrap())
         );
         let mapped: IpAddr = "::ffff:10.0.0.3".parse().unwrap();
-        assert!(validate_connect(&ok, mapped).is_ok());
+        assert!(validate_connect(&ok, mapped, |_| false).is_ok());
         let other = ConnectRequest {
             target: "10.0.0.9:8080".parse().unwrap(),
             ..req()
@@ -279,8 +288,13 @@ mod tests {
         .to_http()
         .unwrap();
         assert_eq!(
-            validate_connect(&other, local),
+            validate_connect(&other, local, |_| false),
             Err(ConnectRejection::NotThisPod("10.0.0.9".parse().unwrap()))
+        );
+        // The pod that is the target's waypoint takes it, on its own address.
+        assert_eq!(
+            validate_connect(&other, local, |t| t.ip().to_string() == "10.0.0.9"),
+            Ok("10.0.0.3:8080".parse().unwrap())
         );
         let own = ConnectRequest {
             target: "10.0.0.3:15008".parse().unwrap(),
@@ -289,12 +303,12 @@ mod tests {
         .to_http()
         .unwrap();
         assert_eq!(
-            validate_connect(&own, local),
+            validate_connect(&own, local, |_| false),
             Err(ConnectRejection::ProxyPort(15008))
         );
         let get = Request::get("http://10.0.0.3:80/").body(()).unwrap();
         assert!(matches!(
-            validate_connect(&get, local),
+            validate_connect(&get, local, |_| false),
             Err(ConnectRejection::NotConnect(_))
         ));
         let host = Request::builder()
@@ -303,7 +317,7 @@ mod tests {
             .body(())
             .unwrap();
         assert!(matches!(
-            validate_connect(&host, local),
+            validate_connect(&host, local, |_| false),
             Err(ConnectRejection::BadAuthority(_))
         ));
         assert_eq!(

@@ -18,10 +18,11 @@ use super::outbound::original_dst;
 use super::pod::{end_unserved, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Tracker};
 use super::record::{ConnectionRecord, Direction};
+use super::waypoint;
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::{tls, Identity};
 use crate::xds::client::OnDemand;
-use crate::xds::types::Service;
+use crate::xds::types::{GatewayAddress, Service};
 use crate::xds::{State, StateHandle};
 
 /// How long a peer has to finish the TLS handshake.
@@ -157,7 +158,8 @@ impl Inbound {
     ) {
         let src = forwarded_for(&req);
         let src_ip = src.map(|s| s.ip());
-        let target = match validate_connect(&req, local_ip) {
+        let fronts = |t: SocketAddr| self.is_waypoint_of(t);
+        let target = match validate_connect(&req, local_ip, fronts) {
             Ok(t) => t,
             Err(rej) => {
                 tracing::warn!(src.principal = %peer_id, error = %rej, "HBONE CONNECT rejected");
@@ -304,6 +306,29 @@ impl Inbound {
         dst: SocketAddr,
     ) -> ConnectionRecord {
         ConnectionRecord::open(self.metrics.clone(), labels, direction, src, dst)
+    }
+
+    /// Whether this pod is the waypoint of the service or workload at `t`
+    /// (one of the workloads its waypoint resolves to).
+    fn is_waypoint_of(&self, t: SocketAddr) -> bool {
+        let st = self.state.load();
+        let network = &self.pod.network;
+        let gateways: Vec<GatewayAddress> = match st.service_by_vip(network, t.ip(), None) {
+            Some(svc) => svc
+                .waypoint
+                .iter()
+                .cloned()
+                .chain(svc.weighted_waypoints.iter().map(|w| w.gateway()))
+                .collect(),
+            None => st
+                .workload_by_addr(network, t.ip())
+                .and_then(|w| w.waypoint.clone())
+                .into_iter()
+                .collect(),
+        };
+        gateways.iter().any(|gw| {
+            waypoint::resolve(&st, gw).is_ok_and(|r| waypoint::is_from(&r.workloads, &self.pod.ips))
+        })
     }
 
     /// What this connection is authorized as (for the check and re-checks).
