@@ -853,4 +853,40 @@ services:
         assert_eq!(target("bank"), "10.0.0.22");
         assert_eq!(target("elsewhere"), "10.0.0.21", "else the first to arrive");
     }
+
+    #[test]
+    fn waypoints_of_waypoints_never_loop() {
+        // Each waypoint is the other's: every hop's source is the next
+        // hop's waypoint, so its traffic goes on instead of back.
+        let st = crate::xds::local::parse(
+            Path::new("loop.yaml"),
+            r#"
+workloads:
+- {name: w1, namespace: shop, serviceAccount: w1, workloadIps: [10.0.0.31], protocol: HBONE, waypoint: {destination: "/10.0.0.32"}}
+- {name: w2, namespace: shop, serviceAccount: w2, workloadIps: [10.0.0.32], protocol: HBONE, waypoint: {destination: "/10.0.0.31"}}
+"#,
+        )
+        .unwrap();
+        let hop = |from: &str, to: &str| {
+            let ips: Vec<IpAddr> = vec![from.parse().unwrap()];
+            let client = Client {
+                namespace: "shop",
+                ips: &ips,
+            };
+            match route(&st, "", client, to.parse().unwrap(), "cluster.local") {
+                Route::Hbone {
+                    proxy, waypoint, ..
+                } => (proxy.ip().to_string(), waypoint),
+                other => panic!("{other:?}"),
+            }
+        };
+        // A client to w1 goes through w1's waypoint, w2...
+        assert_eq!(hop("10.0.0.2", "10.0.0.31:80"), ("10.0.0.32".into(), true));
+        // ...and w2, w1's waypoint, goes on to w1 itself, not to w1's
+        // waypoint's waypoint (w1) as a waypoint hop, nor back to itself.
+        assert_eq!(
+            hop("10.0.0.32", "10.0.0.31:80"),
+            ("10.0.0.31".into(), false)
+        );
+    }
 }
