@@ -250,12 +250,27 @@ impl TokenCheck {
             .get("authorization")
             .and_then(|v| v.to_str().ok())
             .unwrap_or_default();
-        if got.strip_prefix("Bearer ").map(str::trim) == Some(want.trim()) {
+        let got = got
+            .strip_prefix("Bearer ")
+            .map(str::trim)
+            .unwrap_or_default();
+        if same_secret(got.as_bytes(), want.trim().as_bytes()) {
             Ok(())
         } else {
             Err(Status::unauthenticated("missing or wrong bearer token"))
         }
     }
+}
+
+/// Compares two secrets in time that depends on their lengths only, never
+/// on where they first differ, so a caller cannot find a token byte by byte.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    let longest = a.len().max(b.len());
+    let mut diff = u8::from(a.len() != b.len());
+    for i in 0..longest {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff);
+    }
+    diff == 0
 }
 
 struct Ads {
@@ -472,6 +487,18 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn secrets_match_only_when_equal() {
+        assert!(same_secret(b"s3cret", b"s3cret"));
+        assert!(!same_secret(b"s3cret", b"s3creT"));
+        assert!(
+            !same_secret(b"s3cret", b"s3cre"),
+            "a prefix is not the token"
+        );
+        assert!(!same_secret(b"", b"s3cret"));
+        assert!(same_secret(b"", b""));
+    }
 
     fn snapshot() -> Snapshot {
         let st = crate::xds::local::parse(

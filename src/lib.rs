@@ -21,6 +21,7 @@ mod grpc;
 pub mod identity;
 #[cfg(feature = "lab")]
 pub mod lab;
+mod limits;
 pub mod logging;
 pub mod netns;
 pub mod node;

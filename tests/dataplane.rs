@@ -946,3 +946,30 @@ fn the_proxy_s_own_connections_use_its_congestion_control_and_apps_keep_theirs()
         "with an empty setting, the proxy keeps the kernel's default: {at_server:?}"
     );
 }
+
+/// A node proxy holds two descriptors per connection for every pod of its
+/// node: it starts with its open-file limit raised to the hard limit.
+#[test]
+fn the_proxy_raises_its_open_file_limit_to_the_hard_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    // Children inherit this process's limits: start the proxy below the hard one.
+    let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    assert!(hard >= 2048, "hard limit {hard} too low to test");
+    let (soft, _) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    setrlimit(Resource::RLIMIT_NOFILE, 1024, hard).unwrap();
+    let pair = std::panic::catch_unwind(|| common::meshed_pair("nofile"));
+    setrlimit(Resource::RLIMIT_NOFILE, soft, hard).unwrap();
+    let (m, _client, _server, _echo) = pair.unwrap_or_else(|e| std::panic::resume_unwind(e));
+    let pid = m.lab.pid("proxy-client").unwrap();
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let cols: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        (cols[3], cols[4]),
+        (hard.to_string().as_str(), hard.to_string().as_str()),
+        "{line}"
+    );
+}

@@ -84,6 +84,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "Istio CA for workload certificates (unset: the local CA)",
     },
     Key {
+        name: "insecure_control_plane",
+        env: &["AMBIT_INSECURE_CONTROL_PLANE"],
+        default: "false",
+        help: "allow http:// (plaintext, unauthenticated) for xds_address and ca_address; for labs only",
+    },
+    Key {
         name: "xds_root_ca",
         env: &["XDS_ROOT_CA"],
         default: "",
@@ -386,14 +392,24 @@ impl ProxyConfig {
             });
         }
         let local_xds_path = l.get("local_xds_path", "a file path", path)?;
-        let url = |s: &str| {
-            (s.starts_with("https://") || s.starts_with("http://")).then(|| s.to_string())
+        let insecure = l.require("insecure_control_plane", "true or false", parse_bool)?;
+        // Plaintext to the control plane only when asked for by name:
+        // certificates and mesh state would cross the network unprotected.
+        let url = |key: &'static str| {
+            l.get(
+                key,
+                if insecure {
+                    "a URL like https://istiod.istio-system.svc:15012"
+                } else {
+                    "an https:// URL like https://istiod.istio-system.svc:15012 (http:// needs insecure_control_plane: true)"
+                },
+                |s| {
+                    let ok = s.starts_with("https://") || (insecure && s.starts_with("http://"));
+                    ok.then(|| s.to_string())
+                },
+            )
         };
-        let xds_address = l.get(
-            "xds_address",
-            "a URL like https://istiod.istio-system.svc:15012",
-            url,
-        )?;
+        let xds_address = url("xds_address")?;
         if xds_address.is_none() && local_xds_path.is_none() {
             return Err(ConfigError::Missing {
                 key: "local_xds_path",
@@ -428,11 +444,7 @@ impl ProxyConfig {
             workload_info,
             local_xds_path,
             xds_address,
-            ca_address: l.get(
-                "ca_address",
-                "a URL like https://istiod.istio-system.svc:15012",
-                url,
-            )?,
+            ca_address: url("ca_address")?,
             xds_root_ca: l.get("xds_root_ca", "a file path", path)?,
             ca_root_ca: l.get("ca_root_ca", "a file path", path)?,
             auth_token: l.get("auth_token", "a file path", path)?,
@@ -749,6 +761,29 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("`workload_info` is required"), "{err}");
+        // The control plane in plaintext only when asked for by name.
+        let err = layers(BASE, &["--xds-address", "http://istiod:15010"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("`xds_address`") && err.contains("insecure_control_plane"),
+            "{err}"
+        );
+        let err = layers(BASE, &["--ca-address", "http://istiod:15010"])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`ca_address`"), "{err}");
+        let c = layers(
+            BASE,
+            &[
+                "--xds-address",
+                "http://istiod:15010",
+                "--insecure-control-plane",
+                "true",
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.xds_address.as_deref(), Some("http://istiod:15010"));
         let err = layers(BASE, &["--cluster-domain", "corp internal"])
             .unwrap_err()
             .to_string();

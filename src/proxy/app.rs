@@ -88,6 +88,15 @@ pub struct ProxyHandle {
 /// Builds and starts everything the proxy runs; returns once the side
 /// ports are bound (pods come as the agent hands them over).
 pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
+    let open_files = crate::limits::raise_open_files();
+    for (key, addr) in [
+        ("xds_address", &cfg.xds_address),
+        ("ca_address", &cfg.ca_address),
+    ] {
+        if let Some(addr) = addr.as_deref().filter(|a| a.starts_with("http://")) {
+            tracing::warn!(key, addr, "plaintext control plane (insecure_control_plane): mesh state and certificates cross the network unprotected");
+        }
+    }
     let sockets = pod::SocketOptions {
         mark: cfg.packet_mark,
         congestion_control: cfg.congestion_control.clone(),
@@ -254,7 +263,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     sideport::serve(cfg.admin_addr, admin::admin(view))
         .await
         .with_context(|| format!("admin server on {}", cfg.admin_addr))?;
-    tracing::info!(mode = ?cfg.mode, "proxy started");
+    tracing::info!(mode = ?cfg.mode, open_files, "proxy started");
     Ok(ProxyHandle {
         quit,
         fatal,

@@ -70,6 +70,8 @@ pub fn run(cfg: AgentConfig) -> anyhow::Result<()> {
 
 /// The agent's main loop, until SIGTERM or SIGINT.
 async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
+    let open_files = crate::limits::raise_open_files();
+    tracing::debug!(open_files, "open-file limit");
     super::redirect::set_host_proc(&cfg.host_proc);
     // Health first: /healthz answers while the agent waits for the API server,
     // so a slow API does not get it killed by its liveness probe.
