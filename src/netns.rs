@@ -21,14 +21,28 @@ pub struct Netns {
 }
 
 impl Netns {
+    /// Opens the network namespace at `path`. Non-blocking, so a path that
+    /// names a FIFO cannot hang the caller; anything that is not a network
+    /// namespace (a plain file, another kind of namespace) is refused.
     pub fn open(path: impl AsRef<Path>) -> io::Result<Self> {
+        use std::os::unix::fs::OpenOptionsExt;
         let path = path.as_ref().to_path_buf();
-        let file = File::open(&path)
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+            .open(&path)
             .map_err(|e| io::Error::new(e.kind(), format!("netns {}: {e}", path.display())))?;
-        Ok(Netns {
+        let ns = Netns {
             path,
             file: Arc::new(file),
-        })
+        };
+        if !ns.is_netns() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{} is not a network namespace", ns.path.display()),
+            ));
+        }
+        Ok(ns)
     }
 
     /// Takes ownership of an already open namespace fd (e.g. one received over ZDS).
@@ -122,5 +136,32 @@ impl Netns {
         })
         .join()
         .map_err(|_| io::Error::other("thread inside netns panicked"))?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_network_namespace_opens_and_a_fifo_does_not_hang() {
+        assert!(Netns::open("/proc/self/ns/net").is_ok());
+        let dir = std::env::temp_dir().join(format!("ambit-netns-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let plain = dir.join("plain");
+        std::fs::write(&plain, "x").unwrap();
+        let err = Netns::open(&plain).unwrap_err().to_string();
+        assert!(err.contains("is not a network namespace"), "{err}");
+        // Another kind of namespace is not a network namespace either.
+        assert!(Netns::open("/proc/self/ns/uts").is_err());
+        let fifo = dir.join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let started = std::time::Instant::now();
+        assert!(Netns::open(&fifo).is_err());
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "open blocked"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

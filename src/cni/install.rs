@@ -108,23 +108,40 @@ pub fn primary_config(dir: &Path) -> Result<(PathBuf, Value, bool), InstallError
 
 /// Writes `contents` to `path` through a temporary file and a rename, with `mode`.
 pub fn write_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), InstallError> {
-    let tmp = path.with_file_name(format!(
-        ".{}.tmp.{}",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("ambit"),
-        std::process::id()
-    ));
-    let mut f = fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(mode)
-        .open(&tmp)
-        .map_err(io_err(&tmp))?;
-    f.write_all(contents)
+    // An unpredictable name, created exclusively (O_EXCL: an existing file
+    // or symlink there is never opened), so nobody who can write the
+    // directory can make this root process write through a planted link.
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("ambit");
+    let (tmp, mut f) = (0..8)
+        .find_map(|_| {
+            let tmp = path.with_file_name(format!(".{name}.{:016x}.tmp", fastrand::u64(..)));
+            let opened = fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(&tmp);
+            match opened {
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => None,
+                other => Some(other.map(|f| (tmp.clone(), f)).map_err(io_err(&tmp))),
+            }
+        })
+        .unwrap_or_else(|| {
+            Err(io_err(path)(std::io::Error::other(
+                "no free temporary name",
+            )))
+        })?;
+    let written = f
+        .write_all(contents)
         .and_then(|_| f.sync_all())
-        .map_err(io_err(&tmp))?;
-    fs::set_permissions(&tmp, fs::Permissions::from_mode(mode)).map_err(io_err(&tmp))?;
-    fs::rename(&tmp, path).map_err(io_err(path))
+        .map_err(io_err(&tmp))
+        .and_then(|_| {
+            fs::set_permissions(&tmp, fs::Permissions::from_mode(mode)).map_err(io_err(&tmp))
+        })
+        .and_then(|_| fs::rename(&tmp, path).map_err(io_err(path)));
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written
 }
 
 /// [`write_atomic`] unless `path` already holds exactly `contents`.
@@ -198,6 +215,36 @@ pub fn uninstall(bin_dir: &Path, conf_dir: &Path) -> Result<(), InstallError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_atomic_write_never_follows_a_planted_link_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("ambit-atomic-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        fs::write(&victim, "untouched").unwrap();
+        let path = dir.join("10-net.conflist");
+        // The name the old code used, and any other guessable one, linked to a victim.
+        for guess in [
+            format!(".10-net.conflist.tmp.{}", std::process::id()),
+            ".10-net.conflist.tmp".into(),
+        ] {
+            std::os::unix::fs::symlink(&victim, dir.join(guess)).unwrap();
+        }
+        write_atomic(&path, b"{}", 0o600).unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "untouched");
+        assert_eq!(fs::read_to_string(&path).unwrap(), "{}");
+        assert_eq!(
+            fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let left: Vec<String> = fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp") && !n.starts_with(".10-net.conflist.tmp"))
+            .collect();
+        assert!(left.is_empty(), "temporaries left: {left:?}");
+        fs::remove_dir_all(&dir).ok();
+    }
 
     fn entry() -> Value {
         json!({"type": PLUGIN_TYPE, "name": "ambit", "cni_agent_run_dir": "/var/run/ambit"})
