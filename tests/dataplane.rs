@@ -973,3 +973,70 @@ fn the_proxy_raises_its_open_file_limit_to_the_hard_limit() {
         "{line}"
     );
 }
+
+/// A destination that accepts TCP on 15008 and then never speaks: callers
+/// to it fail within the HBONE deadline (all of them, not one after the
+/// other), and callers to other destinations are not held up meanwhile.
+#[test]
+fn a_stalled_destination_fails_its_callers_in_time_and_delays_no_one_else() {
+    let mut m = common::Mesh::new("stall");
+    let (client, server, staller) = (m.pod("client"), m.pod("server"), m.pod("staller"));
+    m.write_config(&format!(
+        "workloads:\n{}{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE"),
+        workload(&staller, "staller-sa", "HBONE"),
+    ));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    // Accepts, holds, never answers the TLS handshake.
+    let listener = staller
+        .ns
+        .run(|| std::net::TcpListener::bind(("0.0.0.0", 15008)))
+        .unwrap()
+        .unwrap();
+    std::thread::spawn(move || {
+        let held: Vec<_> = listener.incoming().flatten().collect();
+        drop(held);
+    });
+
+    let stalled = SocketAddr::new(staller.ip.into(), 8080);
+    let callers: Vec<_> = (0..2)
+        .map(|_| {
+            let client = client.clone();
+            std::thread::spawn(move || {
+                let started = std::time::Instant::now();
+                let got = connect_from(&client, stalled).and_then(|mut c| {
+                    c.set_read_timeout(Some(Duration::from_secs(30)))?;
+                    echo_roundtrip(&mut c, b"hello?")
+                });
+                (got.map_or(true, |b| b.is_empty()), started.elapsed())
+            })
+        })
+        .collect();
+    // Meanwhile another destination is served at once.
+    std::thread::sleep(Duration::from_millis(500)); // the stalled dials are under way
+    let started = std::time::Instant::now();
+    let mut c = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"not held up").unwrap(),
+        b"not held up"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    for caller in callers {
+        let (failed, took) = caller.join().unwrap();
+        assert!(failed, "a stalled destination cannot carry bytes");
+        assert!(took < Duration::from_secs(15), "failed only after {took:?}");
+    }
+    wait_until("the deadline named in the access log", SETTLE, || {
+        m.proxy_log(&client)
+            .matches("not established within")
+            .count()
+            == 2
+    });
+}

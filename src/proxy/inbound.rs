@@ -25,7 +25,7 @@ use crate::xds::client::OnDemand;
 use crate::xds::types::{GatewayAddress, Service};
 use crate::xds::{State, StateHandle};
 
-/// How long a peer has to finish the TLS handshake.
+/// How long a peer has to finish the TLS handshake, and then HTTP/2's.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The inbound side of one pod.
@@ -108,10 +108,15 @@ impl Inbound {
         else {
             return; // unreachable: the verifier requires a SPIFFE identity
         };
-        let mut conn = match self.h2.server().handshake::<_, Bytes>(tls).await {
-            Ok(c) => c,
-            Err(e) => {
+        let handshake = self.h2.server().handshake::<_, Bytes>(tls);
+        let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => {
                 tracing::warn!(src.addr = %peer, error = %e, "HBONE HTTP/2 handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::warn!(src.addr = %peer, "HBONE HTTP/2 handshake timed out");
                 return;
             }
         };

@@ -243,7 +243,13 @@ pub enum OutboundError {
     NoWaypoint(String),
     #[error("on-demand DNS: {0}")]
     Unresolved(String),
+    #[error("HBONE to {0}: not established within {HBONE_DEADLINE:?}")]
+    Deadline(SocketAddr),
 }
+
+/// How long an outbound HBONE stream has to be established: dial (TCP, TLS,
+/// HTTP/2) or pooled connection, then the CONNECT answered.
+pub const HBONE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The outbound side of one pod.
 pub struct Outbound {
@@ -422,32 +428,44 @@ impl Outbound {
             dst: identities.clone(),
             addr: proxy,
         };
-        let lease: Lease = self.pool.get(key, || self.dial(proxy, identities)).await?;
-        let mut sender = lease.sender();
-        let req = ConnectRequest {
-            target,
-            source: src,
-            host,
-            baggage: self.pod.baggage.clone(),
-        }
-        .to_http()
-        .map_err(|e| OutboundError::Connect {
-            addr: target,
-            source: io::Error::other(e),
-        })?;
-        let h2err = |source| OutboundError::H2 {
-            addr: proxy,
-            source,
-        };
-        sender = sender.ready().await.map_err(h2err)?;
-        let (resp, send) = sender.send_request(req, false).map_err(h2err)?;
-        let resp = resp.await.map_err(h2err)?;
-        if resp.status() != http::StatusCode::OK {
-            return Err(OutboundError::Refused {
+        // Everything before the first byte (a pooled connection or a dial:
+        // TCP, TLS, HTTP/2; then the CONNECT and its answer) within one
+        // deadline, so a peer that accepts and then stalls fails its callers
+        // in time instead of holding them (and the pool's dial lock) forever.
+        let established = tokio::time::timeout(HBONE_DEADLINE, async {
+            let lease: Lease = self.pool.get(key, || self.dial(proxy, identities)).await?;
+            let mut sender = lease.sender();
+            let req = ConnectRequest {
                 target,
-                status: resp.status(),
-            });
-        }
+                source: src,
+                host,
+                baggage: self.pod.baggage.clone(),
+            }
+            .to_http()
+            .map_err(|e| OutboundError::Connect {
+                addr: target,
+                source: io::Error::other(e),
+            })?;
+            let h2err = |source| OutboundError::H2 {
+                addr: proxy,
+                source,
+            };
+            sender = sender.ready().await.map_err(h2err)?;
+            let (resp, send) = sender.send_request(req, false).map_err(h2err)?;
+            let resp = resp.await.map_err(h2err)?;
+            if resp.status() != http::StatusCode::OK {
+                return Err(OutboundError::Refused {
+                    target,
+                    status: resp.status(),
+                });
+            }
+            Ok((lease, send, resp))
+        })
+        .await;
+        let (lease, send, resp) = match established {
+            Ok(r) => r?,
+            Err(_) => return Err(OutboundError::Deadline(proxy)),
+        };
         let (t, res) = tcp_h2_bidirectional(stream, send, resp.into_body()).await;
         if let Err(e) = &res {
             tracing::debug!(dst.addr = %target, error = %e, "HBONE copy ended with an error");
