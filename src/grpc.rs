@@ -162,12 +162,16 @@ fn causes(e: &(dyn std::error::Error + 'static)) -> String {
 }
 
 /// A server-side TLS stream that tonic can serve.
-pub struct ServerTls(tokio_rustls::server::TlsStream<TcpStream>);
+pub struct ServerTls {
+    tls: tokio_rustls::server::TlsStream<TcpStream>,
+    /// The connection's place under the listener's cap, given back on drop.
+    _slot: crate::limits::CapSlot,
+}
 
 impl tonic::transport::server::Connected for ServerTls {
     type ConnectInfo = Option<std::net::SocketAddr>;
     fn connect_info(&self) -> Self::ConnectInfo {
-        self.0.get_ref().0.peer_addr().ok()
+        self.tls.get_ref().0.peer_addr().ok()
     }
 }
 
@@ -177,7 +181,7 @@ impl AsyncRead for ServerTls {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_read(cx, buf)
+        Pin::new(&mut self.tls).poll_read(cx, buf)
     }
 }
 
@@ -187,13 +191,13 @@ impl AsyncWrite for ServerTls {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
+        Pin::new(&mut self.tls).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
+        Pin::new(&mut self.tls).poll_flush(cx)
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
+        Pin::new(&mut self.tls).poll_shutdown(cx)
     }
 }
 
@@ -204,9 +208,16 @@ pub fn tls_incoming(
 ) -> impl futures_util::Stream<Item = Result<ServerTls, std::io::Error>> {
     let (tx, rx) = tokio::sync::mpsc::channel::<ServerTls>(64);
     let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+    let cap =
+        crate::limits::ConnectionCap::new("control_plane", crate::limits::caps::CONTROL_PLANE)
+            .per_source();
     tokio::spawn(async move {
         loop {
             let Ok((tcp, peer)) = listener.accept().await else {
+                tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                continue;
+            };
+            let Some(slot) = cap.admit(peer.ip()) else {
                 continue;
             };
             let (acceptor, tx) = (acceptor.clone(), tx.clone());
@@ -215,7 +226,7 @@ pub fn tls_incoming(
                     .await
                 {
                     Ok(Ok(tls)) => {
-                        let _ = tx.send(ServerTls(tls)).await;
+                        let _ = tx.send(ServerTls { tls, _slot: slot }).await;
                     }
                     Ok(Err(e)) => {
                         tracing::warn!(src.addr = %peer, error = %e, "control-plane TLS handshake failed")

@@ -1,8 +1,19 @@
-//! Process limits the long-lived roles set at start: the open-file limit
-//! raised to its hard limit, since a node proxy holds two descriptors per
-//! proxied connection for every pod of its node, and the agent one per pod.
+//! Process limits: the open-file limit the long-lived roles raise to its
+//! hard limit at start (a node proxy holds two descriptors per proxied
+//! connection for every pod of its node, the agent one per pod), and the
+//! cap on open connections every listener enforces.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::time::{Duration, Instant};
 
 use nix::sys::resource::{getrlimit, setrlimit, Resource};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Raises `RLIMIT_NOFILE`'s soft limit to the hard limit; returns the limit
 /// in force. A failure is logged and the old limit kept.
@@ -20,5 +31,191 @@ pub fn raise_open_files() -> u64 {
             tracing::warn!(error = %e, "cannot read the open-file limit");
             0
         }
+    }
+}
+
+/// A cap on the connections one listener holds open at once, and
+/// optionally on those from one source address (so one client cannot take
+/// every place). Past a cap a new connection is accepted and closed at once
+/// (the client sees it refused rather than waiting in the backlog), logged
+/// at most every ten seconds per listener, and counted in
+/// `ambit_listener_connections_refused_total`.
+#[derive(Debug, Clone)]
+pub struct ConnectionCap {
+    listener: &'static str,
+    max: usize,
+    open: Arc<Semaphore>,
+    /// Places one source address may hold; 0: no per-source cap.
+    per_source: usize,
+    by_source: BySource,
+    last_warned: Arc<Mutex<Option<Instant>>>,
+}
+
+/// Connections open per source address.
+type BySource = Arc<Mutex<HashMap<IpAddr, usize>>>;
+
+/// Holds one connection's place under its listener's caps until dropped.
+#[derive(Debug)]
+pub struct CapSlot {
+    _place: OwnedSemaphorePermit,
+    source: Option<(IpAddr, BySource)>,
+}
+
+impl Drop for CapSlot {
+    fn drop(&mut self) {
+        if let Some((ip, by_source)) = self.source.take() {
+            let mut m = by_source.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = m.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&ip);
+                }
+            }
+        }
+    }
+}
+
+impl ConnectionCap {
+    pub fn new(listener: &'static str, max: usize) -> Self {
+        ConnectionCap {
+            listener,
+            max,
+            open: Arc::new(Semaphore::new(max)),
+            per_source: 0,
+            by_source: Arc::default(),
+            last_warned: Arc::default(),
+        }
+    }
+
+    /// Also caps the connections from one source address at a quarter of
+    /// the listener's.
+    pub fn per_source(mut self) -> Self {
+        self.per_source = (self.max / 4).max(1);
+        self
+    }
+
+    /// A place for one more connection from `source`, or `None` (counted,
+    /// logged) when the listener, or the source's share, is full.
+    pub fn admit(&self, source: IpAddr) -> Option<CapSlot> {
+        let admitted = self
+            .open
+            .clone()
+            .try_acquire_owned()
+            .ok()
+            .and_then(|place| {
+                if self.per_source == 0 {
+                    return Some(CapSlot {
+                        _place: place,
+                        source: None,
+                    });
+                }
+                let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
+                let n = m.entry(source).or_default();
+                (*n < self.per_source).then(|| {
+                    *n += 1;
+                    CapSlot {
+                        _place: place,
+                        source: Some((source, self.by_source.clone())),
+                    }
+                })
+            });
+        if admitted.is_none() {
+            self.refused(source);
+        }
+        admitted
+    }
+
+    fn refused(&self, source: IpAddr) {
+        REFUSED
+            .get_or_create(&ListenerLabels {
+                listener: self.listener,
+            })
+            .inc();
+        let mut last = self.last_warned.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+            *last = Some(Instant::now());
+            tracing::warn!(
+                listener = self.listener,
+                max = self.max,
+                per_source = self.per_source,
+                src.addr = %source,
+                "connection cap reached: new connections are closed until some end"
+            );
+        }
+    }
+}
+
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: &'static str,
+}
+
+static REFUSED: LazyLock<Family<ListenerLabels, Counter>> = LazyLock::new(Family::default);
+
+/// Registers `ambit_listener_connections_refused_total{listener}` (every
+/// cap of the process counts into the one family).
+pub fn register(registry: &mut Registry) {
+    registry.register(
+        "ambit_listener_connections_refused",
+        "Connections closed on accept because their listener was at its cap",
+        REFUSED.clone(),
+    );
+}
+
+/// Caps per listener (docs/architecture.md §3.11). The pod-facing ones are
+/// per pod and high, since they carry the application's own connections;
+/// the side ports serve probes, scrapes and operators.
+pub mod caps {
+    pub const OUTBOUND: usize = 16_384;
+    pub const INBOUND_PLAINTEXT: usize = 16_384;
+    pub const HBONE: usize = 16_384;
+    pub const DNS_TCP: usize = 64;
+    pub const SIDE_PORT: usize = 128;
+    pub const AGENT_EVENTS: usize = 256;
+    pub const CONTROL_PLANE: usize = 4_096;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cap_refuses_past_its_max_counts_it_and_frees_a_place_when_one_ends() {
+        let cap = ConnectionCap::new("test-cap", 2);
+        let refused = || {
+            REFUSED
+                .get_or_create(&ListenerLabels {
+                    listener: "test-cap",
+                })
+                .get()
+        };
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let a = cap.admit(ip).expect("first");
+        let _b = cap.admit(ip).expect("second");
+        assert!(cap.admit(ip).is_none());
+        assert!(cap.admit(ip).is_none());
+        assert_eq!(refused(), 2);
+        drop(a);
+        assert!(
+            cap.admit(ip).is_some(),
+            "a place is freed when a connection ends"
+        );
+    }
+
+    #[test]
+    fn one_source_gets_a_quarter_of_the_places() {
+        let cap = ConnectionCap::new("test-source", 8).per_source();
+        let (greedy, other): (IpAddr, IpAddr) =
+            ("10.0.0.1".parse().unwrap(), "10.0.0.2".parse().unwrap());
+        let held: Vec<_> = (0..2).map(|_| cap.admit(greedy).unwrap()).collect();
+        assert!(cap.admit(greedy).is_none(), "a third place for one source");
+        let _o = cap.admit(other).expect("another source still gets in");
+        drop(held);
+        assert!(
+            cap.admit(greedy).is_some(),
+            "places come back when connections end"
+        );
     }
 }

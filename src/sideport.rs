@@ -6,14 +6,17 @@
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
+
+use crate::limits::{caps, ConnectionCap};
 
 /// What a handler answers: status, content type and body.
 pub type Reply = (StatusCode, &'static str, String);
@@ -26,19 +29,41 @@ pub fn not_found() -> Reply {
     (StatusCode::NOT_FOUND, TEXT, "not found\n".into())
 }
 
-/// Binds `addr` and serves `handler` until the process ends.
+/// How long a client has to send a request's headers, from the connection's
+/// start or the end of its previous request. A side port is never a place
+/// to hold a connection open (slowloris).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The HTTP/1.1 server every side port and local socket uses: hyper with
+/// its timer, so [`HEADER_TIMEOUT`] fires.
+pub fn http1() -> hyper::server::conn::http1::Builder {
+    let mut b = hyper::server::conn::http1::Builder::new();
+    b.timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT);
+    b
+}
+
+/// Binds `addr` and serves `handler` until the process ends; `name` labels
+/// the listener's connection cap.
 pub async fn serve(
     addr: SocketAddr,
+    name: &'static str,
     handler: Handler,
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let listener = TcpListener::bind(addr).await?;
+    let cap = ConnectionCap::new(name, caps::SIDE_PORT).per_source();
     Ok(tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let Ok((stream, peer)) = listener.accept().await else {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            };
+            let Some(slot) = cap.admit(peer.ip()) else {
                 continue;
             };
             let handler = handler.clone();
             tokio::spawn(async move {
+                let _slot = slot;
                 let svc = service_fn(move |req: Request<Incoming>| {
                     let (status, content_type, body) = handler(
                         req.method(),
@@ -54,9 +79,7 @@ pub async fn serve(
                         .unwrap_or_default();
                     async move { Ok::<_, Infallible>(resp) }
                 });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
+                let _ = http1().serve_connection(TokioIo::new(stream), svc).await;
             });
         }
     }))

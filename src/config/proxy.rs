@@ -240,6 +240,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "unsent bytes the kernel may queue per HBONE connection (TCP_NOTSENT_LOWAT); 0: no limit",
     },
     Key {
+        name: "memory_budget",
+        env: &["AMBIT_MEMORY_BUDGET"],
+        default: "auto",
+        help: "bytes peers may make the proxy hold (windows, stream buffers); past it streams are refused. auto: half the cgroup's memory limit, else 1Gi; 0: none",
+    },
+    Key {
         name: "congestion_control",
         env: &["AMBIT_CONGESTION_CONTROL"],
         default: "cubic",
@@ -332,6 +338,8 @@ pub struct ProxyConfig {
     pub frame_size: u32,
     /// `TCP_NOTSENT_LOWAT` on HBONE connections; 0 leaves the kernel's default.
     pub hbone_unsent_limit: u32,
+    /// The memory budget in bytes; `None`: chosen from the cgroup's limit.
+    pub memory_budget: Option<usize>,
     /// `TCP_CONGESTION` on the proxy's TCP sockets; `None`: the kernel's default.
     pub congestion_control: Option<Arc<str>>,
     /// Whether `congestion_control` was set (file, env or flag) rather than
@@ -513,6 +521,11 @@ impl ProxyConfig {
                 "0 (no limit) or a byte count between 4096 and 1073741824",
                 |s| parse_u32(s).filter(|v| *v == 0 || (4096..=1 << 30).contains(v)),
             )?,
+            memory_budget: l.require(
+                "memory_budget",
+                "auto, 0 (none) or a size like 512Mi, 2Gi or 268435456 (at least 16Mi)",
+                parse_memory_budget,
+            )?,
             congestion_control: l
                 .get(
                     "congestion_control",
@@ -571,3 +584,26 @@ impl ProxyConfig {
 
 #[cfg(test)]
 mod tests;
+
+/// `auto` → `Some(None)`; `0` → no budget; else a byte count, plain or with
+/// a `Ki`/`Mi`/`Gi` suffix, of at least 16 MiB (less could not hold one
+/// HBONE connection's window).
+fn parse_memory_budget(s: &str) -> Option<Option<usize>> {
+    if s == "auto" {
+        return Some(None);
+    }
+    let (digits, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, ""),
+    };
+    let shift = match unit {
+        "" => 0,
+        "Ki" => 10,
+        "Mi" => 20,
+        "Gi" => 30,
+        _ => return None,
+    };
+    let n: usize = digits.parse().ok()?;
+    let bytes = n.checked_mul(1 << shift)?;
+    (bytes == 0 || bytes >= 16 << 20).then_some(Some(bytes))
+}

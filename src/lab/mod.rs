@@ -7,9 +7,12 @@
 //! The rooms: `topology` (the node, pods, processes), `traffic` (drivers),
 //! `probes` (kernel state), `cni_call` (plugins as a runtime calls them),
 //! `node` (a whole `ambit node` with the real CNI chain), and, for tests
-//! only, `kubeapi` (a Kubernetes API server stand-in) and `waypoint` (an
-//! HBONE server that records what it is sent).
+//! only, `kubeapi` (a Kubernetes API server stand-in), `waypoint` (an
+//! HBONE server that records what it is sent) and `attacker` (hostile mesh
+//! peers).
 
+#[cfg(feature = "testing")]
+pub mod attacker;
 mod cni_call;
 #[cfg(feature = "testing")]
 pub mod kubeapi;

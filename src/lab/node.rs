@@ -32,6 +32,17 @@ impl Node {
     /// `combined`: one `ambit node`; otherwise `ambit agent` and `ambit proxy` as
     /// separate processes ("agent", "proxy") so a test can restart either.
     pub fn start_with(binary: &str, tag: &str, enroll: &str, combined: bool) -> Node {
+        Self::start_env(binary, tag, enroll, combined, &[])
+    }
+
+    /// [`Node::start_with`], with extra environment for the node's processes.
+    pub fn start_env(
+        binary: &str,
+        tag: &str,
+        enroll: &str,
+        combined: bool,
+        env: &[(&str, &str)],
+    ) -> Node {
         // A subnet of its own: nodes of parallel tests share the host, and an
         // agent enrolls pods it finds anywhere on it by their IP.
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -42,7 +53,15 @@ impl Node {
         let mesh = format!(
             "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
         );
-        Self::start_full(binary, tag, enroll, combined, subnet, &mesh, None)
+        let mut node = Self::prepare(binary, tag, enroll, subnet, &mesh, None);
+        node.extra_env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        node.launch(combined);
+        node.wait_ready("127.0.0.1:8000", "/readyz");
+        node.wait_ready("127.0.0.1:15021", "/healthz/ready");
+        node
     }
 
     pub fn start_full(

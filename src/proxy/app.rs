@@ -103,6 +103,11 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     }
     .usable(cfg.congestion_control_chosen)?;
     let mut registry = Registry::default();
+    let budget = cfg
+        .memory_budget
+        .unwrap_or_else(super::budget::default_limit);
+    super::budget::BUDGET.set_limit(budget);
+    super::budget::BUDGET.register(&mut registry);
     // Mesh state: from the control plane over xDS, or from the local config file.
     let mut xds_synced = Arc::new(AtomicBool::new(true));
     let mut demand = None;
@@ -245,13 +250,19 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     let quit = Arc::new(tokio::sync::Notify::new());
     sideport::serve(
         cfg.readiness_addr,
+        "readiness",
         admin::readiness(ready.clone(), xds_synced),
     )
     .await
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
-    sideport::serve(cfg.metrics_addr, admin::metrics(Arc::new(registry)))
-        .await
-        .with_context(|| format!("metrics server on {}", cfg.metrics_addr))?;
+    crate::limits::register(&mut registry);
+    sideport::serve(
+        cfg.metrics_addr,
+        "metrics",
+        admin::metrics(Arc::new(registry)),
+    )
+    .await
+    .with_context(|| format!("metrics server on {}", cfg.metrics_addr))?;
     let view = AdminView {
         quit: quit.clone(),
         state,
@@ -260,10 +271,10 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         pods,
         trust_domain: cfg.trust_domain.clone(),
     };
-    sideport::serve(cfg.admin_addr, admin::admin(view))
+    sideport::serve(cfg.admin_addr, "admin", admin::admin(view))
         .await
         .with_context(|| format!("admin server on {}", cfg.admin_addr))?;
-    tracing::info!(mode = ?cfg.mode, open_files, "proxy started");
+    tracing::info!(mode = ?cfg.mode, open_files, memory_budget = budget, "proxy started");
     Ok(ProxyHandle {
         quit,
         fatal,

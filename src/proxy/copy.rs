@@ -248,8 +248,8 @@ pub async fn splice_bidirectional(
 }
 
 /// Read buffers start small (idle connections cost little) and grow to this for bulk flows.
-const MIN_BUF: usize = 16 * 1024;
-const MAX_BUF: usize = 256 * 1024;
+const MIN_BUF: usize = super::budget::STREAM_READ_START;
+const MAX_BUF: usize = super::budget::STREAM_READ_BUFFER;
 
 /// Reads from a TCP half into an HBONE stream, honouring HTTP/2 flow control.
 async fn tcp_to_h2<R: AsyncRead + Unpin>(
@@ -258,6 +258,7 @@ async fn tcp_to_h2<R: AsyncRead + Unpin>(
 ) -> io::Result<u64> {
     let mut buf_size = MIN_BUF;
     let mut buf = BytesMut::with_capacity(buf_size);
+    let mut grown = None;
     let mut total = 0u64;
     loop {
         buf.reserve(buf_size);
@@ -272,7 +273,13 @@ async fn tcp_to_h2<R: AsyncRead + Unpin>(
                 .map_err(h2_io);
         }
         if n >= buf_size && buf_size < MAX_BUF {
-            buf_size *= 2;
+            // Room to grow comes from the memory budget, once per stream.
+            if grown.is_none() {
+                grown = super::budget::BUDGET.grow_read_buffer(MIN_BUF);
+            }
+            if grown.is_some() {
+                buf_size *= 2;
+            }
         }
         total += n as u64;
         let mut chunk = buf.split().freeze();

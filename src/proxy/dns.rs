@@ -16,6 +16,7 @@ use hickory_proto::rr::{RData, Record, RecordType};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::pod::{PodRef, SocketFactory};
+use crate::limits::ConnectionCap;
 use crate::xds::{best_service, State, StateHandle};
 
 /// TTL of the answers the proxy makes itself.
@@ -31,7 +32,7 @@ pub const MAX_IN_FLIGHT: usize = 256;
 /// How long a TCP client has to send the next message, or the rest of one.
 const TCP_IDLE: Duration = Duration::from_secs(10);
 /// TCP connections one pod may hold open; more are closed at once.
-pub const MAX_TCP_CONNECTIONS: usize = 64;
+pub const MAX_TCP_CONNECTIONS: usize = crate::limits::caps::DNS_TCP;
 
 /// What to do with one query.
 #[derive(Debug, PartialEq, Eq)]
@@ -175,7 +176,7 @@ pub struct DnsProxy {
     /// [`MAX_IN_FLIGHT`] permits.
     in_flight: tokio::sync::Semaphore,
     /// [`MAX_TCP_CONNECTIONS`] permits.
-    tcp_connections: Arc<tokio::sync::Semaphore>,
+    tcp_connections: ConnectionCap,
     /// Whether a limit has been hit and said.
     warned_full: std::sync::atomic::AtomicBool,
 }
@@ -195,7 +196,7 @@ impl DnsProxy {
             upstreams,
             metrics,
             in_flight: tokio::sync::Semaphore::new(MAX_IN_FLIGHT),
-            tcp_connections: Arc::new(tokio::sync::Semaphore::new(MAX_TCP_CONNECTIONS)),
+            tcp_connections: ConnectionCap::new("dns_tcp", MAX_TCP_CONNECTIONS),
             warned_full: Default::default(),
         }
     }
@@ -275,11 +276,10 @@ impl DnsProxy {
                 a = listener.accept() => a,
                 _ = life.stop_listening() => return,
             };
-            let Ok((mut stream, _)) = accepted else {
+            let Ok((mut stream, peer)) = accepted else {
                 continue;
             };
-            let Ok(held) = self.tcp_connections.clone().try_acquire_owned() else {
-                self.warn_full("TCP connections", MAX_TCP_CONNECTIONS);
+            let Some(held) = self.tcp_connections.admit(peer.ip()) else {
                 continue; // dropped: closed
             };
             let this = self.clone();

@@ -6,6 +6,7 @@ use std::net::{IpAddr, SocketAddr};
 
 use http::{Method, Request, StatusCode};
 
+use super::budget::STREAM_SEND_BUFFER;
 use crate::constants::PROXY_OWN_PORTS;
 
 /// HTTP/2 window and frame sizes, and how much of an HBONE connection's
@@ -26,7 +27,7 @@ impl H2Settings {
             .initial_connection_window_size(self.connection_window)
             .max_frame_size(self.frame_size)
             .max_header_list_size(16 * 1024)
-            .max_send_buffer_size(4 << 20)
+            .max_send_buffer_size(STREAM_SEND_BUFFER)
             .enable_push(false);
         b
     }
@@ -37,7 +38,7 @@ impl H2Settings {
             .initial_connection_window_size(self.connection_window)
             .max_frame_size(self.frame_size)
             .max_header_list_size(64 * 1024)
-            .max_send_buffer_size(4 << 20)
+            .max_send_buffer_size(STREAM_SEND_BUFFER)
             .max_concurrent_streams(200);
         b
     }

@@ -11,6 +11,7 @@ use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 
+use super::budget::{BUDGET, STREAM_COST};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
@@ -21,6 +22,7 @@ use super::record::{ConnectionRecord, Direction};
 use super::waypoint;
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::{tls, Identity};
+use crate::limits::{caps, ConnectionCap};
 use crate::xds::client::OnDemand;
 use crate::xds::types::{GatewayAddress, Service};
 use crate::xds::{State, StateHandle};
@@ -39,11 +41,17 @@ pub struct Inbound {
     pub tracker: Arc<Tracker>,
 }
 
-async fn accept_loop<F, Fut>(listener: TcpListener, what: &'static str, life: Lifecycle, handle: F)
-where
+async fn accept_loop<F, Fut>(
+    listener: TcpListener,
+    what: &'static str,
+    max: usize,
+    life: Lifecycle,
+    handle: F,
+) where
     F: Fn(TcpStream, SocketAddr) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
+    let cap = ConnectionCap::new(what, max).per_source();
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -51,8 +59,15 @@ where
         };
         match accepted {
             Ok((stream, peer)) => {
+                let Some(slot) = cap.admit(peer.ip()) else {
+                    continue;
+                };
                 let peer = SocketAddr::new(canonical(peer.ip()), peer.port());
-                life.spawn(handle(stream, peer));
+                let conn = handle(stream, peer);
+                life.spawn(async move {
+                    conn.await;
+                    drop(slot);
+                });
             }
             Err(e) => {
                 tracing::warn!(listener = what, error = %e, "accept failed");
@@ -65,17 +80,26 @@ where
 impl Inbound {
     /// Serves HBONE on `listener` (15008).
     pub async fn serve_hbone(self: Arc<Self>, listener: TcpListener) {
-        accept_loop(listener, "hbone", self.pod.life.clone(), |s, p| {
-            self.clone().hbone_conn(s, p)
-        })
+        accept_loop(
+            listener,
+            "hbone",
+            caps::HBONE,
+            self.pod.life.clone(),
+            |s, p| self.clone().hbone_conn(s, p),
+        )
         .await
     }
 
     /// Serves plaintext on `listener` (15006).
     pub async fn serve_plaintext(self: Arc<Self>, listener: TcpListener) {
-        accept_loop(listener, "plaintext", self.pod.life.clone(), |s, p| {
-            self.clone().plaintext_conn(s, p)
-        })
+        let life = self.pod.life.clone();
+        accept_loop(
+            listener,
+            "inbound_plaintext",
+            caps::INBOUND_PLAINTEXT,
+            life,
+            |s, p| self.clone().plaintext_conn(s, p),
+        )
         .await
     }
 
@@ -108,7 +132,15 @@ impl Inbound {
         else {
             return; // unreachable: the verifier requires a SPIFFE identity
         };
-        let handshake = self.h2.server().handshake::<_, Bytes>(tls);
+        // The receive window this connection is granted, reserved for its life.
+        let (h2, _window) = match BUDGET.connection(self.h2, &peer_id) {
+            Ok(granted) => granted,
+            Err(refusal) => {
+                tracing::warn!(src.addr = %peer, src.principal = %peer_id, reason = refusal.reason(), "HBONE connection refused");
+                return;
+            }
+        };
+        let handshake = h2.server().handshake::<_, Bytes>(tls);
         let mut conn = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
             Ok(Ok(c)) => c,
             Ok(Err(e)) => {
@@ -122,6 +154,8 @@ impl Inbound {
         };
         // On proxy exit: GOAWAY (no new streams), but streams in flight go on.
         let mut goaway_sent = false;
+        // Refused streams are counted each; said once per connection.
+        let mut refused_said = false;
         loop {
             let next = if goaway_sent {
                 conn.accept().await
@@ -137,12 +171,28 @@ impl Inbound {
             };
             let Some(next) = next else { break };
             match next {
-                Ok((req, respond)) => {
+                Ok((req, mut respond)) => {
+                    let reserved = match BUDGET.reserve(
+                        STREAM_COST,
+                        Some(&peer_id),
+                        Some(&self.pod.key),
+                    ) {
+                        Ok(r) => r,
+                        Err(refusal) => {
+                            if !refused_said {
+                                refused_said = true;
+                                tracing::warn!(src.addr = %peer, src.principal = %peer_id, reason = refusal.reason(), "HBONE streams refused (REFUSED_STREAM)");
+                            }
+                            respond.send_reset(h2::Reason::REFUSED_STREAM);
+                            continue;
+                        }
+                    };
                     let this = self.clone();
                     let peer_id = peer_id.clone();
                     self.pod.life.spawn(async move {
                         this.hbone_stream(req, respond, peer_id, peer, local_ip)
-                            .await
+                            .await;
+                        drop(reserved);
                     });
                 }
                 Err(e) => {

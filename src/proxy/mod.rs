@@ -10,6 +10,7 @@
 
 mod admin;
 mod app;
+mod budget;
 mod config_dump;
 mod copy;
 mod dns;

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use socket2::SockRef;
 use tokio::net::{TcpListener, TcpStream};
 
+use super::budget::{Refusal, BUDGET, STREAM_COST};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
@@ -21,6 +22,7 @@ use super::record::{ConnectionRecord, Direction};
 use super::waypoint;
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
+use crate::limits::{caps, ConnectionCap};
 use crate::xds::client::OnDemand;
 use crate::xds::types::{GatewayAddress, Protocol, Service, Workload};
 use crate::xds::{State, StateHandle};
@@ -245,6 +247,8 @@ pub enum OutboundError {
     Unresolved(String),
     #[error("HBONE to {0}: not established within {HBONE_DEADLINE:?}")]
     Deadline(SocketAddr),
+    #[error("refused: {}", .0.reason())]
+    Budget(Refusal),
 }
 
 /// How long an outbound HBONE stream has to be established: dial (TCP, TLS,
@@ -268,6 +272,7 @@ pub struct Outbound {
 impl Outbound {
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
         let life = self.pod.life.clone();
+        let cap = ConnectionCap::new("outbound", caps::OUTBOUND);
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
@@ -275,8 +280,14 @@ impl Outbound {
             };
             match accepted {
                 Ok((stream, peer)) => {
+                    let Some(slot) = cap.admit(peer.ip()) else {
+                        continue;
+                    };
                     let this = self.clone();
-                    life.spawn(async move { this.handle(stream, peer).await });
+                    life.spawn(async move {
+                        this.handle(stream, peer).await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "outbound accept failed");
@@ -422,6 +433,10 @@ impl Outbound {
         identities: Vec<Identity>,
         host: Option<String>,
     ) -> Result<(Transferred, bool), OutboundError> {
+        // The stream's buffers, reserved before anything is sent for it.
+        let _reserved = BUDGET
+            .reserve(STREAM_COST, None, Some(&self.pod.key))
+            .map_err(OutboundError::Budget)?;
         let key = PoolKey {
             pod: self.pod.uid.clone(),
             src: self.pod.identity.clone(),

@@ -461,6 +461,8 @@ impl Lifecycle {
 #[derive(Debug)]
 pub struct Pod {
     pub uid: String,
+    /// The UID again, as the memory budget's key for this pod's streams.
+    pub key: std::sync::Arc<str>,
     pub name: String,
     pub namespace: String,
     pub service_account: String,

@@ -125,6 +125,7 @@ impl ProxyShared {
         .header();
         Ok(Arc::new(Pod {
             uid: info.uid.clone(),
+            key: info.uid.as_str().into(),
             name: info.name.clone(),
             namespace: info.namespace.clone(),
             service_account: info.service_account.clone(),

@@ -1,8 +1,11 @@
 //! The outbound HBONE connection pool: HTTP/2 connections keyed by (source
 //! identity, destination identities, destination address), many streams each.
 //!
-//! A per-key dial lock means a burst of connections to one destination makes
-//! one TLS handshake, not a hundred. A connection serves at most
+//! A burst of connections to one destination makes one TLS handshake, not a
+//! hundred: callers that find a dial under way for their key wait for it,
+//! but only for [`JOIN_WAIT`], and then dial on their own, so one stalled
+//! handshake never holds every caller to that destination (no lock is held
+//! across a handshake). A connection serves at most
 //! `max_streams` streams at once; past that a second one is dialed. Idle
 //! connections are closed after `idle_timeout`, dead ones are dropped.
 
@@ -82,10 +85,36 @@ impl Drop for Lease {
     }
 }
 
+/// How long a caller waits for a dial another caller has under way before
+/// dialing on its own: far above a handshake between nodes, far below the
+/// 10 s a stalled one takes to fail.
+pub const JOIN_WAIT: Duration = Duration::from_millis(500);
+
 #[derive(Debug, Default)]
 struct Entry {
-    dial: tokio::sync::Mutex<()>,
+    /// Dials under way for this key.
+    dialing: AtomicUsize,
+    /// Woken whenever a dial for this key ends, well or not.
+    dial_ended: tokio::sync::Notify,
     conns: Mutex<Vec<Arc<PooledConn>>>,
+}
+
+/// Counts one dial under way; on drop (done, failed or cancelled) wakes
+/// those waiting for it.
+struct Dialing<'a>(&'a Entry);
+
+impl<'a> Dialing<'a> {
+    fn start(entry: &'a Entry) -> Self {
+        entry.dialing.fetch_add(1, Ordering::AcqRel);
+        Dialing(entry)
+    }
+}
+
+impl Drop for Dialing<'_> {
+    fn drop(&mut self) {
+        self.0.dialing.fetch_sub(1, Ordering::AcqRel);
+        self.0.dial_ended.notify_waiters();
+    }
 }
 
 impl Entry {
@@ -133,10 +162,18 @@ impl Pool {
         if let Some(lease) = entry.pick(self.max_streams) {
             return Ok(lease);
         }
-        let _dialing = entry.dial.lock().await;
-        if let Some(lease) = entry.pick(self.max_streams) {
-            return Ok(lease);
+        if entry.dialing.load(Ordering::Acquire) > 0 {
+            // Registered before the second look, so an end in between is not missed.
+            let ended = entry.dial_ended.notified();
+            if let Some(lease) = entry.pick(self.max_streams) {
+                return Ok(lease);
+            }
+            let _ = tokio::time::timeout(JOIN_WAIT, ended).await;
+            if let Some(lease) = entry.pick(self.max_streams) {
+                return Ok(lease);
+            }
         }
+        let dialing = Dialing::start(&entry);
         let conn = dial().await?;
         self.dials.fetch_add(1, Ordering::Relaxed);
         let lease = Lease::new(conn.clone());
@@ -145,6 +182,7 @@ impl Pool {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(conn);
+        drop(dialing);
         Ok(lease)
     }
 
@@ -340,6 +378,42 @@ mod tests {
         }
         assert_eq!(pool.dials(), 1, "a burst must share one dial");
         assert_eq!(pool.open(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_stalled_dial_holds_later_callers_only_for_the_join_wait() {
+        let pool = Pool::new(100, Duration::from_secs(60));
+        let stalled = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.get(key(), || async {
+                    std::future::pending::<()>().await;
+                    Ok::<_, ()>(h2_conn().await)
+                })
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let start = Instant::now();
+        let lease = pool
+            .get(key(), || async { Ok::<_, ()>(h2_conn().await) })
+            .await
+            .unwrap();
+        let waited = start.elapsed();
+        assert!(
+            waited >= JOIN_WAIT && waited < JOIN_WAIT + Duration::from_millis(400),
+            "waited {waited:?} behind a dial that never ends"
+        );
+        drop(lease);
+        // A caller that comes now finds the connection, not the stall.
+        let start = Instant::now();
+        let _lease = pool
+            .get(key(), || async { Ok::<_, ()>(h2_conn().await) })
+            .await
+            .unwrap();
+        assert!(start.elapsed() < Duration::from_millis(100));
+        assert_eq!(pool.dials(), 1);
+        stalled.abort();
     }
 
     #[tokio::test]

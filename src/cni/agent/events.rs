@@ -16,6 +16,7 @@ use hyper_util::rt::TokioIo;
 
 use super::{Agent, PLUGIN_SOCKET};
 use crate::cni::plugin::AddEvent;
+use crate::limits::{caps, ConnectionCap};
 
 /// Binds the plugin socket in `run_dir` (0750 dir, 0600 socket) and serves
 /// events on it until the process ends.
@@ -35,17 +36,23 @@ pub(super) fn spawn(agent: Arc<Agent>, run_dir: &Path) -> anyhow::Result<()> {
 }
 
 async fn plugin_events(agent: Arc<Agent>, listener: tokio::net::UnixListener) {
+    let cap = ConnectionCap::new("agent_events", caps::AGENT_EVENTS);
     loop {
         let Ok((stream, _)) = listener.accept().await else {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            continue;
+        };
+        let Some(slot) = cap.admit(std::net::Ipv4Addr::LOCALHOST.into()) else {
             continue;
         };
         let agent = agent.clone();
         tokio::spawn(async move {
+            let _slot = slot;
             let svc = service_fn(move |req: Request<Incoming>| {
                 let agent = agent.clone();
                 async move { Ok::<_, Infallible>(handle_event(agent, req).await) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
+            let _ = crate::sideport::http1()
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
@@ -62,9 +69,11 @@ async fn handle_event(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Ful
     if req.method() != Method::POST || req.uri().path() != "/cmdadd" {
         return reply(StatusCode::NOT_FOUND, "only POST /cmdadd\n".into());
     }
-    let body = match Limited::new(req.into_body(), 64 * 1024).collect().await {
-        Ok(b) => b.to_bytes(),
-        Err(e) => return reply(StatusCode::BAD_REQUEST, format!("body: {e}\n")),
+    let body = Limited::new(req.into_body(), 64 * 1024).collect();
+    let body = match tokio::time::timeout(crate::sideport::HEADER_TIMEOUT, body).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) => return reply(StatusCode::BAD_REQUEST, format!("body: {e}\n")),
+        Err(_) => return reply(StatusCode::REQUEST_TIMEOUT, "body: too slow\n".into()),
     };
     let ev: AddEvent = match serde_json::from_slice(&body) {
         Ok(ev) => ev,

@@ -79,6 +79,7 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
     let r = ready.clone();
     sideport::serve(
         cfg.readiness_addr,
+        "agent_readiness",
         Arc::new(move |_, path| match path {
             "/healthz" => (StatusCode::OK, TEXT, "ok\n".into()),
             "/readyz" if r.load(Ordering::Acquire) => (StatusCode::OK, TEXT, "ready\n".into()),
@@ -177,9 +178,12 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
 
     events::spawn(agent.clone(), &cfg.run_dir)?;
 
-    let registry = Arc::new(metrics.registry());
+    let mut registry = metrics.registry();
+    crate::limits::register(&mut registry);
+    let registry = Arc::new(registry);
     sideport::serve(
         cfg.metrics_addr,
+        "agent_metrics",
         Arc::new(move |_, path| match path {
             "/metrics" => sideport::metrics_reply(&registry),
             _ => sideport::not_found(),

@@ -234,3 +234,24 @@ fn bad_values_fail_with_key_and_expectation() {
         .to_string();
     assert!(err.contains("`ca_key` is required"), "{err}");
 }
+
+#[test]
+fn the_memory_budget_is_auto_zero_or_a_size_of_at_least_16_mi() {
+    use super::parse_memory_budget as parse;
+    assert_eq!(parse("auto"), Some(None));
+    assert_eq!(parse("0"), Some(Some(0)));
+    assert_eq!(parse("512Mi"), Some(Some(512 << 20)));
+    assert_eq!(parse("2Gi"), Some(Some(2 << 30)));
+    assert_eq!(parse("268435456"), Some(Some(256 << 20)));
+    for bad in [
+        "",
+        "1Mi",
+        "12MB",
+        "-1",
+        "1.5Gi",
+        "99999999999999999999Gi",
+        "Mi",
+    ] {
+        assert_eq!(parse(bad), None, "{bad:?}");
+    }
+}

@@ -1,0 +1,277 @@
+//! Tests that play the attacker: hostile mesh peers and slow clients
+//! against the real binary, in network namespaces. Each attack runs while a
+//! well-behaved pod's traffic goes on, and asserts both that the attack is
+//! bounded and that the others are still served.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use ambit::identity::Identity;
+use ambit::lab::attacker::StreamHold;
+use ambit::lab::node::Node;
+use ambit::lab::{connect_from, echo_roundtrip, rss_kb, EchoServer};
+use common::{counter, wait_until};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ambit");
+
+/// The shared proxy's RSS while one peer holds every stream it can: the
+/// bound the README states for `AMBIT_MEMORY_BUDGET=128Mi`.
+const HELD_RSS_BOUND_KB: u64 = 96 * 1024;
+
+// ---------------------------------------------------------------------------
+// Memory per peer
+// ---------------------------------------------------------------------------
+
+#[test]
+fn a_peer_holding_streams_it_never_reads_cannot_grow_the_shared_proxy() {
+    let mut node = Node::start_env(
+        BIN,
+        "hold",
+        "namespaces:default",
+        false,
+        &[("AMBIT_MEMORY_BUDGET", "128Mi")],
+    );
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    // Not enrolled (its namespace is not): it speaks HBONE itself.
+    let mallory = node.add_pod("mallory", "attack").unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let pid = node.lab.pid("proxy").expect("the shared proxy runs");
+    let roundtrip = |size: usize| {
+        let payload = vec![b'k'; size];
+        let mut c = connect_from(&client, echo.addr).unwrap();
+        assert_eq!(echo_roundtrip(&mut c, &payload).unwrap(), payload);
+    };
+    roundtrip(256 * 1024);
+    let before = rss_kb(pid);
+
+    // 8 connections × 100 streams, 1 MiB sent on each, nothing read back.
+    let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
+    let hbone: SocketAddr = (server.ip, 15008).into();
+    let hold = StreamHold::start(
+        &mallory.ns,
+        (&ca.0, &ca.1),
+        Identity::new("cluster.local", "attack", "mallory"),
+        hbone,
+        echo.addr,
+        8,
+        100,
+        1 << 20,
+    )
+    .unwrap();
+    let s = hold.summary;
+    assert!(s.opened > 0, "the attacker is a valid peer: {s:?}");
+    assert!(
+        s.refused > 0 && s.opened < 800,
+        "past its share the peer's streams are refused: {s:?}"
+    );
+
+    // While it holds them: the proxy stays bounded, and the client is served.
+    let mut peak = 0;
+    let mut slowest = Duration::ZERO;
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        peak = peak.max(rss_kb(pid));
+        let t = Instant::now();
+        roundtrip(64 * 1024);
+        slowest = slowest.max(t.elapsed());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "stream hold: {s:?}; proxy RSS {before} kB before, peak {peak} kB; slowest client round trip {slowest:?}"
+    );
+    assert!(
+        peak < HELD_RSS_BOUND_KB,
+        "RSS {peak} kB under the hold, bound {HELD_RSS_BOUND_KB} kB"
+    );
+    assert!(
+        slowest < Duration::from_secs(1),
+        "the client's round trip took {slowest:?} during the hold"
+    );
+    let m = node.metrics();
+    assert!(
+        counter(
+            &m,
+            "ambit_memory_budget_refused_total",
+            &[("reason", "peer")]
+        ) > 0,
+        "refusals are counted by reason"
+    );
+    assert!(node
+        .log()
+        .contains("peer identity holds its share of the memory budget"));
+
+    // Once it lets go, every reservation comes back.
+    drop(hold);
+    wait_until(
+        "the budget back to what the idle client holds",
+        Duration::from_secs(10),
+        || {
+            let m = node.metrics();
+            let used = m
+                .lines()
+                .find_map(|l| l.strip_prefix("ambit_memory_budget_used_bytes "))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .unwrap_or(u64::MAX);
+            used < 32 << 20
+        },
+    );
+    roundtrip(256 * 1024);
+}
+
+// ---------------------------------------------------------------------------
+// Slow peers
+// ---------------------------------------------------------------------------
+
+/// Opens `n` connections to `addr` from the current netns, sends `partial`
+/// on each and leaves them hanging. The ones the server closed at once
+/// (refused by a cap) are counted apart.
+fn hang(addr: SocketAddr, n: usize, partial: &[u8]) -> (Vec<TcpStream>, usize) {
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..n {
+        let Ok(mut c) = TcpStream::connect_timeout(&addr, Duration::from_secs(2)) else {
+            refused += 1;
+            continue;
+        };
+        let _ = c.write_all(partial);
+        held.push(c);
+    }
+    // Give the server a moment to close those it refused, then look.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut open = Vec::new();
+    for mut c in held {
+        c.set_nonblocking(true).unwrap();
+        let mut b = [0u8; 1];
+        match c.read(&mut b) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                c.set_nonblocking(false).unwrap();
+                open.push(c)
+            }
+            _ => refused += 1,
+        }
+    }
+    (open, refused)
+}
+
+/// Waits until every connection in `held` is closed by the server; returns
+/// how long that took.
+fn closed_by_server(held: Vec<TcpStream>, limit: Duration) -> Duration {
+    let start = Instant::now();
+    for mut c in held {
+        c.set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let mut b = [0u8; 64];
+        loop {
+            match c.read(&mut b) {
+                Ok(0) => break,
+                Ok(_) => continue,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    assert!(
+                        start.elapsed() < limit,
+                        "a hanging connection still open after {limit:?}"
+                    )
+                }
+                Err(_) => break,
+            }
+        }
+    }
+    start.elapsed()
+}
+
+#[test]
+fn slowloris_on_the_side_ports_and_15008_is_timed_out_and_capped_and_others_are_served() {
+    let mut node = Node::start_with(BIN, "slowloris", "namespaces:default", false);
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let pid = node.lab.pid("proxy").expect("the shared proxy runs");
+    let fds = || {
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .count()
+    };
+    let fds_before = fds();
+
+    // From the node: 1,000 half-sent requests to each side port, and 1,000
+    // TLS handshakes to the server pod's 15008 that never finish.
+    let server_ip = server.ip;
+    let (ports_held, ports_refused, hbone_held) = node
+        .lab
+        .node
+        .run(move || {
+            let mut held = Vec::new();
+            let mut refused = 0;
+            let t = Instant::now();
+            for port in [15020u16, 15021] {
+                let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+                let (h, r) = hang(addr, 1000, b"GET /metrics HTTP/1.1\r\nHost: x\r\n");
+                held.extend(h);
+                refused += r;
+            }
+            eprintln!("side-port phase {:?}", t.elapsed());
+            let t = Instant::now();
+            let hbone: SocketAddr = (server_ip, 15008).into();
+            let (hbone_held, hr) = hang(hbone, 1000, &[0x16, 0x03, 0x01]);
+            eprintln!("15008 phase {:?}, refused {hr}", t.elapsed());
+            (held, refused, hbone_held)
+        })
+        .unwrap();
+    eprintln!(
+        "slowloris: {} side-port connections held, {ports_refused} refused at the cap; {} on 15008 held; proxy fds {fds_before} → {}",
+        ports_held.len(),
+        hbone_held.len(),
+        fds()
+    );
+    // One source gets a quarter of a side port's 128 places.
+    assert!(ports_held.len() <= 2 * 32, "{} held", ports_held.len());
+    assert!(ports_refused >= 2 * (1000 - 32));
+    assert!(
+        fds() < fds_before + 2 * 32 + 1000 + 100,
+        "descriptors stay under the caps"
+    );
+
+    // Meanwhile others are served: a scrape from another source, and the pods' traffic.
+    let scraped = ambit::lab::http_get(
+        &client,
+        &format!("{}:15020", node_bridge_ip(&node)),
+        "/metrics",
+    );
+    assert!(matches!(scraped, Ok((200, _))), "{scraped:?}");
+    let mut c = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip(&mut c, b"still served").unwrap(),
+        b"still served"
+    );
+    let m = node.metrics();
+    assert!(
+        counter(
+            &m,
+            "ambit_listener_connections_refused_total",
+            &[("listener", "metrics")]
+        ) > 0
+    );
+
+    // Each hanging connection is closed by its timeout (10 s), not held.
+    let took = closed_by_server(ports_held, Duration::from_secs(15));
+    eprintln!("side ports closed their slowloris connections within {took:?}");
+    let took = closed_by_server(hbone_held, Duration::from_secs(15));
+    eprintln!("15008 closed its unfinished handshakes within {took:?}");
+    wait_until(
+        "the proxy's descriptors back down",
+        Duration::from_secs(10),
+        || fds() < fds_before + 20,
+    );
+}
+
+fn node_bridge_ip(node: &Node) -> String {
+    format!("{}.1", node.subnet)
+}
