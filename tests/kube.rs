@@ -3,112 +3,15 @@
 //! machines) that serves list/watch of pods and namespaces and records the
 //! agent's patches; pods are created through the real CNI chain.
 
+mod common;
+
 use std::time::{Duration, Instant};
 
 use ambit::lab::kubeapi::{FakeApi, Kind};
 use ambit::lab::node::Node;
-use ambit::lab::{connect_from, echo_roundtrip, iptables_save, istio_rules, EchoServer, LabPod};
-use serde_json::{json, Value};
-
-const BIN: &str = env!("CARGO_BIN_EXE_ambit");
-const MODE: &str = "istio.io/dataplane-mode";
-const REDIRECTION: &str = "ambient.istio.io/redirection";
-
-fn namespace(name: &str, ambient: bool) -> Value {
-    let labels = if ambient {
-        json!({MODE: "ambient"})
-    } else {
-        json!({})
-    };
-    json!({"metadata": {"name": name, "uid": format!("ns-{name}"), "labels": labels}})
-}
-
-fn pod(ns: &str, name: &str, node: &str, sa: &str) -> Value {
-    json!({
-        "metadata": {"name": name, "namespace": ns, "uid": format!("uid-{name}"), "labels": {}},
-        "spec": {"nodeName": node, "serviceAccountName": sa, "containers": [{"name": "app", "image": "app"}]},
-        "status": {"phase": "Pending"},
-    })
-}
-
-/// What kubelet does once the sandbox is up: the pod gets its IP and runs.
-fn set_running(api: &FakeApi, ns: &str, p: &LabPod) {
-    let ip = p.ip.to_string();
-    api.update(Kind::Pod, ns, &p.name, |o| {
-        o["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
-    });
-}
-
-fn wait_for(what: &str, node: &Node, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !f() {
-        assert!(
-            Instant::now() < deadline,
-            "timed out: {what}\nlog:\n{}",
-            node.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-fn annotated(api: &FakeApi, ns: &str, name: &str) -> Option<String> {
-    api.get(Kind::Pod, ns, name)?["metadata"]["annotations"][REDIRECTION]
-        .as_str()
-        .map(String::from)
-}
-
-/// The agent's own pod, owned by its DaemonSet.
-fn agent_objects(api: &FakeApi) {
-    api.put(
-        Kind::Pod,
-        json!({
-            "metadata": {"name": "ambit-q8x2z", "namespace": "istio-system", "uid": "uid-agent",
-                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ambit",
-                                              "uid": "uid-ds", "controller": true}]},
-            "spec": {"nodeName": "node-a", "hostNetwork": true, "containers": [{"name": "agent", "image": "ambit"}]},
-            "status": {"phase": "Running"},
-        }),
-    );
-    api.put(
-        Kind::DaemonSet,
-        json!({"metadata": {"name": "ambit", "namespace": "istio-system", "uid": "uid-ds"},
-               "spec": {"selector": {"matchLabels": {"app": "ambit"}},
-                        "template": {"spec": {"containers": [{"name": "agent", "image": "ambit"}],
-                                              "nodeSelector": {"kubernetes.io/os": "linux"}}}}}),
-    );
-    api.put(
-        Kind::Node,
-        json!({"metadata": {"name": "node-a", "labels": {"kubernetes.io/os": "linux"}}}),
-    );
-}
-
-/// A node whose agent enrolls from the fake API server (not started yet).
-fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
-    let mut node = Node::prepare(BIN, tag, "kubernetes", subnet, mesh, None);
-    let api = FakeApi::start(&node.lab.node).unwrap();
-    let kubeconfig = node.dir.join("kubeconfig");
-    api.write_kubeconfig(&kubeconfig).unwrap();
-    node.extra_env.extend(
-        [
-            ("KUBECONFIG", kubeconfig.display().to_string()),
-            ("NODE_NAME", "node-a".into()),
-            ("POD_NAMESPACE", "istio-system".into()),
-            ("POD_NAME", "ambit-q8x2z".into()),
-        ]
-        .map(|(k, v)| (k.to_string(), v)),
-    );
-    for (name, ambient) in [
-        ("mesh", true),
-        ("shop", false),
-        ("kube-system", true),
-        ("istio-system", false),
-        ("plain", false),
-    ] {
-        api.put(Kind::Namespace, namespace(name, ambient));
-    }
-    agent_objects(&api);
-    (node, api)
-}
+use ambit::lab::{connect_from, echo_roundtrip, iptables_save, istio_rules, EchoServer};
+use common::kube::{annotated, kube_node, pod, set_running, wait_for, MODE, REDIRECTION};
+use serde_json::json;
 
 fn has_plugin(node: &Node) -> bool {
     let entry = node.conflist()["plugins"]

@@ -16,7 +16,8 @@ use std::net::SocketAddr;
 
 use ambit::lab::{
     close_first_echo, connect_from, echo_roundtrip, established, iptables_save, istio_rules,
-    set_default_congestion_control, short_connections, time_waits, EchoServer, Ends, LabPod,
+    pod_uid, set_default_congestion_control, short_connections, time_waits, EchoServer, Ends,
+    LabPod,
 };
 use common::{admin_get, counter, wait_until};
 
@@ -137,7 +138,7 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
     }
     let dump = admin_get(&node.lab.node, "127.0.0.1:15000", "/config_dump");
     assert!(
-        dump.contains("uid-client") && dump.contains("uid-server"),
+        dump.contains(&pod_uid("client")) && dump.contains(&pod_uid("server")),
         "{dump}"
     );
 
@@ -152,7 +153,7 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         .unwrap();
     let sets = String::from_utf8_lossy(&out.stdout);
     assert!(
-        sets.contains(&format!("{} comment \"uid-server\"", server.ip)),
+        sets.contains(&format!("{} comment \"{}\"", server.ip, pod_uid("server"))),
         "{sets}"
     );
     let probe = node
@@ -173,13 +174,12 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
     let other = node.add_pod("other", "kube-system").unwrap();
     assert_eq!(istio_rules(&other), 0, "excluded pod must have no rules");
 
-    // A deleted pod (its netns gone) is removed from the proxy.
-    let _ = Command::new("ip")
-        .args(["netns", "del", &server.netns_name])
-        .status();
+    // A deleted pod (its sandbox and netns gone) is removed from the proxy.
+    node.remove_pod(&server);
     let deadline = Instant::now() + Duration::from_secs(5);
     // Only a 200 answer counts: an error page lacks the pod too.
-    while admin_get(&node.lab.node, "127.0.0.1:15000", "/config_dump").contains("uid-server") {
+    while admin_get(&node.lab.node, "127.0.0.1:15000", "/config_dump").contains(&pod_uid("server"))
+    {
         assert!(Instant::now() < deadline, "deleted pod still served");
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -314,7 +314,7 @@ fn proxy_restart_keeps_new_connections_flowing() {
     node.lab.spawn("proxy2", cmd).unwrap();
     node.wait_ready("127.0.0.1:16021", "/healthz/ready");
     assert!(
-        node.dump("127.0.0.1:16000").contains("uid-client"),
+        node.dump("127.0.0.1:16000").contains(&pod_uid("client")),
         "new proxy serves the pods"
     );
     // Fixed windows on purpose: no new connection may fail while both
@@ -365,16 +365,14 @@ fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
     assert_eq!(added(&node), 2, "{}", node.log());
 
     node.lab.stop("agent");
-    let _ = Command::new("ip")
-        .args(["netns", "del", &server.netns_name])
-        .status();
+    node.remove_pod(&server);
     node.lab.spawn("agent", node.command("agent")).unwrap();
     node.wait_ready("127.0.0.1:8000", "/readyz");
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let dump = node.dump("127.0.0.1:15000");
-        if dump.contains("uid-client")
-            && !dump.contains("uid-server")
+        if dump.contains(&pod_uid("client"))
+            && !dump.contains(&pod_uid("server"))
             && node.log().matches("ZDS snapshot applied").count() >= 2
         {
             break;
@@ -465,10 +463,15 @@ fn cross_node_traffic_is_hbone_between_two_nodes() {
 #[test]
 fn agent_start_enrolls_pods_that_already_exist() {
     // `early` belongs to this node; `elsewhere` to another node (its IP shows up here only by accident).
-    let mesh = "workloads:\n- {name: early, namespace: default, serviceAccount: early-sa, workloadIps: [\"10.83.0.50\"], protocol: HBONE, node: this-node}\n- {name: elsewhere, namespace: default, workloadIps: [\"10.83.0.60\"], protocol: HBONE, node: other-node}\n";
-    let mut node = Node::start_full(BIN, "early", "all", false, "10.83.0", mesh, None);
+    let mesh = format!(
+        "workloads:\n- {{uid: \"{}\", name: early, namespace: default, serviceAccount: early-sa, workloadIps: [\"10.83.0.50\"], protocol: HBONE, node: this-node}}\n- {{uid: \"{}\", name: elsewhere, namespace: default, workloadIps: [\"10.83.0.60\"], protocol: HBONE, node: other-node}}\n",
+        pod_uid("early"),
+        pod_uid("elsewhere")
+    );
+    let mut node = Node::start_full(BIN, "early", "all", false, "10.83.0", &mesh, None);
     node.lab.stop("agent");
-    // Pods that came up while the agent was away (no CNI event will ever come for them).
+    // Pods that came up while the agent was away (no CNI event will ever
+    // come for them), each held by its sandbox as kubelet leaves a pod.
     let mut netns = Vec::new();
     for (pod, ip) in [("early", "10.83.0.50/24"), ("elsewhere", "10.83.0.60/24")] {
         let name = format!("{}-{pod}", node.lab.id);
@@ -489,6 +492,7 @@ fn agent_start_enrolls_pods_that_already_exist() {
         ] {
             assert!(ns.command("ip").args(args).status().unwrap().success());
         }
+        node.lab.hold(&name, &pod_uid(pod)).unwrap();
         netns.push(ns);
     }
     let ns = netns[0].clone();
@@ -505,7 +509,7 @@ fn agent_start_enrolls_pods_that_already_exist() {
             })
             .unwrap_or_default()
     };
-    while served(&node) != serde_json::json!(["default/early"]) {
+    while served(&node) != serde_json::json!([pod_uid("early")]) {
         assert!(
             Instant::now() < deadline,
             "pre-existing pod not picked up:\n{}",
@@ -523,7 +527,7 @@ fn agent_start_enrolls_pods_that_already_exist() {
     );
     assert_eq!(
         served(&node),
-        serde_json::json!(["default/early"]),
+        serde_json::json!([pod_uid("early")]),
         "only this node's pod is served"
     );
     // The admin dump shows the pod with its identity, addresses and state.

@@ -4,8 +4,10 @@
 //! and removed when the [`Lab`] is dropped, panics included, so labs can run
 //! side by side and leave nothing behind.
 //!
-//! The rooms: `topology` (the node, pods, processes), `traffic` (drivers),
-//! `probes` (kernel state), `cni_call` (plugins as a runtime calls them),
+//! The rooms: `topology` (the node, pods, processes), `sandbox` (the
+//! process and cgroup that hold each pod's netns, as kubelet leaves them,
+//! and the pods' UIDs), `traffic` (drivers), `probes` (kernel state),
+//! `cni_call` (plugins as a runtime calls them),
 //! `node` (a whole `ambit node` with the real CNI chain), and, for tests
 //! only, `kubeapi` (a Kubernetes API server stand-in), `waypoint` (an
 //! HBONE server that records what it is sent) and `attacker` (hostile mesh
@@ -18,6 +20,7 @@ mod cni_call;
 pub mod kubeapi;
 pub mod node;
 mod probes;
+mod sandbox;
 mod topology;
 mod traffic;
 #[cfg(feature = "testing")]
@@ -28,6 +31,7 @@ pub use probes::{
     aborts, anon_kb, established, iptables_save, istio_rules, rss_kb,
     set_default_congestion_control, time_waits, Established,
 };
+pub use sandbox::pod_uid;
 pub use topology::{write_ca, Lab, LabPod, ProxySpec, BRIDGE, SUBNET};
 pub use traffic::{
     close_first_echo, connect_from, echo_roundtrip, http_get, http_get_in, http_request_in, iperf3,

@@ -1,13 +1,14 @@
 //! A whole node for tests, benchmarks and the demo: `ambit node` (or agent
 //! and proxy as separate processes) inside the lab's node netns, pods created
-//! by running the conflist chain (reference bridge + host-local, then the
-//! `ambit-cni` the agent installed) exactly as a container runtime does.
+//! as a container runtime does: a sandbox holding the pod's netns in the
+//! pod's cgroup, then the conflist chain (reference bridge + host-local, then
+//! the `ambit-cni` the agent installed).
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use super::{http_get_in, CniCall, Lab, LabPod};
+use super::{http_get_in, pod_uid, CniCall, Lab, LabPod};
 use crate::netns::Netns;
 
 /// A node under test.
@@ -199,15 +200,22 @@ impl Node {
         .unwrap()
     }
 
-    /// Creates a pod netns and runs the CNI chain ADD for it, as a runtime would.
+    /// Creates pod `name` as a runtime would: its netns, held by its
+    /// sandbox in the cgroup of pod [`pod_uid`]`(name)`, then the CNI chain
+    /// ADD with that UID. A failed ADD ends the sandbox (the netns stays
+    /// until the node is dropped).
     pub fn add_pod(&mut self, name: &str, namespace: &str) -> Result<LabPod, String> {
         let netns_name = format!("{}-{name}", self.lab.id);
+        let uid = pod_uid(name);
         assert!(Command::new("ip")
             .args(["netns", "add", &netns_name])
             .status()
             .unwrap()
             .success());
         self.pods.push(netns_name.clone());
+        self.lab
+            .hold(&netns_name, &uid)
+            .unwrap_or_else(|e| panic!("sandbox of pod {name}: {e}"));
         let ns = Netns::named(&netns_name).unwrap();
         // Runtimes bring the pod's loopback up themselves, before the network's plugins run.
         assert!(ns
@@ -219,7 +227,9 @@ impl Node {
         let conflist = self.conflist();
         let cni_path = format!("/usr/lib/cni:{}", self.bin_dir.display());
         let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
-        let args = format!("IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID=uid-{name}");
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID={uid}"
+        );
         let call = CniCall {
             node: &self.lab.node,
             conflist: &conflist,
@@ -228,7 +238,13 @@ impl Node {
             netns_path: &netns_path,
             cni_args: &args,
         };
-        let result = call.run("ADD").map_err(|e| e.to_string())?;
+        let result = match call.run("ADD") {
+            Ok(result) => result,
+            Err(e) => {
+                self.lab.release(&netns_name);
+                return Err(e.to_string());
+            }
+        };
         let ip: std::net::Ipv4Addr = result["ips"][0]["address"]
             .as_str()
             .unwrap()
@@ -243,6 +259,18 @@ impl Node {
             ip,
             ns,
         })
+    }
+
+    /// Pod `pod` goes away with no CNI DEL reaching the agent (as when its
+    /// sandbox dies, or is torn down while the agent is away): its sandbox
+    /// process is killed and its netns deleted.
+    pub fn remove_pod(&mut self, pod: &LabPod) {
+        self.lab.release(&pod.netns_name);
+        let _ = Command::new("ip")
+            .args(["netns", "del", &pod.netns_name])
+            .stderr(std::process::Stdio::null())
+            .status();
+        self.pods.retain(|p| p != &pod.netns_name);
     }
 
     pub fn metrics(&self) -> String {

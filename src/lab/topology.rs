@@ -1,5 +1,6 @@
 //! The lab's topology: a "node" netns holding a bridge, "pods" as netns on
-//! veths into it, processes started inside them (proxies, iperf3 servers),
+//! veths into it, each held by its sandbox process as kubelet leaves a pod
+//! (`sandbox`), processes started inside them (proxies, iperf3 servers),
 //! and a CA on disk. Everything is created under unique names and removed
 //! when the [`Lab`] is dropped, panics included.
 
@@ -12,6 +13,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::http_get;
+use super::sandbox::{pod_uid, Sandboxes};
 use crate::cni::redirect::{RedirectOptions, RedirectRules};
 use crate::netns::Netns;
 
@@ -38,6 +40,8 @@ pub struct Lab {
     node_name: String,
     pods: Vec<LabPod>,
     children: Mutex<Vec<(String, Child)>>,
+    /// The processes holding pods' netns, in cgroups named by pod UID.
+    sandboxes: Mutex<Sandboxes>,
     binary: PathBuf,
 }
 
@@ -82,6 +86,7 @@ impl Lab {
         ip(&["netns", "add", &node_name])?;
         let node = Netns::named(&node_name)?;
         let mut lab = Lab {
+            sandboxes: Mutex::new(Sandboxes::new(&id)),
             id,
             dir,
             node,
@@ -107,11 +112,13 @@ impl Lab {
         Ok(lab)
     }
 
-    /// Adds a pod netns on a veth into the bridge, with the next address.
+    /// Adds a pod netns on a veth into the bridge, with the next address,
+    /// held by its sandbox as pod [`pod_uid`]`(name)`.
     pub fn add_pod(&mut self, name: &str) -> io::Result<LabPod> {
         let idx = self.pods.len() + 2;
         let netns_name = format!("{}-{name}", self.id);
         ip(&["netns", "add", &netns_name])?;
+        self.hold(&netns_name, &pod_uid(name))?;
         let (n, p) = (self.node_name.as_str(), netns_name.as_str());
         let veth = format!("veth{idx}");
         let addr = Ipv4Addr::new(10, 77, 0, idx as u8);
@@ -139,6 +146,26 @@ impl Lab {
         };
         self.pods.push(pod.clone());
         Ok(pod)
+    }
+
+    /// Holds the netns named `netns_name` as kubelet leaves a pod's: by a
+    /// process in a cgroup `.../kubepods/pod<uid>`, until [`Lab::release`]
+    /// or the lab's end. The agent finds a pod without a CNI event only so.
+    pub fn hold(&self, netns_name: &str, uid: &str) -> io::Result<()> {
+        let ns = Netns::named(netns_name)?;
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .hold(netns_name, &ns, uid)
+    }
+
+    /// Ends the sandbox holding the netns named `netns_name`: its process
+    /// is killed and its cgroup removed (the netns lives on while named).
+    pub fn release(&self, netns_name: &str) {
+        self.sandboxes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .release(netns_name);
     }
 
     /// Puts a pod's traffic under redirection (the agent's job on a real node).

@@ -1,8 +1,11 @@
 //! Scenario harness for the end-to-end tests: a mesh of pods in network
 //! namespaces on this host, each meshed pod with its in-pod rules and its own
 //! dedicated `ambit proxy`, all torn down when the test ends (even on failure).
+//! `kube` holds the pieces for a node enrolled from the fake Kubernetes API.
 
 #![allow(dead_code)]
+
+pub mod kube;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -33,6 +33,8 @@ use crate::backoff::Backoff;
 use crate::config::agent::{AgentConfig, EnrollRule};
 use crate::sideport::{self, TEXT};
 use crate::xds::StateHandle;
+#[cfg(all(test, feature = "lab"))]
+pub(crate) use discover::pod_uid_from_cgroup;
 use discover::{discover, find_netns};
 pub use enroll::{enrollment, own_pod_prefix, plugin_entry, EnrollError};
 use metrics::AgentMetrics;

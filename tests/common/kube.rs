@@ -1,0 +1,121 @@
+//! Scenario pieces for tests against the fake Kubernetes API server: a node
+//! whose agent enrolls by labels (`enroll: kubernetes`), namespaces and pods
+//! as the API shows them (a lab pod's UID is [`pod_uid`] of its name, as its
+//! sandbox's cgroup says), and the waits and reads those tests share.
+
+use std::time::{Duration, Instant};
+
+use ambit::lab::kubeapi::{FakeApi, Kind};
+use ambit::lab::node::Node;
+use ambit::lab::{pod_uid, LabPod};
+use serde_json::{json, Value};
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_ambit");
+pub const MODE: &str = "istio.io/dataplane-mode";
+pub const REDIRECTION: &str = "ambient.istio.io/redirection";
+
+/// A namespace, labelled ambient or not.
+pub fn namespace(name: &str, ambient: bool) -> Value {
+    let labels = if ambient {
+        json!({MODE: "ambient"})
+    } else {
+        json!({})
+    };
+    json!({"metadata": {"name": name, "uid": format!("ns-{name}"), "labels": labels}})
+}
+
+/// A pod bound to `node`, not running yet, with the UID the lab gives it.
+pub fn pod(ns: &str, name: &str, node: &str, sa: &str) -> Value {
+    json!({
+        "metadata": {"name": name, "namespace": ns, "uid": pod_uid(name), "labels": {}},
+        "spec": {"nodeName": node, "serviceAccountName": sa, "containers": [{"name": "app", "image": "app"}]},
+        "status": {"phase": "Pending"},
+    })
+}
+
+/// What kubelet does once the sandbox is up: the pod gets its IP and runs.
+pub fn set_running(api: &FakeApi, ns: &str, p: &LabPod) {
+    set_running_at(api, ns, &p.name, &p.ip.to_string());
+}
+
+/// Pod `name` runs with IP `ip`, as the API server tells it.
+pub fn set_running_at(api: &FakeApi, ns: &str, name: &str, ip: &str) {
+    api.update(Kind::Pod, ns, name, |o| {
+        o["status"] = json!({"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}]});
+    });
+}
+
+/// Polls `f` until it holds; after 20 s fails naming `what`, with the node's log.
+pub fn wait_for(what: &str, node: &Node, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !f() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out: {what}\nlog:\n{}",
+            node.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The pod's redirection annotation, as the agent set it.
+pub fn annotated(api: &FakeApi, ns: &str, name: &str) -> Option<String> {
+    api.get(Kind::Pod, ns, name)?["metadata"]["annotations"][REDIRECTION]
+        .as_str()
+        .map(String::from)
+}
+
+/// The agent's own pod, owned by its DaemonSet.
+fn agent_objects(api: &FakeApi) {
+    api.put(
+        Kind::Pod,
+        json!({
+            "metadata": {"name": "ambit-q8x2z", "namespace": "istio-system", "uid": "uid-agent",
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ambit",
+                                              "uid": "uid-ds", "controller": true}]},
+            "spec": {"nodeName": "node-a", "hostNetwork": true, "containers": [{"name": "agent", "image": "ambit"}]},
+            "status": {"phase": "Running"},
+        }),
+    );
+    api.put(
+        Kind::DaemonSet,
+        json!({"metadata": {"name": "ambit", "namespace": "istio-system", "uid": "uid-ds"},
+               "spec": {"selector": {"matchLabels": {"app": "ambit"}},
+                        "template": {"spec": {"containers": [{"name": "agent", "image": "ambit"}],
+                                              "nodeSelector": {"kubernetes.io/os": "linux"}}}}}),
+    );
+    api.put(
+        Kind::Node,
+        json!({"metadata": {"name": "node-a", "labels": {"kubernetes.io/os": "linux"}}}),
+    );
+}
+
+/// A node `node-a` whose agent enrolls from the fake API server (not
+/// started yet), with namespaces `mesh` and `kube-system` labelled ambient
+/// and `shop`, `istio-system` and `plain` not.
+pub fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
+    let mut node = Node::prepare(BIN, tag, "kubernetes", subnet, mesh, None);
+    let api = FakeApi::start(&node.lab.node).unwrap();
+    let kubeconfig = node.dir.join("kubeconfig");
+    api.write_kubeconfig(&kubeconfig).unwrap();
+    node.extra_env.extend(
+        [
+            ("KUBECONFIG", kubeconfig.display().to_string()),
+            ("NODE_NAME", "node-a".into()),
+            ("POD_NAMESPACE", "istio-system".into()),
+            ("POD_NAME", "ambit-q8x2z".into()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    for (name, ambient) in [
+        ("mesh", true),
+        ("shop", false),
+        ("kube-system", true),
+        ("istio-system", false),
+        ("plain", false),
+    ] {
+        api.put(Kind::Namespace, namespace(name, ambient));
+    }
+    agent_objects(&api);
+    (node, api)
+}
