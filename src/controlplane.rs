@@ -7,10 +7,18 @@
 //! name that matches nothing is answered in `removed_resources`.
 //! Production uses istiod; this speaks the same protocol so the proxy's
 //! client is the same either way.
+//!
+//! Two roots, never one: the mesh root signs workload certificates (`ca`,
+//! for the identities `auth` allows each caller), and a serving root of its
+//! own signs the control plane's TLS certificate, which proxies trust for
+//! this connection only (`xds_root_ca`). So no workload certificate can pose
+//! as the control plane, and the control plane's key is no mesh identity.
+
+mod auth;
+mod ca;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::hash::{Hash, Hasher};
-use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,12 +29,10 @@ use prost::Message;
 use tokio::sync::{mpsc, watch};
 use tonic::{Request, Response, Status, Streaming};
 
+use self::auth::TokenFiles;
 use crate::config::controlplane::ControlPlaneConfig;
 use crate::identity::LocalCa;
-use crate::proto::ca::istio_certificate_service_server::{
-    IstioCertificateService, IstioCertificateServiceServer,
-};
-use crate::proto::ca::{IstioCertificateRequest, IstioCertificateResponse};
+use crate::proto::ca::istio_certificate_service_server::IstioCertificateServiceServer;
 use crate::proto::discovery::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
 };
@@ -235,47 +241,9 @@ impl Snapshot {
     }
 }
 
-/// Checks the bearer token, when one is required.
-#[derive(Clone)]
-struct TokenCheck(Option<PathBuf>);
-
-impl TokenCheck {
-    #[allow(clippy::result_large_err)] // tonic's own error type, returned straight to tonic
-    fn check<T>(&self, req: &Request<T>) -> Result<(), Status> {
-        let Some(path) = &self.0 else { return Ok(()) };
-        let want = std::fs::read_to_string(path)
-            .map_err(|_| Status::unavailable("token file unreadable"))?;
-        let got = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default();
-        let got = got
-            .strip_prefix("Bearer ")
-            .map(str::trim)
-            .unwrap_or_default();
-        if same_secret(got.as_bytes(), want.trim().as_bytes()) {
-            Ok(())
-        } else {
-            Err(Status::unauthenticated("missing or wrong bearer token"))
-        }
-    }
-}
-
-/// Compares two secrets in time that depends on their lengths only, never
-/// on where they first differ, so a caller cannot find a token byte by byte.
-fn same_secret(a: &[u8], b: &[u8]) -> bool {
-    let longest = a.len().max(b.len());
-    let mut diff = u8::from(a.len() != b.len());
-    for i in 0..longest {
-        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff);
-    }
-    diff == 0
-}
-
 struct Ads {
     snapshot: watch::Receiver<Arc<Snapshot>>,
-    token: TokenCheck,
+    tokens: TokenFiles,
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
@@ -288,8 +256,9 @@ impl AggregatedDiscoveryService for Ads {
         &self,
         req: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaAggregatedResourcesStream>, Status> {
-        self.token.check(&req)?;
-        let peer = req.remote_addr();
+        let caller = self.tokens.authenticate(&req, "DeltaAggregatedResources")?;
+        let peer = auth::peer(&req);
+        tracing::debug!(peer = ?peer, caller = %caller, "xDS stream opened");
         let mut inbound = req.into_inner();
         let mut snapshot = self.snapshot.clone();
         let (tx, rx) = mpsc::channel::<Result<DeltaDiscoveryResponse, Status>>(16);
@@ -374,41 +343,6 @@ impl AggregatedDiscoveryService for Ads {
     }
 }
 
-struct Ca {
-    ca: Arc<LocalCa>,
-    trust_domain: String,
-    max_ttl: Duration,
-    token: TokenCheck,
-}
-
-#[tonic::async_trait]
-impl IstioCertificateService for Ca {
-    async fn create_certificate(
-        &self,
-        req: Request<IstioCertificateRequest>,
-    ) -> Result<Response<IstioCertificateResponse>, Status> {
-        self.token.check(&req)?;
-        let req = req.into_inner();
-        let impersonated = req
-            .metadata
-            .as_ref()
-            .and_then(|m| m.fields.get("ImpersonatedIdentity"))
-            .and_then(|v| match &v.kind {
-                Some(prost_types::value::Kind::StringValue(s)) => Some(s.clone()),
-                _ => None,
-            });
-        let ttl = Duration::from_secs(req.validity_duration.max(10) as u64).min(self.max_ttl);
-        let chain = self
-            .ca
-            .sign_csr(&req.csr, ttl, &self.trust_domain, impersonated.as_deref())
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
-        tracing::info!(identity = ?impersonated, ttl_s = ttl.as_secs(), "certificate signed");
-        Ok(Response::new(IstioCertificateResponse {
-            cert_chain: chain,
-        }))
-    }
-}
-
 /// Runs the control plane until SIGTERM/SIGINT.
 pub fn run(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -419,10 +353,25 @@ pub fn run(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
-    let ca = match (&cfg.ca_cert, &cfg.ca_key) {
-        (Some(c), Some(k)) => LocalCa::from_files(c, k)?,
-        _ => LocalCa::load_or_generate(&cfg.state_dir, &cfg.trust_domain)?,
+    let (mesh_ca, mesh_root) = match (&cfg.ca_cert, &cfg.ca_key) {
+        (Some(c), Some(k)) => (LocalCa::from_files(c, k)?, c.clone()),
+        _ => (
+            LocalCa::load_or_generate(&cfg.state_dir, &cfg.trust_domain)?,
+            cfg.state_dir.join(crate::identity::GENERATED_CERT),
+        ),
     };
+    let (serving, serving_root) = match (&cfg.serving_ca_cert, &cfg.serving_ca_key) {
+        (Some(c), Some(k)) => (LocalCa::from_files(c, k)?, c.clone()),
+        _ => (
+            LocalCa::load_or_generate_serving(&cfg.state_dir)?,
+            cfg.state_dir.join(crate::identity::GENERATED_SERVING_CERT),
+        ),
+    };
+    anyhow::ensure!(
+        !serving.same_key_as(&mesh_ca),
+        "serving_ca_cert {} has the mesh root's key: the control plane's TLS key would be a mesh credential and a workload certificate could pose as the control plane; give the serving root a key of its own (or unset serving_ca_cert/serving_ca_key to have one generated)",
+        serving_root.display()
+    );
     let state = crate::xds::StateHandle::new(crate::xds::local::load(&cfg.local_xds_path)?);
     tokio::spawn(crate::xds::local::watch(
         cfg.local_xds_path.clone(),
@@ -444,27 +393,33 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
         }
     });
 
-    let server_cert = ca.issue_server(&cfg.tls_sans, Duration::from_secs(365 * 86400))?;
+    let server_cert = serving.issue_server(&cfg.tls_sans, Duration::from_secs(365 * 86400))?;
     let mut tls = rustls::ServerConfig::builder_with_provider(crate::identity::tls::provider())
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
         .with_single_cert(server_cert.chain.clone(), server_cert.private_key())?;
     tls.alpn_protocols = vec![b"h2".to_vec()];
-    let token = TokenCheck(cfg.token_file.clone());
+    let tokens = TokenFiles {
+        any_node: cfg.token_file.clone(),
+        node_dir: cfg.node_tokens_dir.clone(),
+    };
+    tokens.log_setup(cfg.listen_addr);
     let ads = Ads {
         snapshot: snap_rx,
-        token: token.clone(),
+        tokens: tokens.clone(),
     };
-    let ca_svc = Ca {
-        ca: Arc::new(ca),
+    let ca_svc = ca::CertificateService {
+        ca: Arc::new(mesh_ca),
         trust_domain: cfg.trust_domain.clone(),
         max_ttl: cfg.max_cert_ttl,
-        token,
+        tokens,
+        state: state.clone(),
     };
     let listener = tokio::net::TcpListener::bind(cfg.listen_addr)
         .await
         .with_context(|| format!("listening on {}", cfg.listen_addr))?;
     tracing::info!(addr = %cfg.listen_addr, config = %cfg.local_xds_path.display(), sans = ?cfg.tls_sans, "control plane serving delta ADS and CreateCertificate (TLS)");
+    tracing::info!(xds_root_ca = %serving_root.display(), mesh_root_ca = %mesh_root.display(), "proxies trust this control plane with xds_root_ca (its serving root) and check their certificates against mesh_root_ca");
     let incoming = crate::grpc::tls_incoming(listener, Arc::new(tls));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tonic::transport::Server::builder()
@@ -487,18 +442,6 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn secrets_match_only_when_equal() {
-        assert!(same_secret(b"s3cret", b"s3cret"));
-        assert!(!same_secret(b"s3cret", b"s3creT"));
-        assert!(
-            !same_secret(b"s3cret", b"s3cre"),
-            "a prefix is not the token"
-        );
-        assert!(!same_secret(b"", b"s3cret"));
-        assert!(same_secret(b"", b""));
-    }
 
     fn snapshot() -> Snapshot {
         let st = crate::xds::local::parse(

@@ -1,22 +1,43 @@
 //! End-to-end: proxies that take their mesh state (delta xDS) and their
 //! certificates (Istio CA API) only from `ambit control-plane`, over TLS with
-//! a bearer token.
+//! a bearer token. The control plane's TLS certificate comes from a serving
+//! root of its own (what the proxies set as `XDS_ROOT_CA`); workload
+//! certificates come from the mesh root (`AMBIT_MESH_ROOT_CA`).
 
 mod common;
 
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use ambit::lab::{connect_from, echo_roundtrip, http_get, EchoServer, LabPod, ProxySpec};
+use ambit::lab::{
+    connect_from, echo_roundtrip, http_get, write_serving_ca, EchoServer, LabPod, ProxySpec,
+};
 use common::{admin_get, workload, Mesh, TD};
 
 const CP: &str = "10.77.0.1:15012";
 
+/// The control plane's serving root in the lab's directory, written on first
+/// use: apart from the mesh root `m.ca`, as it must be.
+fn serving_root(m: &Mesh) -> (PathBuf, PathBuf) {
+    let (cert, key) = (
+        m.lab.dir.join("serving-cert.pem"),
+        m.lab.dir.join("serving-key.pem"),
+    );
+    if !cert.exists() {
+        write_serving_ca(&m.lab.dir, "serving").unwrap();
+    }
+    (cert, key)
+}
+
 fn start_cp(m: &Mesh, label: &str) {
+    let serving = serving_root(m);
     let mut cmd = m.lab.node.command(env!("CARGO_BIN_EXE_ambit"));
     cmd.arg("control-plane")
         .env("LOCAL_XDS_PATH", m.lab.dir.join("cp.yaml"))
         .env("AMBIT_CA_CERT", &m.ca.0)
         .env("AMBIT_CA_KEY", &m.ca.1)
+        .env("AMBIT_CP_SERVING_CA_CERT", &serving.0)
+        .env("AMBIT_CP_SERVING_CA_KEY", &serving.1)
         .env("AMBIT_CP_LISTEN", CP)
         .env("AMBIT_CP_TLS_SANS", "10.77.0.1")
         .env("AMBIT_CP_TOKEN_FILE", m.lab.dir.join("token"));
@@ -72,7 +93,11 @@ fn proxy_via_cp_env(
         extra_env: vec![
             ("XDS_ADDRESS".into(), format!("https://{CP}")),
             ("CA_ADDRESS".into(), format!("https://{CP}")),
-            ("XDS_ROOT_CA".into(), m.ca.0.display().to_string()),
+            (
+                "XDS_ROOT_CA".into(),
+                serving_root(m).0.display().to_string(),
+            ),
+            ("AMBIT_MESH_ROOT_CA".into(), m.ca.0.display().to_string()),
             ("AUTH_TOKEN".into(), tok.display().to_string()),
             ("SECRET_TTL".into(), "10s".into()),
         ]
@@ -206,7 +231,8 @@ fn proxies_run_from_the_control_plane_alone() {
         .env("PROXY_WORKLOAD_INFO", "default/stranger/x")
         .env("XDS_ADDRESS", format!("https://{CP}"))
         .env("CA_ADDRESS", format!("https://{CP}"))
-        .env("XDS_ROOT_CA", &m.ca.0)
+        .env("XDS_ROOT_CA", serving_root(&m).0)
+        .env("AMBIT_MESH_ROOT_CA", &m.ca.0)
         .env("AUTH_TOKEN", &tok);
     m.lab.spawn("proxy-stranger", cmd).unwrap();
     // Deliberately a fixed window: the proxy must NOT become ready, so there
@@ -245,11 +271,12 @@ fn xds_root_ca_system_trusts_the_system_store_and_nothing_else() {
         ),
     );
     // `SYSTEM` is the OS trust store; SSL_CERT_FILE stands in for it here,
-    // the way operators point it at a bundle: the mesh CA is in it.
-    let mesh_ca = m.ca.0.display().to_string();
+    // the way operators point it at a bundle: the control plane's serving
+    // root is in it. (The mesh root is AMBIT_MESH_ROOT_CA, never the system's.)
+    let serving = serving_root(&m).0.display().to_string();
     let system = [
         ("XDS_ROOT_CA", "SYSTEM"),
-        ("SSL_CERT_FILE", mesh_ca.as_str()),
+        ("SSL_CERT_FILE", serving.as_str()),
     ];
     proxy_via_cp_env(&m, &client, "client-sa", "s3cret", &system).unwrap();
     proxy_via_cp_env(&m, &server, "server-sa", "s3cret", &system).unwrap();
@@ -384,25 +411,33 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
 #[test]
 fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
     use ambit::lab::node::Node;
-    let mesh = "workloads:\n- {uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.84.0.2\"], protocol: HBONE}\n- {uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.85.0.2\"], protocol: HBONE}\n";
+    // Each workload on its node: a node's token gets only its own workloads' certificates.
+    let mesh = "workloads:\n- {uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.84.0.2\"], protocol: HBONE, node: node-a}\n- {uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.85.0.2\"], protocol: HBONE, node: node-b}\n";
     let bin = env!("CARGO_BIN_EXE_ambit");
     // Subnets no other test uses (10.78.0 is the demo's).
     let mut a = Node::prepare(bin, "cpa", "all", "10.84.0", mesh, None);
     let mut b = Node::prepare(bin, "cpb", "all", "10.85.0", mesh, Some(&a));
-    std::fs::write(a.dir.join("token"), "node-token").unwrap();
-    // Both nodes read the token from node A's own directory: no path shared
-    // with other tests, and removed with the lab.
-    let token = a.dir.join("token").display().to_string();
-    for n in [&mut a, &mut b] {
+    // One token per node, in node A's own directory (where the control
+    // plane reads them): no path shared with other tests, removed with the lab.
+    let tokens = a.dir.join("node-tokens");
+    std::fs::create_dir_all(&tokens).unwrap();
+    for (node, token) in [("node-a", "token-a"), ("node-b", "token-b")] {
+        std::fs::write(tokens.join(node), token).unwrap();
+    }
+    for (n, node) in [(&mut a, "node-a"), (&mut b, "node-b")] {
         // The proxies get nothing locally: no local config, no CA key.
         n.extra_env = vec![
             ("XDS_ADDRESS".into(), "https://10.99.0.1:15012".into()),
             ("CA_ADDRESS".into(), "https://10.99.0.1:15012".into()),
             (
                 "XDS_ROOT_CA".into(),
+                n.dir.join("serving-ca-cert.pem").display().to_string(),
+            ),
+            (
+                "AMBIT_MESH_ROOT_CA".into(),
                 n.dir.join("ca-cert.pem").display().to_string(),
             ),
-            ("AUTH_TOKEN".into(), token.clone()),
+            ("AUTH_TOKEN".into(), tokens.join(node).display().to_string()),
             ("AMBIT_CA_KEY".into(), "/nonexistent".into()),
         ];
     }
@@ -413,9 +448,14 @@ fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
         .env("LOCAL_XDS_PATH", a.dir.join("mesh.yaml"))
         .env("AMBIT_CA_CERT", a.dir.join("ca-cert.pem"))
         .env("AMBIT_CA_KEY", a.dir.join("ca-key.pem"))
+        .env(
+            "AMBIT_CP_SERVING_CA_CERT",
+            a.dir.join("serving-ca-cert.pem"),
+        )
+        .env("AMBIT_CP_SERVING_CA_KEY", a.dir.join("serving-ca-key.pem"))
         .env("AMBIT_CP_LISTEN", "10.99.0.1:15012")
         .env("AMBIT_CP_TLS_SANS", "10.99.0.1")
-        .env("AMBIT_CP_TOKEN_FILE", a.dir.join("token"));
+        .env("AMBIT_CP_NODE_TOKENS_DIR", &tokens);
     a.lab.spawn("cp", cmd).unwrap();
     for n in [&a, &b] {
         n.launch(true);
@@ -442,9 +482,16 @@ fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
         "{mb}"
     );
     let cp = std::fs::read_to_string(a.lab.log_path("cp")).unwrap();
+    let signed = |sa: &str, node: &str| {
+        cp.lines().any(|l| {
+            l.contains("certificate signed")
+                && l.contains(&format!("/sa/{sa}"))
+                && l.contains(&format!("caller=node {node}"))
+        })
+    };
     assert!(
-        cp.contains("client-sa") && cp.contains("server-sa"),
-        "both nodes' certificates come from the control plane:\n{cp}"
+        signed("client-sa", "node-a") && signed("server-sa", "node-b"),
+        "each node's certificates come from the control plane, asked with that node's token:\n{cp}"
     );
 }
 

@@ -30,7 +30,7 @@ pub static CONTROL_PLANE_KEYS: &[Key] = &[
         name: "ca_cert",
         env: &["AMBIT_CA_CERT"],
         default: "",
-        help: "CA root certificate PEM (with ca_key); unset: generated in state_dir",
+        help: "mesh CA root certificate PEM (with ca_key), what proxies set as mesh_root_ca; unset: generated in state_dir",
     },
     Key {
         name: "ca_key",
@@ -42,19 +42,37 @@ pub static CONTROL_PLANE_KEYS: &[Key] = &[
         name: "state_dir",
         env: &["AMBIT_STATE_DIR"],
         default: "/var/lib/ambit-control-plane",
-        help: "where a generated CA root is kept",
+        help: "where generated roots (mesh and serving) are kept",
+    },
+    Key {
+        name: "serving_ca_cert",
+        env: &["AMBIT_CP_SERVING_CA_CERT"],
+        default: "",
+        help: "root PEM that signs the control plane's own TLS certificate, what proxies set as xds_root_ca (with serving_ca_key; must not be the mesh root); unset: generated in state_dir",
+    },
+    Key {
+        name: "serving_ca_key",
+        env: &["AMBIT_CP_SERVING_CA_KEY"],
+        default: "",
+        help: "serving root private key PEM (PKCS#8)",
+    },
+    Key {
+        name: "node_tokens_dir",
+        env: &["AMBIT_CP_NODE_TOKENS_DIR"],
+        default: "",
+        help: "directory of per-node bearer tokens, file <node name> holding that node's token: its proxy gets certificates only for workloads on that node (re-read on each call)",
     },
     Key {
         name: "token_file",
         env: &["AMBIT_CP_TOKEN_FILE"],
         default: "",
-        help: "if set, clients must send this bearer token (re-read on each call)",
+        help: "an any-node bearer token: certificates for every workload in the config, for one-node labs and admins; nodes get node_tokens_dir (re-read on each call)",
     },
     Key {
         name: "tls_sans",
         env: &["AMBIT_CP_TLS_SANS"],
         default: "localhost,127.0.0.1",
-        help: "names and IPs in the server certificate (comma-separated)",
+        help: "names and IPs in the server certificate, signed by the serving root (comma-separated)",
     },
     Key {
         name: "max_cert_ttl",
@@ -74,6 +92,9 @@ pub struct ControlPlaneConfig {
     pub ca_cert: Option<PathBuf>,
     pub ca_key: Option<PathBuf>,
     pub state_dir: PathBuf,
+    pub serving_ca_cert: Option<PathBuf>,
+    pub serving_ca_key: Option<PathBuf>,
+    pub node_tokens_dir: Option<PathBuf>,
     pub token_file: Option<PathBuf>,
     pub tls_sans: Vec<String>,
     pub max_cert_ttl: Duration,
@@ -85,6 +106,18 @@ impl ControlPlaneConfig {
     pub fn load(cl: &CommandLine) -> Result<(Self, Layers), ConfigError> {
         let l = Layers::resolve(CONTROL_PLANE_KEYS, cl, |v| std::env::var(v).ok())?;
         let path = |s: &str| Some(PathBuf::from(s));
+        let serving_ca_cert = l.get("serving_ca_cert", "a file path", path)?;
+        let serving_ca_key = l.get("serving_ca_key", "a file path", path)?;
+        if serving_ca_cert.is_some() != serving_ca_key.is_some() {
+            return Err(ConfigError::Missing {
+                key: if serving_ca_cert.is_some() {
+                    "serving_ca_key"
+                } else {
+                    "serving_ca_cert"
+                },
+                hint: "serving_ca_cert and serving_ca_key go together",
+            });
+        }
         let cfg = ControlPlaneConfig {
             listen_addr: l.require("listen_addr", "an address like 0.0.0.0:15012", |s| {
                 s.parse().ok()
@@ -99,6 +132,9 @@ impl ControlPlaneConfig {
             ca_cert: l.get("ca_cert", "a file path", path)?,
             ca_key: l.get("ca_key", "a file path", path)?,
             state_dir: l.require("state_dir", "a directory", path)?,
+            serving_ca_cert,
+            serving_ca_key,
+            node_tokens_dir: l.get("node_tokens_dir", "a directory path", path)?,
             token_file: l.get("token_file", "a file path", path)?,
             tls_sans: l.require("tls_sans", "comma-separated names", |s| {
                 Some(super::parse_list(s))

@@ -102,6 +102,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "PEM root for the CA's TLS (default: xds_root_ca)",
     },
     Key {
+        name: "mesh_root_ca",
+        env: &["AMBIT_MESH_ROOT_CA"],
+        default: "",
+        help: "PEM mesh root(s) that certificates from ca_address must chain to, and peers are checked against (default: the CA's TLS root, as in Istio, when that is a file)",
+    },
+    Key {
         name: "auth_token",
         env: &["AUTH_TOKEN"],
         default: "",
@@ -314,6 +320,10 @@ pub struct ProxyConfig {
     pub ca_address: Option<String>,
     pub xds_root_ca: Option<PathBuf>,
     pub ca_root_ca: Option<PathBuf>,
+    /// The mesh root file certificates from `ca_address` must chain to:
+    /// `mesh_root_ca`, else the CA's TLS root when that is a file (Istio's
+    /// layout, one root for both). Always set when `ca_address` is.
+    pub mesh_root_ca: Option<PathBuf>,
     pub auth_token: Option<PathBuf>,
     pub pod_name: String,
     pub pod_namespace: String,
@@ -424,6 +434,28 @@ impl ProxyConfig {
                 hint: "the mesh state comes from a control plane (XDS_ADDRESS) or a local config YAML (LOCAL_XDS_PATH)",
             });
         }
+        let ca_address = url("ca_address")?;
+        let xds_root_ca = l.get("xds_root_ca", "a file path", path)?;
+        let ca_root_ca = l.get("ca_root_ca", "a file path", path)?;
+        let is_file = |p: &PathBuf| p.as_os_str() != "SYSTEM";
+        let mesh_root_ca = l
+            .get(
+                "mesh_root_ca",
+                "a PEM file path (the system store is no mesh root)",
+                |s| Some(PathBuf::from(s)).filter(is_file),
+            )?
+            .or_else(|| {
+                ca_root_ca
+                    .clone()
+                    .or_else(|| xds_root_ca.clone())
+                    .filter(is_file)
+            });
+        if ca_address.is_some() && mesh_root_ca.is_none() {
+            return Err(ConfigError::Missing {
+                key: "mesh_root_ca",
+                hint: "certificates from ca_address are checked against the mesh root: set mesh_root_ca (AMBIT_MESH_ROOT_CA) to its PEM file (the CA's TLS root stands in only when it is a file, not SYSTEM)",
+            });
+        }
         let ca_cert = l.get("ca_cert", "a file path", path)?;
         let ca_key = l.get("ca_key", "a file path", path)?;
         if ca_cert.is_some() != ca_key.is_some() {
@@ -452,9 +484,10 @@ impl ProxyConfig {
             workload_info,
             local_xds_path,
             xds_address,
-            ca_address: url("ca_address")?,
-            xds_root_ca: l.get("xds_root_ca", "a file path", path)?,
-            ca_root_ca: l.get("ca_root_ca", "a file path", path)?,
+            ca_address,
+            xds_root_ca,
+            ca_root_ca,
+            mesh_root_ca,
             auth_token: l.get("auth_token", "a file path", path)?,
             pod_name: l.require("pod_name", "a name", |s| Some(s.to_string()))?,
             pod_namespace: l.require("pod_namespace", "a name", |s| Some(s.to_string()))?,

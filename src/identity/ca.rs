@@ -1,6 +1,14 @@
 //! The local CA: a root (cert + key) given as PEM files, or generated on first
 //! start and kept in a state directory, that signs short-lived workload
-//! certificates (ECDSA P-256, URI SAN = SPIFFE id).
+//! certificates (ECDSA P-256, URI SAN = SPIFFE id). The same type holds the
+//! control plane's serving root, which signs only the control plane's own TLS
+//! certificate and is never a mesh root.
+//!
+//! What a certificate says is decided here, never by the requester: a CSR
+//! lends only its public key (after its self-signature is checked); subject,
+//! SANs, usages and lifetime come from the identity the caller was allowed.
+//! Deciding *which* identity a caller may have is the caller's job (the
+//! control plane's CA service).
 //!
 //! Workload keys are generated in memory and never written anywhere; the only
 //! key that touches disk is the CA's own, created with mode 0600 in a 0700
@@ -14,10 +22,11 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType, SerialNumber, PKCS_ECDSA_P256_SHA256,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, SanType, SerialNumber, PKCS_ECDSA_P256_SHA256,
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use x509_parser::prelude::FromDer;
 
 use super::spiffe::Identity;
 
@@ -99,6 +108,9 @@ impl fmt::Debug for LocalCa {
 /// File names of a generated root inside the state directory.
 pub const GENERATED_CERT: &str = "ca-cert.pem";
 pub const GENERATED_KEY: &str = "ca-key.pem";
+/// File names of a generated control-plane serving root inside the state directory.
+pub const GENERATED_SERVING_CERT: &str = "serving-ca-cert.pem";
+pub const GENERATED_SERVING_KEY: &str = "serving-ca-key.pem";
 
 impl LocalCa {
     /// Loads the root from PEM files.
@@ -137,11 +149,33 @@ impl LocalCa {
 
     /// Loads the root kept in `dir`, generating and saving one on first start.
     pub fn load_or_generate(dir: &Path, trust_domain: &str) -> Result<Self, IdentityError> {
-        let (cert, key) = (dir.join(GENERATED_CERT), dir.join(GENERATED_KEY));
+        Self::load_or_generate_as(dir, GENERATED_CERT, GENERATED_KEY, || {
+            Self::generate(trust_domain)
+        })
+    }
+
+    /// Loads the control plane's serving root kept in `dir`, generating and
+    /// saving one on first start (beside, never instead of, the mesh root).
+    pub fn load_or_generate_serving(dir: &Path) -> Result<Self, IdentityError> {
+        Self::load_or_generate_as(
+            dir,
+            GENERATED_SERVING_CERT,
+            GENERATED_SERVING_KEY,
+            Self::generate_serving,
+        )
+    }
+
+    fn load_or_generate_as(
+        dir: &Path,
+        cert_name: &str,
+        key_name: &str,
+        generate: impl FnOnce() -> Result<Self, IdentityError>,
+    ) -> Result<Self, IdentityError> {
+        let (cert, key) = (dir.join(cert_name), dir.join(key_name));
         if cert.exists() && key.exists() {
             return Self::from_files(&cert, &key);
         }
-        let ca = Self::generate(trust_domain)?;
+        let ca = generate()?;
         let dir_err = |e: std::io::Error| IdentityError::CaFile {
             path: dir.into(),
             reason: e.to_string(),
@@ -153,25 +187,49 @@ impl LocalCa {
             .map_err(dir_err)?;
         write_new(&key, &ca.issuer.key().serialize_pem(), 0o600)?;
         write_new(&cert, &ca.root_pem, 0o644)?;
-        tracing::info!(dir = %dir.display(), "generated a new local CA root");
+        tracing::info!(dir = %dir.display(), cert = cert_name, "generated a new root");
         Ok(ca)
     }
 
-    /// A fresh root in memory (ten years).
+    /// A fresh mesh root in memory (ten years).
     pub fn generate(trust_domain: &str) -> Result<Self, IdentityError> {
+        Self::generate_root(
+            trust_domain,
+            "Ambit local CA",
+            BasicConstraints::Unconstrained,
+        )
+    }
+
+    /// A fresh root for the control plane's own TLS certificate (ten years).
+    /// It signs leaves only (path length 0) and carries no trust domain: the
+    /// proxies trust it for the control-plane connection and nothing else.
+    pub fn generate_serving() -> Result<Self, IdentityError> {
+        Self::generate_root(
+            "Ambit control plane",
+            "Ambit control-plane serving CA",
+            BasicConstraints::Constrained(0),
+        )
+    }
+
+    fn generate_root(
+        organization: &str,
+        common_name: &str,
+        constraints: BasicConstraints,
+    ) -> Result<Self, IdentityError> {
         let sign_err = |e: rcgen::Error| IdentityError::Sign {
-            identity: "local CA root".into(),
+            identity: common_name.into(),
             reason: e.to_string(),
         };
         let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(sign_err)?;
         let mut params = CertificateParams::default();
+        params.distinguished_name = DistinguishedName::new();
         params
             .distinguished_name
-            .push(DnType::OrganizationName, trust_domain);
+            .push(DnType::OrganizationName, organization);
         params
             .distinguished_name
-            .push(DnType::CommonName, "Ambit local CA");
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            .push(DnType::CommonName, common_name);
+        params.is_ca = IsCa::Ca(constraints);
         params.key_usages = vec![
             KeyUsagePurpose::KeyCertSign,
             KeyUsagePurpose::CrlSign,
@@ -188,6 +246,12 @@ impl LocalCa {
             root_der,
             root_pem,
         })
+    }
+
+    /// Whether `other` signs with the same key: two roots that do are one
+    /// authority, whatever their certificates say.
+    pub fn same_key_as(&self, other: &LocalCa) -> bool {
+        self.issuer.key().public_key_raw() == other.issuer.key().public_key_raw()
     }
 
     pub fn root(&self) -> &CertificateDer<'static> {
@@ -212,26 +276,8 @@ impl LocalCa {
         };
         let key =
             KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(|e| sign_err(e.to_string()))?;
-        let mut params = CertificateParams::default();
-        let uri = identity
-            .to_string()
-            .try_into()
-            .map_err(|e: rcgen::Error| sign_err(e.to_string()))?;
-        params.subject_alt_names = vec![SanType::URI(uri)];
-        params.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        params.serial_number = Some(SerialNumber::from_slice(&fastrand::u128(..).to_be_bytes()));
-        let now = SystemTime::now();
-        let not_before = now - (ttl / 10).min(Duration::from_secs(60));
-        let not_after = now + ttl;
-        params.not_before = not_before.into();
-        params.not_after = not_after.into();
+        let (params, not_before, not_after) =
+            workload_params(identity, ttl).map_err(|e| sign_err(e.to_string()))?;
         let cert = params
             .signed_by(&key, &self.issuer)
             .map_err(|e| sign_err(e.to_string()))?;
@@ -244,74 +290,80 @@ impl LocalCa {
             not_after,
         })
     }
-}
 
-impl LocalCa {
-    /// Signs a CSR for one workload identity of `trust_domain` (the SAN must be
-    /// exactly that SPIFFE id, and equal `impersonated` when given); returns
-    /// the chain as PEM, leaf first, root last.
+    /// Signs the public key of a PEM CSR as `identity`, valid for `ttl`;
+    /// returns the chain as PEM, leaf first, root last.
+    ///
+    /// The CSR must be signed by its own key (proof that the requester holds
+    /// it), and lends nothing but that key: its subject, SANs, usages and
+    /// extensions are ignored. The certificate names `identity` alone, so
+    /// which identity that is must already have been decided by the caller.
     pub fn sign_csr(
         &self,
         csr_pem: &str,
+        identity: &Identity,
         ttl: Duration,
-        trust_domain: &str,
-        impersonated: Option<&str>,
     ) -> Result<Vec<String>, IdentityError> {
         let err = |reason: String| IdentityError::Sign {
-            identity: impersonated.unwrap_or("CSR").to_string(),
+            identity: identity.to_string(),
             reason,
         };
-        let mut csr = rcgen::CertificateSigningRequestParams::from_pem(csr_pem)
-            .map_err(|e| err(format!("bad CSR: {e}")))?;
-        let uris: Vec<String> = csr
-            .params
-            .subject_alt_names
-            .iter()
-            .filter_map(|s| match s {
-                SanType::URI(u) => Some(u.as_str().to_string()),
-                _ => None,
-            })
-            .collect();
-        let [uri] = uris.as_slice() else {
-            return Err(err(format!(
-                "CSR must carry exactly one URI SAN, has {}",
-                uris.len()
-            )));
-        };
-        let id: Identity = uri
-            .parse()
-            .map_err(|e: super::spiffe::NotAnIdentity| err(e.to_string()))?;
-        if id.trust_domain != trust_domain {
-            return Err(err(format!("{id} is not in trust domain {trust_domain}")));
-        }
-        if let Some(want) = impersonated {
-            if want != uri {
-                return Err(err(format!(
-                    "CSR names {uri} but ImpersonatedIdentity is {want}"
-                )));
-            }
-        }
-        let now = SystemTime::now();
-        csr.params.not_before = (now - (ttl / 10).min(Duration::from_secs(60))).into();
-        csr.params.not_after = (now + ttl).into();
-        csr.params.is_ca = IsCa::NoCa;
-        csr.params.key_usages = vec![
-            KeyUsagePurpose::DigitalSignature,
-            KeyUsagePurpose::KeyEncipherment,
-        ];
-        csr.params.extended_key_usages = vec![
-            ExtendedKeyUsagePurpose::ServerAuth,
-            ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        csr.params.serial_number =
-            Some(SerialNumber::from_slice(&fastrand::u128(..).to_be_bytes()));
-        let cert = csr
-            .signed_by(&self.issuer)
+        let public_key = csr_public_key(csr_pem).map_err(&err)?;
+        let (params, _, _) = workload_params(identity, ttl).map_err(|e| err(e.to_string()))?;
+        let cert = params
+            .signed_by(&public_key, &self.issuer)
             .map_err(|e| err(e.to_string()))?;
         Ok(vec![cert.pem(), self.root_pem.clone()])
     }
+}
 
+/// The public key of a PEM CSR whose self-signature verifies.
+fn csr_public_key(csr_pem: &str) -> Result<rcgen::SubjectPublicKeyInfo, String> {
+    let der = rustls_pemfile::csr(&mut csr_pem.as_bytes())
+        .map_err(|e| format!("bad CSR: {e}"))?
+        .ok_or("bad CSR: no PEM CERTIFICATE REQUEST found")?;
+    let (_, csr) =
+        x509_parser::certification_request::X509CertificationRequest::from_der(der.as_ref())
+            .map_err(|e| format!("bad CSR: {e}"))?;
+    csr.verify_signature().map_err(|e| {
+        format!("the CSR's signature does not verify with the key it carries ({e})")
+    })?;
+    rcgen::SubjectPublicKeyInfo::from_der(csr.certification_request_info.subject_pki.raw)
+        .map_err(|e| format!("the CSR's public key is not one this CA signs: {e}"))
+}
+
+/// What every workload certificate says: no subject, the SPIFFE id as the
+/// only SAN (critical, since the subject is empty), a leaf for TLS client and
+/// server, a random serial, valid from a little before now for `ttl`.
+fn workload_params(
+    identity: &Identity,
+    ttl: Duration,
+) -> Result<(CertificateParams, SystemTime, SystemTime), rcgen::Error> {
+    let mut params = CertificateParams::default();
+    params.distinguished_name = DistinguishedName::new();
+    params.subject_alt_names = vec![SanType::URI(identity.to_string().try_into()?)];
+    params.is_ca = IsCa::ExplicitNoCa;
+    params.key_usages = vec![
+        KeyUsagePurpose::DigitalSignature,
+        KeyUsagePurpose::KeyEncipherment,
+    ];
+    params.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    params.serial_number = Some(SerialNumber::from_slice(&fastrand::u128(..).to_be_bytes()));
+    let now = SystemTime::now();
+    let not_before = now - (ttl / 10).min(Duration::from_secs(60));
+    let not_after = now + ttl;
+    params.not_before = not_before.into();
+    params.not_after = not_after.into();
+    Ok((params, not_before, not_after))
+}
+
+impl LocalCa {
     /// A server certificate for DNS names / IPs (the control plane's own TLS).
+    /// Call it on the serving root, never on the mesh root: a mesh root that
+    /// signed it would make the control plane's key a mesh credential.
     pub fn issue_server(
         &self,
         sans: &[String],
@@ -325,6 +377,7 @@ impl LocalCa {
             KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).map_err(|e| sign_err(e.to_string()))?;
         let mut params =
             CertificateParams::new(sans.to_vec()).map_err(|e| sign_err(e.to_string()))?;
+        params.is_ca = IsCa::ExplicitNoCa;
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         let now = SystemTime::now();
         params.not_before = (now - Duration::from_secs(60)).into();
@@ -407,6 +460,118 @@ mod tests {
             !format!("{cert:?}").contains("key:"),
             "Debug must not print the key"
         );
+    }
+
+    /// A CSR for `key` that asks for far more than a workload may have: the
+    /// control plane's DNS name, an IP, another identity, a subject, a CA bit.
+    fn greedy_csr(key: &KeyPair) -> String {
+        let mut params =
+            CertificateParams::new(vec!["istiod.istio-system.svc".to_string()]).unwrap();
+        params
+            .subject_alt_names
+            .push(SanType::IpAddress("10.0.0.1".parse().unwrap()));
+        params.subject_alt_names.push(SanType::URI(
+            "spiffe://cluster.local/ns/istio-system/sa/istiod"
+                .try_into()
+                .unwrap(),
+        ));
+        params.distinguished_name.push(DnType::CommonName, "istiod");
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.serialize_request(key).unwrap().pem().unwrap()
+    }
+
+    #[test]
+    fn a_csr_lends_its_key_and_nothing_else() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let key = KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).unwrap();
+        let id = Identity::new("cluster.local", "default", "web");
+        let chain = ca
+            .sign_csr(&greedy_csr(&key), &id, Duration::from_secs(3600))
+            .unwrap();
+        assert_eq!(chain.len(), 2);
+        assert_eq!(chain[1], ca.root_pem(), "the root comes last");
+        let leaf = rustls_pemfile::certs(&mut chain[0].as_bytes())
+            .next()
+            .unwrap()
+            .unwrap();
+        let (_, x509) = x509_parser::parse_x509_certificate(&leaf).unwrap();
+        let san = x509.subject_alternative_name().unwrap().unwrap();
+        assert_eq!(
+            san.value.general_names,
+            [x509_parser::extensions::GeneralName::URI(
+                "spiffe://cluster.local/ns/default/sa/web"
+            )],
+            "only the granted SPIFFE id: no DNS, IP or other URI SAN from the CSR"
+        );
+        assert!(san.critical, "with an empty subject the SAN is critical");
+        assert_eq!(
+            x509.subject().iter().count(),
+            0,
+            "no subject copied from the CSR: {}",
+            x509.subject()
+        );
+        assert!(!x509.is_ca(), "the CSR's CA bit is not honoured");
+        let got: &[u8] = x509.public_key().subject_public_key.as_ref();
+        assert_eq!(got, key.public_key_raw(), "the CSR's key is the one signed");
+    }
+
+    #[test]
+    fn a_csr_not_signed_by_the_key_it_carries_is_refused() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let (holder, victim) = (
+            KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).unwrap(),
+            KeyPair::generate_for(&PKCS_ECDSA_P256_SHA256).unwrap(),
+        );
+        // Signed by `holder`, but carrying `victim`'s public key.
+        let mut params = CertificateParams::default();
+        params.subject_alt_names = vec![SanType::URI(
+            "spiffe://cluster.local/ns/default/sa/web"
+                .try_into()
+                .unwrap(),
+        )];
+        let mut der = params.serialize_request(&holder).unwrap().der().to_vec();
+        let (ours, theirs) = (holder.public_key_raw(), victim.public_key_raw());
+        let at = der
+            .windows(ours.len())
+            .position(|w| w == ours)
+            .expect("the CSR carries its key");
+        der[at..at + ours.len()].copy_from_slice(theirs);
+        use base64::Engine as _;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(&der);
+        let lines: Vec<&str> = b64
+            .as_bytes()
+            .chunks(64)
+            .map(|c| std::str::from_utf8(c).unwrap())
+            .collect();
+        let pem = format!(
+            "-----BEGIN CERTIFICATE REQUEST-----\n{}\n-----END CERTIFICATE REQUEST-----\n",
+            lines.join("\n")
+        );
+        let id = Identity::new("cluster.local", "default", "web");
+        let err = ca
+            .sign_csr(&pem, &id, Duration::from_secs(3600))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("signature does not verify"), "{err}");
+        let err = ca
+            .sign_csr("not a CSR", &id, Duration::from_secs(3600))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("bad CSR"), "{err}");
+    }
+
+    #[test]
+    fn the_serving_root_is_generated_beside_the_mesh_root_and_distinct() {
+        let dir = std::env::temp_dir().join(format!("ambit-ca-serving-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let mesh = LocalCa::load_or_generate(&dir, "cluster.local").unwrap();
+        let serving = LocalCa::load_or_generate_serving(&dir).unwrap();
+        assert!(!serving.same_key_as(&mesh) && mesh.same_key_as(&mesh));
+        assert_ne!(serving.root(), mesh.root());
+        let again = LocalCa::load_or_generate_serving(&dir).unwrap();
+        assert_eq!(again.root(), serving.root(), "kept across restarts");
+        assert!(dir.join(GENERATED_SERVING_KEY).exists() && dir.join(GENERATED_KEY).exists());
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

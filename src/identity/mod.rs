@@ -7,6 +7,9 @@ mod manager;
 mod spiffe;
 pub(crate) mod tls;
 
-pub use ca::{IdentityError, LocalCa, WorkloadCert};
+pub use ca::{
+    IdentityError, LocalCa, WorkloadCert, GENERATED_CERT, GENERATED_KEY, GENERATED_SERVING_CERT,
+    GENERATED_SERVING_KEY,
+};
 pub use manager::{CertManager, CertSource, TlsHandle, TlsIdentity};
 pub use spiffe::Identity;

@@ -32,7 +32,7 @@ pub use probes::{
     set_default_congestion_control, time_waits, Established,
 };
 pub use sandbox::pod_uid;
-pub use topology::{write_ca, Lab, LabPod, ProxySpec, BRIDGE, SUBNET};
+pub use topology::{write_ca, write_serving_ca, Lab, LabPod, ProxySpec, BRIDGE, SUBNET};
 pub use traffic::{
     close_first_echo, connect_from, echo_roundtrip, http_get, http_get_in, http_request_in, iperf3,
     short_connection, short_connections, EchoServer, Ends, Iperf, ShortRun,

@@ -101,14 +101,22 @@ impl Node {
                          "routes": [{"dst": "0.0.0.0/0"}]}}]
         });
         std::fs::write(conf_dir.join("10-meshnet.conflist"), conflist.to_string()).unwrap();
+        // The mesh root (`ca-*.pem`) and, for a control plane run on this
+        // node, its serving root (`serving-ca-*.pem`): never the same.
         match ca_from {
             Some(other) => {
-                for f in ["ca-cert.pem", "ca-key.pem"] {
+                for f in [
+                    "ca-cert.pem",
+                    "ca-key.pem",
+                    "serving-ca-cert.pem",
+                    "serving-ca-key.pem",
+                ] {
                     std::fs::copy(other.dir.join(f), dir.join(f)).unwrap();
                 }
             }
             None => {
                 super::write_ca(&dir, "ca", "cluster.local").unwrap();
+                super::write_serving_ca(&dir, "serving-ca").unwrap();
             }
         }
         std::fs::write(dir.join("mesh.yaml"), mesh).unwrap();

@@ -1,8 +1,9 @@
 //! The lab's topology: a "node" netns holding a bridge, "pods" as netns on
 //! veths into it, each held by its sandbox process as kubelet leaves a pod
 //! (`sandbox`), processes started inside them (proxies, iperf3 servers),
-//! and a CA on disk. Everything is created under unique names and removed
-//! when the [`Lab`] is dropped, panics included.
+//! and CA roots on disk (a mesh root, and the control plane's serving root).
+//! Everything is created under unique names and removed when the [`Lab`] is
+//! dropped, panics included.
 
 use std::io::{self, Write};
 use std::net::Ipv4Addr;
@@ -340,10 +341,26 @@ impl Drop for Lab {
     }
 }
 
-/// Writes a PEM CA (PKCS#8 key, mode 0600) into `dir`, returning (cert, key) paths.
+/// Writes a PEM mesh CA (PKCS#8 key, mode 0600) into `dir`, returning (cert, key) paths.
 pub fn write_ca(dir: &Path, name: &str, trust_domain: &str) -> io::Result<(PathBuf, PathBuf)> {
-    use std::os::unix::fs::OpenOptionsExt;
     let ca = crate::identity::LocalCa::generate(trust_domain).map_err(io::Error::other)?;
+    write_root(dir, name, &ca)
+}
+
+/// Writes a PEM serving root for `ambit control-plane` (its TLS certificate's
+/// issuer, what the proxies take as `xds_root_ca`) into `dir`, returning
+/// (cert, key) paths. It is never a mesh root.
+pub fn write_serving_ca(dir: &Path, name: &str) -> io::Result<(PathBuf, PathBuf)> {
+    let ca = crate::identity::LocalCa::generate_serving().map_err(io::Error::other)?;
+    write_root(dir, name, &ca)
+}
+
+fn write_root(
+    dir: &Path,
+    name: &str,
+    ca: &crate::identity::LocalCa,
+) -> io::Result<(PathBuf, PathBuf)> {
+    use std::os::unix::fs::OpenOptionsExt;
     let (cert, key) = (
         dir.join(format!("{name}-cert.pem")),
         dir.join(format!("{name}-key.pem")),

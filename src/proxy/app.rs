@@ -154,6 +154,9 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         (Some(addr), _, _) => CertSource::Remote(CaClient {
             address: addr.clone(),
             root_ca: cfg.ca_root_ca.clone().or_else(|| cfg.xds_root_ca.clone()),
+            mesh_root: cfg.mesh_root_ca.clone().ok_or_else(|| {
+                anyhow::anyhow!("ca_address is set but no mesh root: set mesh_root_ca")
+            })?,
             token: cfg.auth_token.clone(),
             cluster_id: cfg.cluster_id.clone(),
             mark: cfg.packet_mark,

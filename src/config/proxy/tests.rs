@@ -254,4 +254,34 @@ fn the_memory_budget_is_auto_zero_or_a_size_of_at_least_16_mi() {
     ] {
         assert_eq!(parse(bad), None, "{bad:?}");
     }
+
+#[test]
+fn the_mesh_root_is_set_or_inferred_from_a_root_file_never_from_system() {
+    let with = |extra: &[(&'static str, &'static str)]| {
+        let mut env = BASE.to_vec();
+        env.push(("CA_ADDRESS", "https://istiod:15012"));
+        env.extend_from_slice(extra);
+        layers(&env, &[])
+    };
+    // Istio's layout: the root the CA's TLS chains to is the mesh root.
+    let c = with(&[("XDS_ROOT_CA", "/istio/root-cert.pem")]).unwrap();
+    assert_eq!(c.mesh_root_ca, Some("/istio/root-cert.pem".into()));
+    let c = with(&[
+        ("XDS_ROOT_CA", "/xds.pem"),
+        ("CA_ROOT_CA", "/ca.pem"),
+        ("AMBIT_MESH_ROOT_CA", "/mesh.pem"),
+    ])
+    .unwrap();
+    assert_eq!(c.mesh_root_ca, Some("/mesh.pem".into()));
+    // The system store holds no mesh root, and none at all is no answer.
+    for extra in [&[("XDS_ROOT_CA", "SYSTEM")][..], &[][..]] {
+        let err = with(extra).unwrap_err().to_string();
+        assert!(err.contains("`mesh_root_ca` is required"), "{err}");
+    }
+    let err = with(&[("AMBIT_MESH_ROOT_CA", "SYSTEM")])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("the system store is no mesh root"), "{err}");
+    // Without a remote CA the local CA's own root is the mesh root.
+    assert_eq!(layers(BASE, &[]).unwrap().mesh_root_ca, None);
 }
