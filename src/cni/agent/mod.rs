@@ -35,6 +35,7 @@ use crate::sideport::{self, TEXT};
 use crate::xds::StateHandle;
 use discover::{discover, find_netns};
 pub use enroll::{enrollment, own_pod_prefix, plugin_entry, EnrollError};
+pub use events::parse_add_event;
 use metrics::AgentMetrics;
 use store::{load_state, PodStore};
 
