@@ -6,7 +6,8 @@ mod hostprobe;
 mod install;
 mod kube;
 pub mod loopback;
-mod plugin;
+// The plugin's pure stdin/env logic: public so fuzz/ can drive it.
+pub mod plugin;
 pub mod plugin_main;
 pub mod redirect;
 mod zds_server;

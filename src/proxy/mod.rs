@@ -30,3 +30,8 @@ mod timewait;
 mod waypoint;
 
 pub use app::{run, start, ProxyHandle};
+// Pure wire-protocol pieces (no I/O), public so fuzz/ can drive them.
+pub use dns::{reply as dns_reply, Asker as DnsAsker, Reply as DnsReply};
+pub use hbone::{
+    forwarded_for, forwarded_host, validate_connect, Baggage, ConnectRejection, ConnectRequest,
+};

@@ -35,6 +35,12 @@ pub(super) fn spawn(agent: Arc<Agent>, run_dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Reads the ADD event the plugin POSTs: the Go field names of Istio's
+/// `CNIPluginAddEvent` as JSON. Pure, so fuzz/ feeds it arbitrary bodies.
+pub fn parse_add_event(body: &[u8]) -> Result<AddEvent, serde_json::Error> {
+    serde_json::from_slice(body)
+}
+
 async fn plugin_events(agent: Arc<Agent>, listener: tokio::net::UnixListener) {
     let cap = ConnectionCap::new("agent_events", caps::AGENT_EVENTS);
     loop {
@@ -75,7 +81,7 @@ async fn handle_event(agent: Arc<Agent>, req: Request<Incoming>) -> Response<Ful
         Ok(Err(e)) => return reply(StatusCode::BAD_REQUEST, format!("body: {e}\n")),
         Err(_) => return reply(StatusCode::REQUEST_TIMEOUT, "body: too slow\n".into()),
     };
-    let ev: AddEvent = match serde_json::from_slice(&body) {
+    let ev = match parse_add_event(&body) {
         Ok(ev) => ev,
         Err(e) => return reply(StatusCode::BAD_REQUEST, format!("bad event: {e}\n")),
     };

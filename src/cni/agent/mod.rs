@@ -37,6 +37,7 @@ use crate::xds::StateHandle;
 pub(crate) use discover::pod_uid_from_cgroup;
 use discover::{discover, find_netns};
 pub use enroll::{enrollment, own_pod_prefix, plugin_entry, EnrollError};
+pub use events::parse_add_event;
 use metrics::AgentMetrics;
 use store::{load_state, PodStore};
 
