@@ -37,5 +37,8 @@ pub const PROBE_SNAT_V4: &str = "169.254.7.127";
 /// Source the host SNATs kubelet probes to (IPv6).
 pub const PROBE_SNAT_V6: &str = "fd16:9254:7127:1337:ffff:ffff:ffff:ffff";
 
+/// The name container runtimes give a pod's network interface (`CNI_IFNAME`).
+pub const POD_INTERFACE: &str = "eth0";
+
 /// ALPN protocol spoken on HBONE connections.
 pub const HBONE_ALPN: &[u8] = b"h2";

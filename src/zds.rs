@@ -145,16 +145,18 @@ pub struct SeqPacketListener {
 }
 
 impl SeqPacketListener {
-    /// Binds `path` (replacing a stale socket file), mode 0600.
+    /// Binds `path` (replacing a stale socket file), mode 0600 from the
+    /// start ([`crate::unix_bind`]).
     pub fn bind(path: &Path) -> io::Result<Self> {
         let _ = std::fs::remove_file(path);
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let fd = seqpacket()?;
-        bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+        let fd = crate::unix_bind::owner_only(path, |path| {
+            let fd = seqpacket()?;
+            bind(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+            Ok(fd)
+        })?;
         listen(&fd, Backlog::new(16).map_err(io::Error::from)?)?;
         Ok(SeqPacketListener { fd: register(fd)? })
     }
@@ -189,6 +191,12 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("ambit-zds-wire-{}", std::process::id()));
         let path = dir.join("zds.sock");
         let listener = SeqPacketListener::bind(&path).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+            0o600,
+            "only the agent's user may connect"
+        );
         let client = SeqPacket::connect(&path).unwrap();
         let server = listener.accept().await.unwrap();
         client.send(b"hello", None).await.unwrap();

@@ -409,6 +409,55 @@ fn on_demand_a_proxy_learns_only_the_addresses_its_connections_need() {
 }
 
 #[test]
+fn on_demand_a_denied_connection_never_asks_about_its_source() {
+    let mut m = Mesh::new("cpodeny");
+    let (server, outsider) = (m.pod("server"), m.pod("outsider"));
+    // The outsider is a workload the control plane knows (plain TCP, outside
+    // the mesh); the server takes connections from mesh identities only.
+    serve_mesh(
+        &m,
+        &format!(
+            "workloads:\n{}{}policies:\n- {{name: mesh-only, namespace: default, action: Allow, rules: [[[{{principals: [Presence]}}]]]}}\n",
+            workload(&server, "server-sa", "HBONE"),
+            workload(&outsider, "outsider-sa", "TCP"),
+        ),
+    );
+    proxy_via_cp_env(&m, &server, "server-sa", "s3cret", ON_DEMAND).unwrap();
+    let held = |pod: &LabPod, name: &str| dump(pod).contains(&format!("\"name\":\"{name}\""));
+    wait_for(
+        "the server's own workload, by its address",
+        Duration::from_secs(5),
+        || held(&server, "server"),
+    );
+    let echo = EchoServer::start(&server, 8080).unwrap();
+
+    let mut c = connect_from(&outsider, echo.addr).unwrap();
+    assert!(
+        echo_roundtrip(&mut c, b"let me in").unwrap().is_empty(),
+        "plaintext is refused by mesh-only"
+    );
+    assert!(echo.peers().is_empty());
+    let denied = [
+        ("reporter", "destination"),
+        ("response_flags", "DENY"),
+        // Labelled from what the state held: the outsider was not asked for.
+        ("source_workload", "unknown"),
+    ];
+    wait_for("the denial counted", Duration::from_secs(5), || {
+        common::counter(
+            &http_get(&server, "127.0.0.1:15020", "/metrics").unwrap().1,
+            "istio_tcp_connections_opened_total",
+            &denied,
+        ) == 1
+    });
+    assert!(
+        !held(&server, "outsider"),
+        "a denied source is never fetched on demand: {}",
+        dump(&server)
+    );
+}
+
+#[test]
 fn two_nodes_take_config_and_certificates_only_from_the_control_plane() {
     use ambit::lab::node::Node;
     // Each workload on its node: a node's token gets only its own workloads' certificates.

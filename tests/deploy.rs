@@ -186,6 +186,44 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
     ] {
         assert!(host_paths.contains(&p), "host path {p} not mounted");
     }
+    // Least privilege: the proxy's pod mounts the ZDS socket's directory and
+    // nothing of the agent's run dir around it (the plugin event socket, the
+    // plugin's kubeconfig with the agent's token).
+    let env_of = |spec: &Value, var: &str| -> String {
+        spec["containers"][0]["env"]
+            .as_sequence()
+            .expect("env")
+            .iter()
+            .find(|e| e["name"].as_str() == Some(var))
+            .and_then(|e| e["value"].as_str())
+            .unwrap_or_else(|| panic!("{var} not set"))
+            .to_string()
+    };
+    let proxy_spec = &proxy_ds["spec"]["template"]["spec"];
+    let run_dir = PathBuf::from(env_of(ds, "CNI_AGENT_RUN_DIR"));
+    let zds = env_of(ds, "ZTUNNEL_UDS_ADDRESS");
+    assert_eq!(env_of(proxy_spec, "INPOD_UDS"), zds, "one ZDS socket");
+    let zds_dir = Path::new(&zds).parent().expect("a directory");
+    assert_ne!(
+        zds_dir, run_dir,
+        "the ZDS socket has a directory of its own"
+    );
+    let proxy_host_paths: Vec<&str> = proxy_spec["volumes"]
+        .as_sequence()
+        .expect("volumes")
+        .iter()
+        .filter_map(|v| v["hostPath"]["path"].as_str())
+        .collect();
+    assert_eq!(
+        proxy_host_paths,
+        [zds_dir.to_str().unwrap()],
+        "the proxy mounts the ZDS socket's directory and no other host path"
+    );
+    assert!(
+        proxy_host_paths.iter().all(|p| !run_dir.starts_with(p)),
+        "the proxy can reach the agent's run dir {}",
+        run_dir.display()
+    );
     let containers: Vec<&Value> = [ds, &proxy_ds["spec"]["template"]["spec"]]
         .iter()
         .flat_map(|spec| spec["containers"].as_sequence().expect("containers"))

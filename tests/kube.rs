@@ -204,12 +204,21 @@ fn the_plugin_is_removed_when_the_daemonset_is_deleted() {
     node.launch(true);
     node.wait_ready("127.0.0.1:8000", "/readyz");
     assert!(has_plugin(&node));
+    // The kubeconfig the agent leaves the plugin carries the agent's token.
+    let kubeconfig = node.dir.join("run").join("plugin-kubeconfig");
+    wait_for("the plugin's kubeconfig in the run dir", &node, || {
+        kubeconfig.exists()
+    });
     // An uninstall deletes the DaemonSet and the agent's account: the API
     // answers 401 by the time the agent stops.
     api.delete(Kind::DaemonSet, "istio-system", "ambit");
     api.revoke();
     node.lab.stop("node");
     assert!(!has_plugin(&node), "uninstalled with its DaemonSet");
+    assert!(
+        !kubeconfig.exists(),
+        "the token does not outlive the agent on the node"
+    );
 }
 
 #[test]

@@ -131,6 +131,24 @@ fn traffic_with_a_waypoint_goes_through_it_and_never_around_it() {
             ) == 2
         },
     );
+    // Its access log names the authenticated peer's address (the one policy
+    // was applied to), not the client address the waypoint reports.
+    let inbound_lines = |log: &str| -> Vec<String> {
+        log.lines()
+            .filter(|l| l.contains("connection complete") && l.contains("direction=\"inbound\""))
+            .map(String::from)
+            .collect()
+    };
+    wait_until("the server's access log of both legs", SETTLE, || {
+        inbound_lines(&m.proxy_log(&server)).len() == 2
+    });
+    for line in inbound_lines(&m.proxy_log(&server)) {
+        assert!(
+            line.contains(&format!("src.addr={}:", wp.ip))
+                && !line.contains(&format!("src.addr={}:", client.ip)),
+            "{line}"
+        );
+    }
     // The server's proxy names the service the client asked for (the
     // waypoint passes `host=` on) and ztunnel's app/version/cluster labels.
     let sm = m.metrics(&server);

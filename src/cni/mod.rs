@@ -1,5 +1,6 @@
 //! Node plumbing: the CNI plugin, the node agent, the conflist installer, the
-//! in-pod redirection rules and the agent's side of ZDS.
+//! in-pod redirection rules (and which virtual interfaces a pod may name in
+//! them) and the agent's side of ZDS.
 
 pub mod agent;
 mod hostprobe;
@@ -10,4 +11,5 @@ pub mod loopback;
 pub mod plugin;
 pub mod plugin_main;
 pub mod redirect;
+pub mod virtual_interfaces;
 mod zds_server;

@@ -14,6 +14,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use super::loopback;
+use super::virtual_interfaces::{self, VirtualInterfaceRefused};
 use crate::constants::{
     CONNMARK, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MARK_MASK, OUTBOUND_PORT,
     PROBE_SNAT_V4, PROBE_SNAT_V6, PROXY_MARK, ROUTE_TABLE, RULE_PRIORITY,
@@ -114,20 +115,8 @@ pub enum RedirectError {
         step: String,
         reason: String,
     },
-    #[error("virtual interface {0:?} is not an interface name (1 to 15 of A-Z a-z 0-9 . _ - +, not starting with -, not . or ..)")]
-    BadInterface(String),
-}
-
-/// Whether `name` can be an interface name on the iptables command line:
-/// Linux's length limit, and only characters that cannot change the rule.
-pub fn valid_interface(name: &str) -> bool {
-    (1..=15).contains(&name.len())
-        && name != "."
-        && name != ".."
-        && !name.starts_with('-')
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-' | b'+'))
+    #[error(transparent)]
+    VirtualInterface(#[from] VirtualInterfaceRefused),
 }
 
 /// The rule set of one pod.
@@ -349,15 +338,15 @@ impl RedirectRules {
 
     /// Applies the rules, the `ip rule` and the table-100 route inside `netns`.
     /// On any failure, what this call applied is removed again. A virtual
-    /// interface name that could not be one is refused before anything runs.
+    /// interface that is not a plain name, is the loopback or is the pod's
+    /// own interface is refused before anything is applied
+    /// ([`virtual_interfaces::check`]).
     pub fn apply(&self, netns: &Netns) -> Result<(), RedirectError> {
-        if let Some(bad) = self
-            .opts
-            .virtual_interfaces
-            .iter()
-            .find(|v| !valid_interface(v))
-        {
-            return Err(RedirectError::BadInterface(bad.clone()));
+        let vifs = &self.opts.virtual_interfaces;
+        if !vifs.is_empty() {
+            // The names first, before anything runs in the netns.
+            virtual_interfaces::check(vifs, &[])?;
+            virtual_interfaces::check(vifs, &virtual_interfaces::primary(netns))?;
         }
         let result = self.families().into_iter().try_for_each(|family| {
             let present = Present::parse(&run(netns, family.save(), &[], None)?);
@@ -538,6 +527,7 @@ fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cni::virtual_interfaces::InterfaceRefusal;
 
     fn golden(name: &str) -> &'static str {
         match name {
@@ -588,23 +578,7 @@ mod tests {
     }
 
     #[test]
-    fn interface_names_that_could_change_a_rule_are_refused() {
-        for ok in ["eth1", "vm0", "tap+", "br-ex.100", "a_b", "abcdefghijklmno"] {
-            assert!(valid_interface(ok), "{ok}");
-        }
-        for bad in [
-            "",
-            ".",
-            "..",
-            "abcdefghijklmnop",
-            "eth0 -j ACCEPT",
-            "eth0\n-A",
-            "eth/0",
-            "eth:0",
-            "-j",
-        ] {
-            assert!(!valid_interface(bad), "{bad:?}");
-        }
+    fn apply_refuses_a_bad_virtual_interface_before_touching_the_netns() {
         let r = RedirectRules::new(RedirectOptions {
             virtual_interfaces: vec!["vm0".into(), "x -j DROP".into()],
             ..Default::default()
@@ -613,8 +587,29 @@ mod tests {
         let ns = Netns::open("/proc/self/ns/net").unwrap();
         assert!(matches!(
             r.apply(&ns),
-            Err(RedirectError::BadInterface(n)) if n == "x -j DROP"
+            Err(RedirectError::VirtualInterface(r)) if r.name == "x -j DROP" && r.why == InterfaceRefusal::NotAName
         ));
+    }
+
+    #[test]
+    fn apply_refuses_the_pods_own_interface_before_touching_its_rules() {
+        let ns = Netns::open("/proc/self/ns/net").unwrap();
+        for (name, why) in [
+            ("eth0", InterfaceRefusal::Primary),
+            ("lo", InterfaceRefusal::Loopback),
+            ("veth+", InterfaceRefusal::Wildcard),
+        ] {
+            let r = RedirectRules::new(RedirectOptions {
+                virtual_interfaces: vec!["vm0".into(), name.into()],
+                ..Default::default()
+            });
+            match r.apply(&ns) {
+                Err(RedirectError::VirtualInterface(r)) => {
+                    assert_eq!((r.name.as_str(), r.why), (name, why))
+                }
+                other => panic!("{name}: {other:?}"),
+            }
+        }
     }
 
     const SAVE: &str = "# Generated\n*mangle\n:PREROUTING ACCEPT [0:0]\n:ISTIO_PRERT - [0:0]\n-A PREROUTING -j ISTIO_PRERT\n-A PREROUTING -j OTHER\nCOMMIT\n*raw\n:ISTIO_OUTPUT - [0:0]\n-A OUTPUT -j ISTIO_OUTPUT\n-A ISTIO_OUTPUT -p udp -j CT --zone 1\nCOMMIT\n*filter\n:INPUT ACCEPT [0:0]\nCOMMIT\n";

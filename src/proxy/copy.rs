@@ -52,18 +52,33 @@ where
     (u, d, clean && down_first.into_inner())
 }
 
-/// Pipe size asked of the kernel for splice (capped by fs.pipe-max-size).
+/// The size a pipe grows to once its flow is a bulk one (capped by
+/// `fs.pipe-max-size` for a process without `CAP_SYS_RESOURCE`).
 const PIPE_SIZE: libc::c_int = 1 << 20;
 
+/// A splice pipe. It starts at the kernel's default size (16 pages, 64 KiB;
+/// one page for a user past `fs.pipe-user-pages-soft`) and grows to
+/// [`PIPE_SIZE`] only when its flow fills it ([`Pipe::fill_from`]): a full
+/// pipe means the source had more waiting than the destination took, which
+/// request/response traffic seldom has and a bulk transfer always does.
+/// Small pipes matter beyond memory: every pipe's size counts against the
+/// user's `fs.pipe-user-pages-soft` (64 MiB by default), past which the
+/// kernel makes every new pipe one page, so 1 MiB pipes for every
+/// connection would slow all connections down after the first few dozen.
 struct Pipe {
     read: OwnedFd,
     write: OwnedFd,
     size: usize,
+    /// The size the pipe was made with; it goes back to it before it is kept.
+    start: usize,
+    /// Growth not tried yet for this connection (one try: a refusal stands).
+    may_grow: bool,
 }
 
 /// Empty pipes kept per worker thread for the next connection: a short
 /// connection otherwise spends ten syscalls making and closing its two.
-/// Few, since kept pipes count against the user's pipe-buffer limit.
+/// Few, and always at their start size, since kept pipes count against the
+/// user's pipe-buffer limit.
 const PIPES_KEPT: usize = 4;
 
 thread_local! {
@@ -79,10 +94,15 @@ impl Pipe {
         }
     }
 
-    /// Keeps a drained pipe for reuse. Only an empty pipe may come back: a
-    /// copy that ends early (an error, a cancelled task) drops its pipe,
-    /// and whatever it held goes with it.
-    fn give_back(self) {
+    /// Keeps a drained pipe for reuse, back at its start size (a pipe the
+    /// kernel will not shrink is closed instead). Only an empty pipe may
+    /// come back: a copy that ends early (an error, a cancelled task) drops
+    /// its pipe, and whatever it held goes with it.
+    fn give_back(mut self) {
+        if self.size > self.start && self.resize(self.start) != self.start {
+            return;
+        }
+        self.may_grow = true;
         // `try_with`: a thread being torn down just closes it.
         let _ = SPARE_PIPES.try_with(|p| {
             let mut p = p.borrow_mut();
@@ -95,16 +115,68 @@ impl Pipe {
     fn new() -> io::Result<Self> {
         let (read, write) =
             nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC | nix::fcntl::OFlag::O_NONBLOCK)?;
-        // SAFETY: F_SETPIPE_SZ/F_GETPIPE_SZ on a pipe fd we own; failure leaves the default size.
-        let size = unsafe {
-            libc::fcntl(write.as_raw_fd(), libc::F_SETPIPE_SZ, PIPE_SIZE);
-            libc::fcntl(write.as_raw_fd(), libc::F_GETPIPE_SZ)
-        };
+        // SAFETY: F_GETPIPE_SZ on a pipe fd we own.
+        let size = unsafe { libc::fcntl(write.as_raw_fd(), libc::F_GETPIPE_SZ) };
+        let size = size.max(4096) as usize;
         Ok(Pipe {
             read,
             write,
-            size: size.max(4096) as usize,
+            size,
+            start: size,
+            may_grow: true,
         })
+    }
+
+    /// Asks the kernel for `bytes` of pipe and returns the size it now has
+    /// (unchanged if refused: over `fs.pipe-max-size`, or less than what
+    /// the pipe holds).
+    fn resize(&mut self, bytes: usize) -> usize {
+        let want = libc::c_int::try_from(bytes).unwrap_or(PIPE_SIZE);
+        // SAFETY: F_SETPIPE_SZ/F_GETPIPE_SZ on a pipe fd we own; a refusal
+        // leaves the pipe as it was.
+        let size = unsafe {
+            libc::fcntl(self.write.as_raw_fd(), libc::F_SETPIPE_SZ, want);
+            libc::fcntl(self.write.as_raw_fd(), libc::F_GETPIPE_SZ)
+        };
+        if size > 0 {
+            self.size = size as usize;
+        }
+        self.size
+    }
+
+    /// Splices what `src` has, up to the pipe's free room, into the pipe,
+    /// which already holds `queued` bytes. A flow that fills the pipe is a
+    /// bulk one, and the pipe grows to [`PIPE_SIZE`]: filled in bytes (a
+    /// splice leaves it holding its size), or in slots (the kernel takes one
+    /// slot per socket-buffer fragment, so a flow of MTU-sized segments
+    /// fills 16 slots with ~23 KiB: the splice then finds no room while
+    /// bytes are queued, and is tried again once the pipe has grown).
+    fn fill_from(&mut self, src: RawFd, queued: usize) -> io::Result<usize> {
+        let n = match splice(src, self.write.as_raw_fd(), self.size - queued) {
+            Err(e)
+                if e.kind() == io::ErrorKind::WouldBlock
+                    && self.may_grow
+                    && queued > 0
+                    && has_no_room(&self.write) =>
+            {
+                self.grow();
+                splice(src, self.write.as_raw_fd(), self.size - queued)?
+            }
+            r => r?,
+        };
+        if self.may_grow && queued + n >= self.size {
+            self.grow();
+        }
+        Ok(n)
+    }
+
+    /// Grows the pipe to [`PIPE_SIZE`], once per connection (a refusal
+    /// keeps it as it is).
+    fn grow(&mut self) {
+        self.may_grow = false;
+        if self.size < PIPE_SIZE as usize {
+            self.resize(PIPE_SIZE as usize);
+        }
     }
 }
 
@@ -158,7 +230,7 @@ async fn splice_one_way(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
 }
 
 async fn splice_until_eof(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
-    let pipe = Pipe::take()?;
+    let mut pipe = Pipe::take()?;
     let mut total = 0u64;
     let mut queued = 0usize;
     let mut eof = false;
@@ -171,7 +243,7 @@ async fn splice_until_eof(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
         let mut moved = false;
         if !eof && !pipe_full && queued < pipe.size {
             match src.try_io(Interest::READABLE, || {
-                match splice(src.as_raw_fd(), pipe.write.as_raw_fd(), pipe.size - queued) {
+                match pipe.fill_from(src.as_raw_fd(), queued) {
                     Err(e)
                         if e.kind() == io::ErrorKind::WouldBlock
                             && queued > 0
@@ -388,6 +460,88 @@ pub(super) mod tests {
         let mut buf = [0u8; 4096];
         nix::unistd::read(pipe.read.as_raw_fd(), &mut buf).unwrap();
         assert!(!has_no_room(&pipe.write), "a freed slot is room again");
+    }
+
+    /// The pipe's size as the kernel has it.
+    fn kernel_size(pipe: &Pipe) -> usize {
+        // SAFETY: F_GETPIPE_SZ on a pipe fd the test owns.
+        let n = unsafe { libc::fcntl(pipe.write.as_raw_fd(), libc::F_GETPIPE_SZ) };
+        assert!(n > 0, "{}", io::Error::last_os_error());
+        n as usize
+    }
+
+    #[test]
+    fn a_pipe_starts_small_and_grows_once_a_flow_fills_it() {
+        let mut pipe = Pipe::new().unwrap();
+        let start = pipe.size;
+        assert!(
+            start < PIPE_SIZE as usize && kernel_size(&pipe) == start,
+            "a new pipe has the kernel's default size (64 KiB), not {start} bytes"
+        );
+        // The source: another pipe, filled page by page, so a pipe's worth
+        // of bytes takes exactly a pipe's worth of slots.
+        let source = Pipe::new().unwrap();
+        let put = |bytes: usize| {
+            let data = vec![3u8; bytes];
+            assert_eq!(nix::unistd::write(&source.write, &data).unwrap(), bytes);
+        };
+        let take = |pipe: &Pipe, bytes: usize| {
+            let mut buf = vec![0u8; bytes];
+            assert_eq!(
+                nix::unistd::read(pipe.read.as_raw_fd(), &mut buf).unwrap(),
+                bytes
+            );
+        };
+        // A request's worth: carried, and the pipe stays small.
+        put(300);
+        assert_eq!(pipe.fill_from(source.read.as_raw_fd(), 0).unwrap(), 300);
+        assert_eq!((pipe.size, kernel_size(&pipe)), (start, start));
+        take(&pipe, 300);
+        // A pipe's worth waiting at once: a bulk flow, and the pipe grows.
+        put(start);
+        assert_eq!(pipe.fill_from(source.read.as_raw_fd(), 0).unwrap(), start);
+        assert_eq!(pipe.size, PIPE_SIZE as usize, "grown to the bulk size");
+        assert_eq!(kernel_size(&pipe), pipe.size, "and the kernel agrees");
+        take(&pipe, start);
+        // Kept for the next connection at its start size.
+        pipe.give_back();
+        let kept = SPARE_PIPES
+            .with(|p| p.borrow_mut().pop())
+            .expect("the drained pipe is kept");
+        assert_eq!((kept.size, kernel_size(&kept)), (start, start));
+        assert!(kept.may_grow, "the next connection may grow it again");
+    }
+
+    #[test]
+    fn a_pipe_full_of_small_fragments_grows_too() {
+        // The kernel's default number of slots in a pipe.
+        const SLOTS: usize = 16;
+        let mut pipe = Pipe::new().unwrap();
+        let start = pipe.size;
+        // A packet pipe: each write stays a buffer of its own, so each one
+        // takes a slot of `pipe`, as a socket's small fragments do.
+        let (packets_read, packets_write) = nix::unistd::pipe2(
+            nix::fcntl::OFlag::O_DIRECT
+                | nix::fcntl::OFlag::O_NONBLOCK
+                | nix::fcntl::OFlag::O_CLOEXEC,
+        )
+        .unwrap();
+        let segment = [5u8; 100];
+        for _ in 0..SLOTS {
+            assert_eq!(nix::unistd::write(&packets_write, &segment).unwrap(), 100);
+        }
+        let queued = pipe.fill_from(packets_read.as_raw_fd(), 0).unwrap();
+        assert_eq!(queued, SLOTS * 100, "one segment per slot");
+        assert!(has_no_room(&pipe.write), "full by slots, not by bytes");
+        assert_eq!(pipe.size, start, "not grown yet");
+        // The next segment finds no room: the pipe grows and takes it.
+        assert_eq!(nix::unistd::write(&packets_write, &segment).unwrap(), 100);
+        assert_eq!(
+            pipe.fill_from(packets_read.as_raw_fd(), queued).unwrap(),
+            100
+        );
+        assert_eq!(pipe.size, PIPE_SIZE as usize);
+        assert_eq!(kernel_size(&pipe), pipe.size);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,12 @@
 //! Inbound: HBONE on port 15008 (mutual TLS, HTTP/2 CONNECT, peer checked
 //! against our trust domain) and plaintext on port 15006 (senders outside
 //! the mesh). Both deliver to the application on the pod's own address.
+//!
+//! Fail closed, as ztunnel: a connection is authorized against the pod's
+//! own workload, and while the state does not hold it (after a short wait
+//! for it to arrive) nothing is allowed; plaintext aimed at an address that
+//! is not the pod's is refused. The source is looked up on demand only for
+//! a connection already allowed: a denied one is labelled from the state.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -16,8 +22,8 @@ use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
-use super::pod::{end_unserved, Lifecycle, PodRef, TLS_SEND_BUFFER};
-use super::reauth::{Authorized, Tracker};
+use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFER};
+use super::reauth::{Authorized, Denied, Tracker};
 use super::record::{ConnectionRecord, Direction};
 use super::waypoint;
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
@@ -29,6 +35,11 @@ use crate::xds::{State, StateHandle};
 
 /// How long a peer has to finish the TLS handshake, and then HTTP/2's.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// How long a connection waits for the pod's own workload to reach the
+/// state (a pod can be served before the control plane has sent it) before
+/// it is denied: ztunnel's wait for its local workload.
+const OWN_WORKLOAD_WAIT: Duration = Duration::from_secs(5);
 
 /// The inbound side of one pod.
 pub struct Inbound {
@@ -211,8 +222,9 @@ impl Inbound {
         peer: SocketAddr,
         local_ip: IpAddr,
     ) {
-        let src = forwarded_for(&req);
-        let src_ip = src.map(|s| s.ip());
+        // Only a candidate for the source's labels (below), checked against
+        // the peer's certificate: never the address logged or authorized.
+        let src_ip = forwarded_for(&req).map(|s| s.ip());
         let fronts = |t: SocketAddr| self.is_waypoint_of(t);
         let target = match validate_connect(&req, local_ip, fronts) {
             Ok(t) => t,
@@ -223,12 +235,18 @@ impl Inbound {
             }
         };
         let auth = self.authorized(Some(&peer_id), peer.ip(), target);
-        let allowed_by = match auth.check(&self.state.load()) {
+        let allowed_by = match self.decide(&auth).await {
             Ok(p) => p.unwrap_or_else(|| "-".into()),
-            Err(policy) => {
-                reply(&mut respond, StatusCode::UNAUTHORIZED);
-                // Labelled from what the state holds: the address a denied
-                // peer names in `forwarded` is not looked up on demand.
+            Err(denied) => {
+                // As ztunnel: 503 while the pod's own workload is unknown,
+                // 401 for a policy's denial.
+                let status = match denied {
+                    Denied::UnknownDestination => StatusCode::SERVICE_UNAVAILABLE,
+                    Denied::Policy(_) => StatusCode::UNAUTHORIZED,
+                };
+                reply(&mut respond, status);
+                // Labelled from what the state holds: no address a denied
+                // peer names is looked up on demand.
                 let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
                 let to = (target.port(), forwarded_host(&req));
                 let mut labels = self.labels(&sources, Some(&peer_id), to, false).await;
@@ -239,16 +257,18 @@ impl Inbound {
                     labels,
                     Direction::InboundHbone,
                     (Some(peer), target, Some(hbone)),
-                    policy,
+                    denied,
                 );
                 return;
             }
         };
+        // Allowed: only now may a source the state lacks be asked for.
         let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
         let to = (target.port(), forwarded_host(&req));
         let mut labels = self.labels(&sources, Some(&peer_id), to, true).await;
         labels.connection_security_policy = "mutual_tls";
-        let mut record = self.record(labels, Direction::InboundHbone, src.or(Some(peer)), target);
+        // The authenticated peer's address, the one policy was applied to.
+        let mut record = self.record(labels, Direction::InboundHbone, Some(peer), target);
         record.set_hbone(SocketAddr::new(local_ip, HBONE_PORT));
         record.set_allowed_by(allowed_by);
         let mut upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
@@ -288,33 +308,43 @@ impl Inbound {
 
     async fn plaintext_conn(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {
         let target = match original_dst(&stream) {
-            Ok(t) if !PROXY_OWN_PORTS.contains(&t.port()) => t,
-            Ok(t) => {
+            Ok(t) if PROXY_OWN_PORTS.contains(&t.port()) => {
                 tracing::warn!(src.addr = %peer, dst.addr = %t, "plaintext connection to a proxy port refused");
                 end_unserved(&stream).await;
                 return;
             }
+            // Only the pod's own addresses: anything else routed to the pod
+            // would make the proxy dial it from inside the pod, with the
+            // sender's address and the proxy's mark (a relay).
+            Ok(t) if !is_own_address(&self.pod.ips, t.ip()) => {
+                tracing::warn!(src.addr = %peer, dst.addr = %t, pod.ips = ?self.pod.ips, "plaintext connection to an address that is not this pod's refused");
+                end_unserved(&stream).await;
+                return;
+            }
+            Ok(t) => t,
             Err(e) => {
                 tracing::warn!(src.addr = %peer, error = %e, "no original destination; closing");
                 end_unserved(&stream).await;
                 return;
             }
         };
-        let mut labels = self
-            .labels(&[peer.ip()], None, (target.port(), None), true)
-            .await;
-        labels.connection_security_policy = "unknown";
         let auth = self.authorized(None, peer.ip(), target);
-        let allowed_by = match auth.check(&self.state.load()) {
+        // Authorized first: a source the state lacks is asked for on demand
+        // only for a connection that is allowed.
+        let allowed = self.decide(&auth).await;
+        let to = (target.port(), None);
+        let mut labels = self.labels(&[peer.ip()], None, to, allowed.is_ok()).await;
+        labels.connection_security_policy = "unknown";
+        let allowed_by = match allowed {
             Ok(p) => p.unwrap_or_else(|| "-".into()),
-            Err(policy) => {
+            Err(denied) => {
                 let (metrics, ends) = (self.metrics.clone(), (Some(peer), target, None));
                 ConnectionRecord::denied(
                     metrics,
                     labels,
                     Direction::InboundPlaintext,
                     ends,
-                    policy,
+                    denied,
                 );
                 end_unserved(&stream).await;
                 return;
@@ -395,11 +425,41 @@ impl Inbound {
     ) -> Authorized {
         Authorized {
             namespace: self.pod.namespace.clone(),
-            network: self.pod.network.clone(),
+            name: self.pod.name.clone(),
+            service_account: self.pod.service_account.clone(),
             peer: peer.cloned(),
             src_ip,
             target,
         }
+    }
+
+    /// Decides `auth` against the state. While the state lacks the pod's
+    /// own workload, waits up to [`OWN_WORKLOAD_WAIT`] for it (a pod can
+    /// be served before the control plane has sent it); still missing, the
+    /// connection is denied.
+    async fn decide(&self, auth: &Authorized) -> Result<Option<String>, Denied> {
+        // Subscribed before looking, so a change in between is not missed.
+        let mut changes = self.state.subscribe();
+        let mut state = self.state.load();
+        if auth.workload(&state).is_none() {
+            let arrived = async {
+                while changes.changed().await.is_ok() {
+                    state = self.state.load();
+                    if auth.workload(&state).is_some() {
+                        return;
+                    }
+                }
+                // The state can no longer change: wait out the deadline.
+                std::future::pending::<()>().await
+            };
+            if tokio::time::timeout(OWN_WORKLOAD_WAIT, arrived)
+                .await
+                .is_err()
+            {
+                tracing::debug!(pod = %format!("{}/{}", auth.namespace, auth.name), "the pod's own workload is not in the state");
+            }
+        }
+        auth.check(&state)
     }
 
     /// The metric labels of a connection. Over HBONE, `sources` are the

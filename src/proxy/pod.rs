@@ -264,6 +264,15 @@ impl SocketFactory {
     }
 }
 
+/// Whether `ip` is one of a pod's addresses `pod_ips` (an IPv4-mapped IPv6
+/// address counts as its IPv4 one).
+pub fn is_own_address(pod_ips: &[IpAddr], ip: IpAddr) -> bool {
+    let ip = super::hbone::canonical(ip);
+    pod_ips
+        .iter()
+        .any(|own| super::hbone::canonical(*own) == ip)
+}
+
 /// How much encrypted data rustls may queue before writing: large enough that
 /// one `writev` carries a whole HTTP/2 DATA frame's records (rustls' default,
 /// 64 KiB, splits a 256 KiB frame into four writes).
@@ -487,6 +496,16 @@ pub type PodRef = Arc<Pod>;
 mod tests {
     use super::super::copy::tests::pair;
     use super::*;
+
+    #[test]
+    fn only_the_pods_own_addresses_are_its_own() {
+        let ips: Vec<IpAddr> = vec!["10.0.0.3".parse().unwrap(), "fd00::3".parse().unwrap()];
+        let own = |ip: &str| is_own_address(&ips, ip.parse().unwrap());
+        assert!(own("10.0.0.3") && own("fd00::3"));
+        assert!(own("::ffff:10.0.0.3"), "as a dual-stack socket reports it");
+        assert!(!own("10.0.0.4") && !own("10.96.0.1") && !own("127.0.0.1"));
+        assert!(!is_own_address(&[], "10.0.0.3".parse().unwrap()));
+    }
 
     #[test]
     fn a_congestion_control_the_kernel_lacks_fails_only_when_chosen() {

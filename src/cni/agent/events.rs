@@ -18,19 +18,24 @@ use super::{Agent, PLUGIN_SOCKET};
 use crate::cni::plugin::AddEvent;
 use crate::limits::{caps, ConnectionCap};
 
-/// Binds the plugin socket in `run_dir` (0750 dir, 0600 socket) and serves
-/// events on it until the process ends.
+/// Binds the plugin socket in `run_dir` (0750 dir; the socket 0600 from
+/// the start, [`crate::unix_bind`]) and serves events on it until the
+/// process ends.
 pub(super) fn spawn(agent: Arc<Agent>, run_dir: &Path) -> anyhow::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o750)
         .create(run_dir)?;
     let sock = run_dir.join(PLUGIN_SOCKET);
     let _ = std::fs::remove_file(&sock);
-    let listener = tokio::net::UnixListener::bind(&sock)
-        .with_context(|| format!("plugin socket {}", sock.display()))?;
-    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o600))?;
+    let listener = crate::unix_bind::owner_only(&sock, |path| {
+        let l = std::os::unix::net::UnixListener::bind(path)?;
+        l.set_nonblocking(true)?;
+        Ok(l)
+    })
+    .and_then(tokio::net::UnixListener::from_std)
+    .with_context(|| format!("plugin socket {}", sock.display()))?;
     tokio::spawn(plugin_events(agent, listener));
     Ok(())
 }

@@ -243,5 +243,12 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
             Err(e) => tracing::warn!(error = %e, "CNI plugin uninstall incomplete"),
         }
     }
+    if !upgrade {
+        // The plugin's kubeconfig holds the agent's token: it goes with the
+        // agent (kept only across an upgrade, for the plugin to use meanwhile).
+        for (path, e) in reconcile::remove_plugin_files(&cfg.run_dir) {
+            tracing::warn!(file = %path.display(), error = %e, "file for the plugin not removed");
+        }
+    }
     Ok(())
 }

@@ -183,26 +183,80 @@ fn plugin_kubeconfig(ca_path: &Path) -> Option<(String, Option<Vec<u8>>)> {
     Some((text, Some(ca)))
 }
 
+/// The CA of the API server, beside the plugin's kubeconfig in the run dir.
+const PLUGIN_CA_FILE: &str = "plugin-ca.crt";
+
+/// The files the agent leaves in `run_dir` for the plugin: the namespaces
+/// labelled ambient, the kubeconfig (which holds the agent's token) and the
+/// API server's CA. Only the agent's container mounts the run dir; the
+/// proxy's pod mounts the ZDS socket's directory alone.
+fn plugin_files(run_dir: &Path) -> [std::path::PathBuf; 3] {
+    [
+        run_dir.join(AMBIENT_NAMESPACES_FILE),
+        run_dir.join(PLUGIN_KUBECONFIG_FILE),
+        run_dir.join(PLUGIN_CA_FILE),
+    ]
+}
+
+/// Removes the files [`plugin_files`] names (on uninstall: the token must not
+/// outlive the agent on the node). Returns those that could not be removed.
+pub(super) fn remove_plugin_files(run_dir: &Path) -> Vec<(std::path::PathBuf, std::io::Error)> {
+    plugin_files(run_dir)
+        .into_iter()
+        .filter_map(|path| match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Some((path, e)),
+            _ => None,
+        })
+        .collect()
+}
+
 impl Agent {
     /// Keeps the files the plugin reads while no agent runs current (0600,
     /// rewritten only when they change): the namespaces labelled ambient, and
     /// a kubeconfig to ask the API server whether a pod is enrolled.
     fn write_plugin_files(&self, cluster: &Cluster) {
-        let dir = &self.cfg.run_dir;
+        let [namespaces, kubeconfig_path, ca_path] = plugin_files(&self.cfg.run_dir);
         let ambient = cluster.ambient_namespaces(&self.cfg.exclude_namespaces);
         let mut files = vec![(
-            dir.join(AMBIENT_NAMESPACES_FILE),
+            namespaces,
             serde_json::to_vec(&ambient).unwrap_or_else(|_| b"[]".to_vec()),
         )];
-        let ca_path = dir.join("plugin-ca.crt");
         if let Some((kubeconfig, ca)) = plugin_kubeconfig(&ca_path) {
             files.extend(ca.map(|ca| (ca_path, ca)));
-            files.push((dir.join(PLUGIN_KUBECONFIG_FILE), kubeconfig.into_bytes()));
+            files.push((kubeconfig_path, kubeconfig.into_bytes()));
         }
         for (path, contents) in files {
             if let Err(e) = install::write_if_changed(&path, &contents, 0o600) {
                 tracing::warn!(file = %path.display(), error = %e, "file for the plugin not written");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uninstall_leaves_no_token_in_the_run_dir_and_only_removes_the_plugin_files() {
+        let dir = std::env::temp_dir().join(format!("ambit-plugin-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for path in plugin_files(&dir) {
+            install::write_atomic(&path, b"secret", 0o600).unwrap();
+        }
+        let other = dir.join("agent-owned-file");
+        std::fs::write(&other, "kept").unwrap();
+        assert!(remove_plugin_files(&dir).is_empty());
+        assert!(
+            !dir.join(PLUGIN_KUBECONFIG_FILE).exists(),
+            "the kubeconfig holding the agent's token is gone"
+        );
+        assert!(plugin_files(&dir).iter().all(|p| !p.exists()));
+        assert!(other.exists(), "nothing else is touched");
+        assert!(
+            remove_plugin_files(&dir).is_empty(),
+            "files already gone are no error"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
