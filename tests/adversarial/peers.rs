@@ -272,4 +272,3 @@ fn slowloris_on_the_side_ports_and_15008_is_timed_out_and_capped_and_others_are_
 fn node_bridge_ip(node: &Node) -> String {
     format!("{}.1", node.subnet)
 }
-

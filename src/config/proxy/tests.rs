@@ -254,6 +254,7 @@ fn the_memory_budget_is_auto_zero_or_a_size_of_at_least_16_mi() {
     ] {
         assert_eq!(parse(bad), None, "{bad:?}");
     }
+}
 
 #[test]
 fn the_mesh_root_is_set_or_inferred_from_a_root_file_never_from_system() {
