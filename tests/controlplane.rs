@@ -609,3 +609,64 @@ fn a_waypoint_served_over_xds_is_used_and_an_unknown_one_refuses() {
     );
     assert_eq!(stand_in.seen().len(), seen);
 }
+
+/// The CA signs only what the caller's token may have: a node's token gets
+/// the identities of its own node's workloads, and a proxy asking with it
+/// for a pod of another node is refused (it never becomes ready), while
+/// the node's own pod is served.
+#[test]
+fn a_node_token_asking_for_another_nodes_pod_is_refused() {
+    let mut m = Mesh::new("cp-tokens");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    let tokens = m.lab.dir.join("node-tokens");
+    std::fs::create_dir_all(&tokens).unwrap();
+    std::fs::write(tokens.join("node-a"), "token-a").unwrap();
+    std::fs::write(tokens.join("node-b"), "token-b").unwrap();
+    std::fs::write(
+        m.lab.dir.join("cp.yaml"),
+        format!(
+            "workloads:\n- {{uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{}\"], protocol: HBONE, node: node-a}}\n- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{}\"], protocol: HBONE, node: node-b}}\n",
+            client.ip, server.ip
+        ),
+    )
+    .unwrap();
+    let serving = serving_root(&m);
+    let mut cmd = m.lab.node.command(env!("CARGO_BIN_EXE_ambit"));
+    cmd.arg("control-plane")
+        .env("LOCAL_XDS_PATH", m.lab.dir.join("cp.yaml"))
+        .env("AMBIT_CA_CERT", &m.ca.0)
+        .env("AMBIT_CA_KEY", &m.ca.1)
+        .env("AMBIT_CP_SERVING_CA_CERT", &serving.0)
+        .env("AMBIT_CP_SERVING_CA_KEY", &serving.1)
+        .env("AMBIT_CP_LISTEN", CP)
+        .env("AMBIT_CP_TLS_SANS", "10.77.0.1")
+        .env("AMBIT_CP_NODE_TOKENS_DIR", &tokens);
+    m.lab.spawn("cp", cmd).unwrap();
+    wait_for(
+        "the control plane listening",
+        Duration::from_secs(20),
+        || cp_listening(&m),
+    );
+    // node-a's own pod: served.
+    proxy_via_cp(&m, &client, "client-sa", "token-a");
+    // node-a's token asking for node-b's pod: refused, and the proxy says so.
+    let refused = proxy_via_cp_env(&m, &server, "server-sa", "token-a", &[]);
+    assert!(
+        refused.is_err(),
+        "a proxy with another node's pod became ready"
+    );
+    let cp = std::fs::read_to_string(m.lab.log_path("cp")).unwrap();
+    assert!(
+        cp.lines().any(|l| l.contains("certificate refused")
+            && l.contains("/sa/server-sa")
+            && l.contains("node-a")),
+        "{cp}"
+    );
+    assert!(
+        !cp.lines()
+            .any(|l| l.contains("certificate signed") && l.contains("/sa/server-sa")),
+        "{cp}"
+    );
+    let log = m.proxy_log(&server);
+    assert!(log.contains("PermissionDenied"), "{log}");
+}
