@@ -285,3 +285,19 @@ fn log_level_changes_live_through_the_admin_endpoint() {
     );
     assert!(m.proxy_log(&pod).contains("log level changed"));
 }
+
+/// A control plane in plaintext is refused unless asked for by name; when
+/// it is, the proxy warns that state and certificates cross unprotected.
+#[test]
+fn a_plaintext_control_plane_is_refused_without_the_insecure_flag() {
+    let env = [
+        ("PROXY_WORKLOAD_INFO", "default/web/web"),
+        ("XDS_ADDRESS", "http://127.0.0.1:1"),
+        ("CA_ADDRESS", "http://127.0.0.1:1"),
+    ];
+    let (ok, _, err) = ambit(&["proxy"], &env);
+    assert!(
+        !ok && err.contains("`xds_address`") && err.contains("insecure_control_plane"),
+        "{err}"
+    );
+}
