@@ -53,13 +53,13 @@ for t in "${targets[@]}"; do
     else
         result="failed (exit $?)"
         failed=1
-        crash=$(grep -o 'Test unit written to .*' "$log" | tail -1 || true)
+        crash=$(grep -ao 'Test unit written to .*' "$log" | tail -1 || true)
         [ -n "$crash" ] && result="crash: ${crash#Test unit written to }"
     fi
     # libFuzzer's closing stats; the last `#N DONE` line if they are missing.
-    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
+    execs=$(grep -ao 'stat::number_of_executed_units: *[0-9]*' "$log" | tail -1 | grep -o '[0-9]*$' || true)
     if [ -z "$execs" ]; then
-        execs=$(grep -oE '^#[0-9]+[[:space:]]+DONE' "$log" | tail -1 | grep -oE '[0-9]+' || true)
+        execs=$(grep -aoE '^#[0-9]+[[:space:]]+DONE' "$log" | tail -1 | grep -oE '[0-9]+' || true)
     fi
     rows+=("$(printf '%-16s %14s  %s' "$t" "${execs:-?}" "$result")")
 done
