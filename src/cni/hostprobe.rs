@@ -120,9 +120,60 @@ pub fn remove_pod(uid: &str, ips: &[IpAddr]) {
     }
 }
 
+/// Removes every entry that is not a held pod's (its IP, commented with
+/// its uid): pods deleted while the agent was away, or between its removing
+/// a pod and its removing the pod's entries, when it was killed then.
+/// Returns how many were removed.
+pub fn keep_only(held: &[(String, Vec<IpAddr>)]) -> usize {
+    let mut removed = 0;
+    for set in [SET_V4, SET_V6] {
+        let Ok(list) = run("ipset", &["list", set], None) else {
+            continue;
+        };
+        for (ip, uid) in members(&list) {
+            let wanted = held
+                .iter()
+                .any(|(u, ips)| *u == uid && ips.iter().any(|i| i.to_string() == ip));
+            if !wanted && run("ipset", &["del", set, &ip, "-exist"], None).is_ok() {
+                removed += 1;
+            }
+        }
+    }
+    removed
+}
+
+/// The (IP, uid comment) entries of an `ipset list` text.
+fn members(list: &str) -> Vec<(String, String)> {
+    list.lines()
+        .skip_while(|l| !l.starts_with("Members:"))
+        .skip(1)
+        .filter_map(|l| {
+            let (ip, rest) = l.split_once(' ').unwrap_or((l, ""));
+            let uid = rest
+                .strip_prefix("comment \"")
+                .and_then(|r| r.strip_suffix('"'))
+                .unwrap_or_default();
+            (!ip.is_empty()).then(|| (ip.to_string(), uid.to_string()))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn members_are_read_with_their_uid_comments() {
+        let list = "Name: istio-inpod-probes-v4\nType: hash:ip\nHeader: family inet comment\nMembers:\n10.0.0.2 comment \"uid-a\"\n10.0.0.3\n";
+        assert_eq!(
+            members(list),
+            vec![
+                ("10.0.0.2".to_string(), "uid-a".to_string()),
+                ("10.0.0.3".to_string(), String::new())
+            ]
+        );
+        assert!(members("Name: x\nMembers:\n").is_empty());
+    }
 
     #[test]
     fn renders_istio_host_rule() {

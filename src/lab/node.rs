@@ -269,6 +269,37 @@ impl Node {
         })
     }
 
+    /// Deletes the pod named `name` as a runtime does: CNI DEL through the
+    /// chain (which frees its address), then its sandbox and netns. Works
+    /// for a pod whose ADD failed too. Returns the DEL's error, if any; the
+    /// pod is torn down either way.
+    pub fn delete_pod(&mut self, name: &str, namespace: &str) -> Result<(), String> {
+        let netns_name = format!("{}-{name}", self.lab.id);
+        let conflist = self.conflist();
+        let cni_path = format!("/usr/lib/cni:{}", self.bin_dir.display());
+        let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
+        let args = format!(
+            "IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID={}",
+            pod_uid(name)
+        );
+        let call = CniCall {
+            node: &self.lab.node,
+            conflist: &conflist,
+            cni_path: &cni_path,
+            container_id: &netns_name,
+            netns_path: &netns_path,
+            cni_args: &args,
+        };
+        let deleted = call.run("DEL").map(|_| ()).map_err(|e| e.to_string());
+        self.lab.release(&netns_name);
+        let _ = Command::new("ip")
+            .args(["netns", "del", &netns_name])
+            .stderr(std::process::Stdio::null())
+            .status();
+        self.pods.retain(|p| p != &netns_name);
+        deleted
+    }
+
     /// Pod `pod` goes away with no CNI DEL reaching the agent (as when its
     /// sandbox dies, or is torn down while the agent is away): its sandbox
     /// process is killed and its netns deleted.

@@ -204,6 +204,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         stop_accepting,
         active: active.clone(),
         tracker: Arc::default(),
+        pods_gone: Default::default(),
         dns_upstreams: cfg.dns_proxy.then(|| {
             tracing::info!(
                 upstreams = ?resolvers,

@@ -50,6 +50,8 @@ pub struct Inbound {
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
     pub tracker: Arc<Tracker>,
+    /// Addresses of pods this proxy stopped serving: connections from them are dead.
+    pub pods_gone: super::pods::PodsGone,
 }
 
 async fn accept_loop<F, Fut>(
@@ -167,17 +169,26 @@ impl Inbound {
         let mut goaway_sent = false;
         // Refused streams are counted each; said once per connection.
         let mut refused_said = false;
+        let mut gone = self.pods_gone.subscribe();
+        let mut gone_open = true;
         loop {
-            let next = if goaway_sent {
-                conn.accept().await
-            } else {
-                tokio::select! {
-                    n = conn.accept() => n,
-                    _ = self.pod.life.stop_accepting.signalled() => {
-                        conn.graceful_shutdown();
-                        goaway_sent = true;
-                        continue;
+            let next = tokio::select! {
+                n = conn.accept() => n,
+                _ = self.pod.life.stop_accepting.signalled(), if !goaway_sent => {
+                    conn.graceful_shutdown();
+                    goaway_sent = true;
+                    continue;
+                }
+                ips = gone.recv(), if gone_open => {
+                    match ips {
+                        Ok(ips) if ips.iter().any(|ip| canonical(*ip) == peer.ip()) => {
+                            tracing::debug!(src.addr = %peer, "HBONE connection from a pod no longer served closed");
+                            break;
+                        }
+                        Err(tokio::sync::broadcast::error::RecvError::Closed) => gone_open = false,
+                        _ => {}
                     }
+                    continue;
                 }
             };
             let Some(next) = next else { break };

@@ -39,6 +39,8 @@ struct RunningPod {
     view: PodView,
     _drain: DrainTrigger,
     _metrics: super::metrics::PodMetricsGuard,
+    _pool: super::pool::PoolPodGuard,
+    _gone: super::pods::PodGoneGuard,
 }
 
 /// A served pod as the admin endpoint shows it.
@@ -371,6 +373,8 @@ impl ZdsClient {
                         .unwrap_or(0),
                 };
                 self.shared.start(pod)?;
+                let pooled_by = add.uid.clone();
+                let ips: std::sync::Arc<[std::net::IpAddr]> = view.ips.clone().into();
                 self.pods.insert(
                     add.uid,
                     RunningPod {
@@ -381,6 +385,14 @@ impl ZdsClient {
                             metrics: self.shared.metrics.clone(),
                             namespace: pod_info.namespace.clone(),
                             name: pod_info.name.clone(),
+                        },
+                        _pool: super::pool::PoolPodGuard {
+                            pool: self.shared.pool.clone(),
+                            pod: pooled_by,
+                        },
+                        _gone: super::pods::PodGoneGuard {
+                            gone: self.shared.pods_gone.clone(),
+                            ips,
                         },
                     },
                 );

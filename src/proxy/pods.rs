@@ -41,6 +41,39 @@ pub struct ProxyShared {
     pub hostnames: Arc<HostnameResolver>,
     /// Fetches addresses the state lacks (`XDS_ON_DEMAND` with a control plane).
     pub demand: Option<xds::client::OnDemand>,
+    /// Told the addresses of each pod this proxy stops serving.
+    pub pods_gone: PodsGone,
+}
+
+/// Where the proxy says which pod addresses went away. An inbound HBONE
+/// connection from such an address is dead: the pod's side went with its
+/// netns, usually with no FIN getting out (the veth goes first), so it is
+/// closed now rather than when TCP keepalive notices minutes later.
+#[derive(Debug, Clone)]
+pub struct PodsGone(tokio::sync::broadcast::Sender<Arc<[IpAddr]>>);
+
+impl Default for PodsGone {
+    fn default() -> Self {
+        PodsGone(tokio::sync::broadcast::channel(256).0)
+    }
+}
+
+impl PodsGone {
+    pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<Arc<[IpAddr]>> {
+        self.0.subscribe()
+    }
+}
+
+/// Says a served pod's addresses are gone when dropped (with the pod).
+pub struct PodGoneGuard {
+    pub gone: PodsGone,
+    pub ips: Arc<[IpAddr]>,
+}
+
+impl Drop for PodGoneGuard {
+    fn drop(&mut self) {
+        let _ = self.gone.0.send(self.ips.clone());
+    }
 }
 
 /// A pod's identity as the agent (or `PROXY_WORKLOAD_INFO`) gives it.
@@ -189,6 +222,7 @@ impl ProxyShared {
             metrics: self.metrics.clone(),
             h2: self.h2,
             tracker: self.tracker.clone(),
+            pods_gone: self.pods_gone.clone(),
         });
         tokio::spawn(outbound.serve(out_l));
         tokio::spawn(inbound.clone().serve_hbone(hbone_l));

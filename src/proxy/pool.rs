@@ -217,6 +217,17 @@ impl Pool {
         });
     }
 
+    /// Lets go of every connection dialed from pod `pod`: a removed pod's
+    /// connections serve no one, and each would keep its netns alive and
+    /// the peer's side open until the idle timeout. They close with GOAWAY
+    /// as their streams end.
+    pub fn forget_pod(&self, pod: &str) -> usize {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let before = entries.len();
+        entries.retain(|key, _| key.pod != pod);
+        before - entries.len()
+    }
+
     /// On shutdown: lets go of every connection. Each closes with GOAWAY as
     /// soon as its last stream in flight ends (the pool's handle was the last
     /// one keeping an idle connection open).
@@ -244,6 +255,21 @@ impl Pool {
                 }
             }
         });
+    }
+}
+
+/// Lets go of a pod's pooled connections when the pod is no longer served.
+pub struct PoolPodGuard {
+    pub pool: Arc<Pool>,
+    pub pod: String,
+}
+
+impl Drop for PoolPodGuard {
+    fn drop(&mut self) {
+        let n = self.pool.forget_pod(&self.pod);
+        if n > 0 {
+            tracing::debug!(pod = %self.pod, destinations = n, "removed pod's pooled connections released");
+        }
     }
 }
 
@@ -414,6 +440,35 @@ mod tests {
         assert!(start.elapsed() < Duration::from_millis(100));
         assert_eq!(pool.dials(), 1);
         stalled.abort();
+    }
+
+    #[tokio::test]
+    async fn a_removed_pods_connections_are_let_go_and_close() {
+        let pool = Pool::new(100, Duration::from_secs(300));
+        let (conn, ended) = h2_conn_watched().await;
+        drop(
+            pool.get(key(), || async { Ok::<_, ()>(conn) })
+                .await
+                .unwrap(),
+        );
+        let mut other = key();
+        other.pod = "default/b".into();
+        drop(
+            pool.get(other, || async { Ok::<_, ()>(h2_conn().await) })
+                .await
+                .unwrap(),
+        );
+        drop(PoolPodGuard {
+            pool: pool.clone(),
+            pod: "default/a".into(),
+        });
+        assert_eq!(pool.open(), 1, "only the other pod's connection is kept");
+        let clean = tokio::time::timeout(Duration::from_secs(2), ended).await;
+        assert_eq!(
+            clean.ok().and_then(Result::ok),
+            Some(true),
+            "the removed pod's connection ends with GOAWAY, long before its idle timeout"
+        );
     }
 
     #[tokio::test]

@@ -148,6 +148,19 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
     for p in store.records() {
         let _ = hostprobe::add_pod(&p.uid, &p.ip_addrs());
     }
+    // Entries of pods that went while the agent was away (or as it was killed).
+    let held: Vec<(String, Vec<std::net::IpAddr>)> = store
+        .records()
+        .iter()
+        .map(|p| (p.uid.clone(), p.ip_addrs()))
+        .collect();
+    let stale = hostprobe::keep_only(&held);
+    if stale > 0 {
+        tracing::info!(
+            entries = stale,
+            "probe ipset entries of pods no longer held removed"
+        );
+    }
     let zds = ZdsServer::start(&cfg.zds_path, store.clone())
         .with_context(|| format!("ZDS socket {}", cfg.zds_path.display()))?;
     let metrics = Arc::new(AgentMetrics::default());
