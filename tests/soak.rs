@@ -42,7 +42,14 @@ const MARKER: &[u8] = b"AMBIT-SOAK-CLEAR-7f3a";
 
 #[test]
 fn soak_short() {
-    soak("soak", Duration::from_secs(45), 19);
+    soak("soak", Duration::from_secs(45), 19, false);
+}
+
+/// The same with the node's mesh state and certificates from `ambit
+/// control-plane`, which is killed too.
+#[test]
+fn soak_short_with_a_control_plane() {
+    soak("soakcp", Duration::from_secs(30), 7, true);
 }
 
 #[test]
@@ -52,7 +59,8 @@ fn soak_long() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(600);
-    soak("soaklong", Duration::from_secs(secs), 20_261_130);
+    soak("soaklong", Duration::from_secs(secs), 20_261_130, false);
+    soak("soaklongcp", Duration::from_secs(secs), 20_261_131, true);
 }
 
 /// One attempt of the short-connection loop.
@@ -81,6 +89,7 @@ struct Counts {
     agent_kills: usize,
     cni_kills: usize,
     cni_kill_tries: usize,
+    cp_kills: usize,
     config_edits: usize,
     state_checks: usize,
     slowest_serve: Duration,
@@ -197,8 +206,83 @@ fn kill_and_restart(node: &Node, label: &str, ready: (&str, &str)) -> Window {
     }
 }
 
-fn soak(tag: &str, length: Duration, seed: u64) {
-    let mut node = Node::start_with(BIN, tag, "namespaces:default", false);
+/// Where the control plane listens, in the node's netns.
+const CP: &str = "127.0.0.1:15012";
+
+/// `ambit control-plane` for `node`: its mesh file, its CA, a serving root
+/// of its own and an any-node token.
+fn control_plane(node: &Node) -> Command {
+    let dir = &node.dir;
+    let mut cmd = node.lab.node.command(BIN);
+    cmd.arg("control-plane")
+        .env("LOCAL_XDS_PATH", dir.join("mesh.yaml"))
+        .env("AMBIT_CA_CERT", dir.join("ca-cert.pem"))
+        .env("AMBIT_CA_KEY", dir.join("ca-key.pem"))
+        .env("AMBIT_CP_SERVING_CA_CERT", dir.join("serving-ca-cert.pem"))
+        .env("AMBIT_CP_SERVING_CA_KEY", dir.join("serving-ca-key.pem"))
+        .env("AMBIT_CP_LISTEN", CP)
+        .env("AMBIT_CP_TLS_SANS", "127.0.0.1")
+        .env("AMBIT_CP_TOKEN_FILE", dir.join("token"));
+    cmd
+}
+
+fn cp_listening(node: &Node) -> bool {
+    let addr: SocketAddr = CP.parse().unwrap();
+    node.lab
+        .node
+        .run(move || {
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+        })
+        .unwrap_or(false)
+}
+
+/// A node whose proxy takes its state and certificates from a control plane
+/// on the node (churned pods are `default/default`, a workload it knows).
+fn node_with_control_plane(tag: &str) -> Node {
+    let subnet = "10.150.0";
+    let mesh = format!(
+        "workloads:\n\
+         - {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n\
+         - {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n\
+         - {{name: churn, namespace: default, serviceAccount: default, workloadIps: [\"10.200.0.8\"], protocol: HBONE}}\n"
+    );
+    let mut node = Node::prepare(BIN, tag, "namespaces:default", subnet, &mesh, None);
+    std::fs::write(node.dir.join("token"), "soak-token").unwrap();
+    node.extra_env = vec![
+        ("XDS_ADDRESS".into(), format!("https://{CP}")),
+        ("CA_ADDRESS".into(), format!("https://{CP}")),
+        (
+            "XDS_ROOT_CA".into(),
+            node.dir.join("serving-ca-cert.pem").display().to_string(),
+        ),
+        (
+            "AMBIT_MESH_ROOT_CA".into(),
+            node.dir.join("ca-cert.pem").display().to_string(),
+        ),
+        (
+            "AUTH_TOKEN".into(),
+            node.dir.join("token").display().to_string(),
+        ),
+        ("AMBIT_CA_KEY".into(), "/nonexistent".into()),
+    ];
+    node.lab.spawn("cp", control_plane(&node)).unwrap();
+    wait_until(
+        "the control plane listening",
+        Duration::from_secs(20),
+        || cp_listening(&node),
+    );
+    node.launch(false);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    node.wait_ready("127.0.0.1:15021", "/healthz/ready");
+    node
+}
+
+fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
+    let mut node = if with_cp {
+        node_with_control_plane(tag)
+    } else {
+        Node::start_with(BIN, tag, "namespaces:default", false)
+    };
     let netns_before = netns_count();
     let veths_before = veth_count(&node);
     let client = node.add_pod("client", "default").unwrap();
@@ -333,6 +417,16 @@ fn soak(tag: &str, length: Duration, seed: u64) {
                     ("127.0.0.1:15021", "/healthz/ready"),
                 ));
                 counts.proxy_kills += 1;
+            }
+            65..=74 if with_cp && roll % 2 == 0 => {
+                let pid = node.lab.pid("cp").expect("control plane running");
+                kill9(pid);
+                node.lab.stop("cp");
+                node.lab.spawn("cp", control_plane(&node)).unwrap();
+                wait_until("the control plane back", Duration::from_secs(20), || {
+                    cp_listening(&node)
+                });
+                counts.cp_kills += 1;
             }
             65..=74 => {
                 agent_windows.push(kill_and_restart(
@@ -497,7 +591,12 @@ fn soak(tag: &str, length: Duration, seed: u64) {
     }
 
     let failed_total = failed_in.len() + failed_out.len();
-    println!("\nsoak {tag}: {churn_secs:.0} s of churn, seed {seed}");
+    let source = if with_cp {
+        "from ambit control-plane"
+    } else {
+        "from the local config"
+    };
+    println!("\nsoak {tag}: {churn_secs:.0} s of churn, seed {seed}, mesh state {source}");
     println!("| measure | value |\n|---|---|");
     println!(
         "| pods added (ADD ok) / failed ADDs | {} / {} |",
@@ -508,7 +607,8 @@ fn soak(tag: &str, length: Duration, seed: u64) {
         "| SIGKILLs: proxy / agent / ambit-cni mid-ADD (of tries) | {} / {} / {} ({}) |",
         counts.proxy_kills, counts.agent_kills, counts.cni_kills, counts.cni_kill_tries
     );
-    println!("| local config edits | {} |", counts.config_edits);
+    println!("| control plane SIGKILLs | {} |", counts.cp_kills);
+    println!("| mesh config edits | {} |", counts.config_edits);
     println!(
         "| short connections / failed in a proxy kill window / failed outside | {} / {} / {} |",
         attempts.len(),

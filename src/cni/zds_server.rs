@@ -82,7 +82,14 @@ pub trait PodSource: Send + Sync + 'static {
 pub struct ZdsServer {
     conns: Mutex<Vec<Conn>>,
     next_id: std::sync::atomic::AtomicU64,
+    /// Woken each time a proxy has taken its snapshot and can take pods.
+    proxy_came: tokio::sync::Notify,
 }
+
+/// How long an ADD waits for a proxy when none is connected (one that is
+/// restarting, or reconnecting after the agent restarted) before it is
+/// refused: within the plugin's 5 s, and longer than a reconnect takes.
+const PROXY_WAIT: Duration = Duration::from_secs(3);
 
 impl ZdsServer {
     /// Binds `path` and serves proxy connections in the background.
@@ -91,6 +98,7 @@ impl ZdsServer {
         let server = Arc::new(ZdsServer {
             conns: Mutex::new(Vec::new()),
             next_id: Default::default(),
+            proxy_came: Default::default(),
         });
         let s = server.clone();
         tokio::spawn(async move {
@@ -125,16 +133,29 @@ impl ZdsServer {
             .count()
     }
 
-    /// Hands a pod to the newest proxy and waits for its Ack.
+    /// The newest connected proxy's queue.
+    async fn newest(&self) -> Option<mpsc::Sender<Job>> {
+        let conns = self.conns.lock().await;
+        conns
+            .iter()
+            .rev()
+            .find(|c| !c.jobs.is_closed())
+            .map(|c| c.jobs.clone())
+    }
+
+    /// Hands a pod to the newest proxy and waits for its Ack. With no proxy
+    /// connected it waits [`PROXY_WAIT`] for one before refusing.
     pub async fn add(&self, pod: &ZdsPod) -> Result<(), ZdsError> {
-        let jobs = {
-            let conns = self.conns.lock().await;
-            conns
-                .iter()
-                .rev()
-                .find(|c| !c.jobs.is_closed())
-                .map(|c| c.jobs.clone())
-                .ok_or(ZdsError::NoProxy)?
+        let deadline = tokio::time::Instant::now() + PROXY_WAIT;
+        let jobs = loop {
+            // Registered before the look, so a proxy coming in between is not missed.
+            let came = self.proxy_came.notified();
+            if let Some(jobs) = self.newest().await {
+                break jobs;
+            }
+            if tokio::time::timeout_at(deadline, came).await.is_err() {
+                return Err(ZdsError::NoProxy);
+            }
         };
         let (tx, rx) = oneshot::channel();
         jobs.send((pod.add_request(), Some(pod.netns.clone()), tx))
@@ -221,6 +242,7 @@ impl ZdsServer {
             conns.retain(|c| !c.jobs.is_closed());
             conns.push(Conn { id, jobs: tx });
         }
+        self.proxy_came.notify_waiters();
         if !rejected.is_empty() {
             tokio::spawn(self.clone().offer_again(rejected, source.clone()));
         }
@@ -389,6 +411,63 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    struct NoPods;
+
+    impl PodSource for NoPods {
+        fn pods(&self) -> Vec<ZdsPod> {
+            Vec::new()
+        }
+    }
+
+    /// Found by the soak: right after an agent restart the proxy is still
+    /// reconnecting, and an ADD then was refused at once (fail closed, but
+    /// needlessly). It now waits for the proxy, up to PROXY_WAIT.
+    #[tokio::test]
+    async fn an_add_with_no_proxy_yet_waits_for_one_and_then_is_refused() {
+        let dir = std::env::temp_dir().join(format!("ambit-zds-wait-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("zds.sock");
+        let server = ZdsServer::start(&path, Arc::new(NoPods)).unwrap();
+        let pod = ZdsPod {
+            uid: "uid-late".into(),
+            name: "late".into(),
+            namespace: "default".into(),
+            service_account: "default".into(),
+            netns: Netns::current().unwrap(),
+        };
+        let s = server.clone();
+        let p = pod.clone();
+        let add = tokio::spawn(async move { s.add(&p).await });
+        // The proxy comes half a second later, takes its (empty) snapshot, then the pod.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let proxy = SeqPacket::connect(&path).unwrap();
+        let hello = ZdsHello {
+            version: crate::proto::zds::Version::V1 as i32,
+        };
+        proxy.send(&hello.encode_to_vec(), None).await.unwrap();
+        loop {
+            let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
+                .await
+                .expect("the agent talks to the proxy")
+                .unwrap();
+            let payload = WorkloadRequest::decode(bytes.as_slice()).unwrap().payload;
+            ack(&proxy, "").await;
+            if matches!(&payload, Some(Payload::Add(a)) if a.uid == "uid-late") {
+                break;
+            }
+        }
+        add.await.unwrap().expect("the ADD waited for the proxy");
+        drop(proxy);
+        // With no proxy at all, it is refused once the wait is over.
+        while server.connected().await != 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let t = std::time::Instant::now();
+        assert!(matches!(server.add(&pod).await, Err(ZdsError::NoProxy)));
+        assert!(t.elapsed() >= PROXY_WAIT - Duration::from_millis(50));
         std::fs::remove_dir_all(&dir).ok();
     }
 }
