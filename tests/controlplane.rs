@@ -30,6 +30,12 @@ fn serving_root(m: &Mesh) -> (PathBuf, PathBuf) {
 }
 
 fn start_cp(m: &Mesh, label: &str) {
+    let token = m.lab.dir.join("token");
+    start_cp_with(m, label, ("AMBIT_CP_TOKEN_FILE", token.as_path()));
+}
+
+/// [`start_cp`] with the callers' tokens given by `token` (a key and a path).
+fn start_cp_with(m: &Mesh, label: &str, token: (&str, &std::path::Path)) {
     let serving = serving_root(m);
     let mut cmd = m.lab.node.command(env!("CARGO_BIN_EXE_ambit"));
     cmd.arg("control-plane")
@@ -40,7 +46,7 @@ fn start_cp(m: &Mesh, label: &str) {
         .env("AMBIT_CP_SERVING_CA_KEY", &serving.1)
         .env("AMBIT_CP_LISTEN", CP)
         .env("AMBIT_CP_TLS_SANS", "10.77.0.1")
-        .env("AMBIT_CP_TOKEN_FILE", m.lab.dir.join("token"));
+        .env(token.0, token.1);
     m.lab.spawn(label, cmd).unwrap();
 }
 
@@ -630,18 +636,7 @@ fn a_node_token_asking_for_another_nodes_pod_is_refused() {
         ),
     )
     .unwrap();
-    let serving = serving_root(&m);
-    let mut cmd = m.lab.node.command(env!("CARGO_BIN_EXE_ambit"));
-    cmd.arg("control-plane")
-        .env("LOCAL_XDS_PATH", m.lab.dir.join("cp.yaml"))
-        .env("AMBIT_CA_CERT", &m.ca.0)
-        .env("AMBIT_CA_KEY", &m.ca.1)
-        .env("AMBIT_CP_SERVING_CA_CERT", &serving.0)
-        .env("AMBIT_CP_SERVING_CA_KEY", &serving.1)
-        .env("AMBIT_CP_LISTEN", CP)
-        .env("AMBIT_CP_TLS_SANS", "10.77.0.1")
-        .env("AMBIT_CP_NODE_TOKENS_DIR", &tokens);
-    m.lab.spawn("cp", cmd).unwrap();
+    start_cp_with(&m, "cp", ("AMBIT_CP_NODE_TOKENS_DIR", tokens.as_path()));
     wait_for(
         "the control plane listening",
         Duration::from_secs(20),

@@ -232,21 +232,7 @@ impl Node {
             .status()
             .unwrap()
             .success());
-        let conflist = self.conflist();
-        let cni_path = format!("/usr/lib/cni:{}", self.bin_dir.display());
-        let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
-        let args = format!(
-            "IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID={uid}"
-        );
-        let call = CniCall {
-            node: &self.lab.node,
-            conflist: &conflist,
-            cni_path: &cni_path,
-            container_id: &netns_name,
-            netns_path: &netns_path,
-            cni_args: &args,
-        };
-        let result = match call.run("ADD") {
+        let result = match self.cni("ADD", name, namespace) {
             Ok(result) => result,
             Err(e) => {
                 self.lab.release(&netns_name);
@@ -274,42 +260,53 @@ impl Node {
     /// for a pod whose ADD failed too. Returns the DEL's error, if any; the
     /// pod is torn down either way.
     pub fn delete_pod(&mut self, name: &str, namespace: &str) -> Result<(), String> {
+        let deleted = self
+            .cni("DEL", name, namespace)
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        self.tear_down(&format!("{}-{name}", self.lab.id));
+        deleted
+    }
+
+    /// Runs the CNI chain's `command` for the pod named `name`, as a runtime does.
+    fn cni(
+        &self,
+        command: &str,
+        name: &str,
+        namespace: &str,
+    ) -> std::io::Result<serde_json::Value> {
         let netns_name = format!("{}-{name}", self.lab.id);
         let conflist = self.conflist();
-        let cni_path = format!("/usr/lib/cni:{}", self.bin_dir.display());
-        let netns_path = PathBuf::from(format!("/var/run/netns/{netns_name}"));
         let args = format!(
             "IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID={}",
             pod_uid(name)
         );
-        let call = CniCall {
+        CniCall {
             node: &self.lab.node,
             conflist: &conflist,
-            cni_path: &cni_path,
+            cni_path: &format!("/usr/lib/cni:{}", self.bin_dir.display()),
             container_id: &netns_name,
-            netns_path: &netns_path,
+            netns_path: &PathBuf::from(format!("/var/run/netns/{netns_name}")),
             cni_args: &args,
-        };
-        let deleted = call.run("DEL").map(|_| ()).map_err(|e| e.to_string());
-        self.lab.release(&netns_name);
+        }
+        .run(command)
+    }
+
+    /// Kills a pod's sandbox and deletes its netns.
+    fn tear_down(&mut self, netns_name: &str) {
+        self.lab.release(netns_name);
         let _ = Command::new("ip")
-            .args(["netns", "del", &netns_name])
+            .args(["netns", "del", netns_name])
             .stderr(std::process::Stdio::null())
             .status();
-        self.pods.retain(|p| p != &netns_name);
-        deleted
+        self.pods.retain(|p| p != netns_name);
     }
 
     /// Pod `pod` goes away with no CNI DEL reaching the agent (as when its
     /// sandbox dies, or is torn down while the agent is away): its sandbox
     /// process is killed and its netns deleted.
     pub fn remove_pod(&mut self, pod: &LabPod) {
-        self.lab.release(&pod.netns_name);
-        let _ = Command::new("ip")
-            .args(["netns", "del", &pod.netns_name])
-            .stderr(std::process::Stdio::null())
-            .status();
-        self.pods.retain(|p| p != &pod.netns_name);
+        self.tear_down(&pod.netns_name);
     }
 
     pub fn metrics(&self) -> String {
