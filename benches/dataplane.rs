@@ -1,16 +1,34 @@
-//! Data-path benchmark (not a timed test): in one lab node, iperf3
-//! single-stream throughput, 1-byte ping-pong latency and the rate of
-//! short connections (connect, 1-byte echo, close), direct (no proxy,
-//! no rules) vs through HBONE (a dedicated ambit proxy in each pod) vs
-//! passthrough (meshed client, destination outside the mesh). Every number
-//! is printed as a ratio to direct, measured side by side on this machine,
-//! and so is the CPU the whole machine spent per byte on each path.
+//! Data-path benchmark (not a timed test). One lab node per congestion
+//! control; in it, every path runs side by side and interleaved:
+//! - direct: no proxy, no rules;
+//! - for Ambit, and for a second proxy binary when `AMBIT_BENCH_PEER` names
+//!   one (ztunnel): HBONE (a dedicated proxy in each pod, mTLS + HTTP/2
+//!   CONNECT) and passthrough (meshed client, destination outside the mesh).
 //!
-//! Run: `cargo bench --bench dataplane` (as root). `AMBIT_BENCH_SECS` sets
-//! the iperf3 duration (default 5).
+//! Every leg of every path runs the same TCP congestion control: the bench
+//! sets it in every netns of the lab and on Ambit's sockets, and prints it.
+//! It runs the node's default and then CUBIC everywhere.
+//!
+//! Measures: iperf3 throughput (1, 8 and 64 streams), CPU per byte of the
+//! processes involved (iperf3 client and server, the path's proxies, and the
+//! machine's irq + softirq time of the run), 1-byte ping-pong latency and
+//! connect + echo + close rate (blocking std sockets on plain threads, no
+//! async runtime in the measuring loop), memory per idle HBONE connection,
+//! and each proxy's RSS. Each value is printed with its ratio to direct,
+//! and the peer's with Ambit ÷ peer. Ratios hold within one run only.
+//!
+//! Run: `cargo bench --bench dataplane` (as root). Settings (env):
+//! `AMBIT_BENCH_SECS` iperf3 seconds (5), `AMBIT_BENCH_ROUNDS` interleaved
+//! rounds (3), `AMBIT_BENCH_CC` congestion controls (`default,cubic`),
+//! `AMBIT_BENCH_IDLE` idle connections (1000), `AMBIT_BENCH_PEER` a second
+//! proxy binary and `AMBIT_BENCH_PEER_ENV` its extra `K=V` settings
+//! (space-separated), `AMBIT_BENCH_WORKERS` extra Ambit worker-thread
+//! counts to run as more paths (e.g. `1`), `AMBIT_BENCH_ONLY` some of
+//! `memory,throughput,streams,latency,connections` (all).
 
 use std::io::{Read, Write};
-use std::net::SocketAddr;
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ambit::lab::{
@@ -18,12 +36,36 @@ use ambit::lab::{
     EchoServer, Ends, Lab, LabPod, ProxySpec,
 };
 
-/// Busy CPU seconds of the whole machine so far (`/proc/stat`, all CPUs):
-/// user, nice, system, irq and softirq. Idle, iowait and steal are not ours;
-/// guest time is already inside user and nice.
-fn busy_cpu_seconds() -> f64 {
+fn env_or<T: std::str::FromStr>(key: &str, default: T) -> T {
+    std::env::var(key)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+fn hz() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
+}
+
+/// User + system CPU seconds of one process, all its threads.
+fn process_cpu(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces): state is 3,
+    // utime 14 and stime 15, counted from 1 over the whole line.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<u64> = rest
+        .split_whitespace()
+        .map(|t| t.parse().unwrap_or(0))
+        .collect();
+    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / hz()
+}
+
+/// The machine's irq + softirq seconds so far: the kernel's packet work,
+/// which is not charged to any process.
+fn irq_cpu() -> f64 {
     let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let ticks: Vec<u64> = stat
+    let t: Vec<u64> = stat
         .lines()
         .next()
         .unwrap_or_default()
@@ -31,43 +73,70 @@ fn busy_cpu_seconds() -> f64 {
         .skip(1)
         .filter_map(|t| t.parse().ok())
         .collect();
-    let busy: u64 = [0, 1, 2, 5, 6]
-        .iter()
-        .map(|&i| ticks.get(i).copied().unwrap_or(0))
-        .sum();
-    // SAFETY: sysconf has no preconditions.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
-    busy as f64 / hz as f64
+    (t.get(5).copied().unwrap_or(0) + t.get(6).copied().unwrap_or(0)) as f64 / hz()
 }
 
-/// One iperf3 run: Gbit/s received, and the machine's busy CPU seconds per
-/// Gbit received (over the whole run, set-up included, which is small).
-fn iperf(client: &LabPod, server: &LabPod, secs: u64) -> (f64, f64) {
-    let before = busy_cpu_seconds();
-    let run = iperf3(client, server.ip, secs, &[]).expect("iperf3");
-    let busy = (busy_cpu_seconds() - before).max(0.0);
-    (run.gbps, busy / run.gbit.max(1e-9))
+/// CPU seconds of this process's children that have been waited for (the
+/// iperf3 clients).
+fn children_cpu() -> f64 {
+    // SAFETY: rusage is plain data, valid all zero; getrusage writes into
+    // the struct we own.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru);
+        ru
+    };
+    let s = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    s(ru.ru_utime) + s(ru.ru_stime)
 }
 
-/// The three paths, in the order every table lists them.
-const PATHS: [&str; 3] = [
-    "direct (no proxy)",
-    "HBONE (mTLS + HTTP/2 CONNECT)",
-    "passthrough (splice)",
-];
+/// A proxy to measure: Ambit at its defaults, Ambit with other settings, or
+/// another binary that reads ztunnel's settings.
+#[derive(Clone)]
+struct Kind {
+    name: String,
+    binary: PathBuf,
+    env: Vec<(String, String)>,
+    ambit: bool,
+}
 
-/// Prints a table of the three paths' values, each also as a ratio to direct.
-fn table(title: &str, unit: &str, values: [f64; 3], decimals: usize) {
-    println!("\n{title:<34} {unit:>10} {:>10}", "vs direct");
-    for (name, v) in PATHS.iter().zip(values) {
-        println!("{name:<34} {v:>10.decimals$} {:>9.2}x", v / values[0]);
+/// One path: who sends, who receives, and the processes that carry it.
+struct Path {
+    name: String,
+    kind: Option<usize>,
+    client: LabPod,
+    server: LabPod,
+    proxies: Vec<String>,
+    echo: SocketAddr,
+    short: SocketAddr,
+}
+
+impl Path {
+    fn pids(&self, lab: &Lab) -> Vec<u32> {
+        let mut labels = self.proxies.clone();
+        labels.push(format!("iperf3-{}", self.server.name));
+        labels.iter().filter_map(|l| lab.pid(l)).collect()
     }
 }
 
-/// Connections per second, one after another from `client`: connect, send a
-/// byte, read it back, read the server's close, close.
-fn connect_rate(client: &LabPod, target: SocketAddr, secs: f64) -> f64 {
-    client
+/// One iperf3 run: Gbit/s, and CPU seconds per Gbit of the processes
+/// involved plus the kernel's packet work.
+fn iperf(lab: &Lab, path: &Path, secs: u64, streams: u32) -> (f64, f64) {
+    let pids = path.pids(lab);
+    let cpu = || pids.iter().map(|&p| process_cpu(p)).sum::<f64>() + irq_cpu() + children_cpu();
+    let before = cpu();
+    let p = streams.to_string();
+    let extra: Vec<&str> = if streams > 1 { vec!["-P", &p] } else { vec![] };
+    let run = iperf3(&path.client, path.server.ip, secs, &extra)
+        .unwrap_or_else(|e| panic!("iperf3 on {}: {e}", path.name));
+    (run.gbps, (cpu() - before).max(0.0) / run.gbit.max(1e-9))
+}
+
+/// Connections per second, one after another from the path's client, and
+/// how many were made in all (warm-up included).
+fn connect_rate(path: &Path, secs: f64) -> (f64, f64) {
+    let target = path.short;
+    path.client
         .ns
         .run(move || {
             let once = || short_connection(target, Ends::Echo).unwrap();
@@ -79,174 +148,566 @@ fn connect_rate(client: &LabPod, target: SocketAddr, secs: f64) -> f64 {
                 once();
                 n += 1;
             }
-            n as f64 / start.elapsed().as_secs_f64()
+            (n as f64 / start.elapsed().as_secs_f64(), (n + 50) as f64)
         })
         .unwrap()
 }
 
-fn ping_pong(client: &LabPod, target: SocketAddr, rounds: usize) -> Duration {
-    let mut s = connect_from(client, target).unwrap();
+/// p50 and p99 of `rounds` 1-byte round trips on one connection.
+fn ping_pong(path: &Path, rounds: usize) -> (f64, f64) {
+    let mut s = connect_from(&path.client, path.echo).unwrap();
     s.set_nodelay(true).unwrap();
     let mut b = [0u8; 1];
-    for _ in 0..200 {
+    let mut once = |s: &mut TcpStream| {
+        let t = Instant::now();
         s.write_all(b"x").unwrap();
         s.read_exact(&mut b).unwrap();
+        t.elapsed()
+    };
+    for _ in 0..500 {
+        once(&mut s);
     }
-    let mut samples: Vec<Duration> = (0..rounds)
-        .map(|_| {
-            let t = Instant::now();
-            s.write_all(b"x").unwrap();
-            s.read_exact(&mut b).unwrap();
-            t.elapsed()
-        })
-        .collect();
+    let mut samples: Vec<Duration> = (0..rounds).map(|_| once(&mut s)).collect();
     samples.sort();
-    samples[samples.len() / 2]
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    (us(samples[rounds / 2]), us(samples[rounds * 99 / 100]))
 }
+
+/// RSS in kB of the path's proxies together.
+fn proxies_rss(lab: &Lab, path: &Path) -> (u64, u64) {
+    path.proxies
+        .iter()
+        .filter_map(|l| lab.pid(l))
+        .fold((0, 0), |(r, a), p| (r + rss_kb(p), a + anon_kb(p)))
+}
+
+/// Opens `n` connections through the path, each with one round trip, and
+/// returns the proxies' RSS growth per connection in kB while they are held.
+fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
+    let (before, _) = proxies_rss(lab, path);
+    let target = path.echo;
+    let held = path
+        .client
+        .ns
+        .run(move || {
+            (0..n)
+                .map(|i| {
+                    let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+                    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+                    s.write_all(b"x")?;
+                    s.read_exact(&mut [0u8; 1])
+                        .map_err(|e| std::io::Error::other(format!("connection {i}: {e}")))?;
+                    Ok(s)
+                })
+                .collect::<std::io::Result<Vec<TcpStream>>>()
+        })
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{n} idle connections on {}: {e}", path.name));
+    std::thread::sleep(Duration::from_millis(500));
+    let (after, _) = proxies_rss(lab, path);
+    drop(held);
+    after.saturating_sub(before) as f64 / n as f64
+}
+
+/// Runs `f` while `perf stat` counts the system calls and context switches
+/// of `pids` (all their threads); returns `f`'s value and the two counts,
+/// or none when there is no proxy or no perf.
+fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
+    if pids.is_empty() {
+        return (f(), None);
+    }
+    let list: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
+    let perf = std::process::Command::new("perf")
+        .args([
+            "stat",
+            "-x",
+            ",",
+            "-e",
+            "raw_syscalls:sys_enter,context-switches",
+            "-p",
+        ])
+        .arg(list.join(","))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Ok(perf) = perf else {
+        return (f(), None);
+    };
+    std::thread::sleep(Duration::from_millis(300)); // perf attaches
+    let value = f();
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    unsafe { libc::kill(perf.id() as libc::pid_t, libc::SIGINT) };
+    let out = perf.wait_with_output().ok();
+    let text = out
+        .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+        .unwrap_or_default();
+    let count = |event: &str| {
+        text.lines()
+            .find(|l| l.contains(event))
+            .and_then(|l| l.split(',').next()?.parse::<f64>().ok())
+    };
+    let counts = count("raw_syscalls:sys_enter").zip(count("context-switches"));
+    (value, counts)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Values of one measure, a row per path.
+struct Measure {
+    title: String,
+    unit: &'static str,
+    decimals: usize,
+    /// For the summary: whether a larger value is better.
+    higher_is_better: bool,
+    values: Vec<f64>,
+}
+
+fn print_measure(m: &Measure, paths: &[Path], kinds: &[Kind]) {
+    println!(
+        "\n{:<42} {:>10} {:>10} {:>12}",
+        m.title, m.unit, "vs direct", "Ambit ÷ it"
+    );
+    for (i, (p, v)) in paths.iter().zip(&m.values).enumerate() {
+        let d = m.decimals;
+        let vs_ambit = match p.kind {
+            Some(k) if !kinds[k].ambit => {
+                // The Ambit path of the same shape (HBONE or passthrough).
+                let shape = if p.name.ends_with("HBONE") {
+                    "HBONE"
+                } else {
+                    "passthrough"
+                };
+                paths
+                    .iter()
+                    .zip(&m.values)
+                    .find(|(q, _)| q.kind == Some(0) && q.name.ends_with(shape))
+                    .map(|(_, a)| format!("{:>11.2}x", a / v))
+                    .unwrap_or_default()
+            }
+            _ => String::new(),
+        };
+        let vs_direct = if i == 0 || m.values[0] == 0.0 {
+            String::new()
+        } else {
+            format!("{:>9.2}x", v / m.values[0])
+        };
+        println!("{:<42} {v:>10.d$} {vs_direct:>10} {vs_ambit:>12}", p.name);
+    }
+}
+
+/// Sets `cc` as the default congestion control of every netns of the lab.
+fn set_cc(lab: &Lab, cc: &str) {
+    let mut all = vec![lab.node.clone()];
+    all.extend(lab.pods().iter().map(|p| p.ns.clone()));
+    for ns in all {
+        let out = ns
+            .command("sysctl")
+            .args(["-qw", &format!("net.ipv4.tcp_congestion_control={cc}")])
+            .output()
+            .expect("sysctl");
+        assert!(
+            out.status.success(),
+            "setting {cc}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+/// Builds the lab for one congestion control and measures every path.
+/// Returns the measures and the paths, for the summary.
+fn phase(
+    cc: &str,
+    kinds: &[Kind],
+    secs: u64,
+    rounds: usize,
+    idle: usize,
+) -> (Vec<Measure>, Vec<Path>) {
+    let mut lab = Lab::new("bench", env!("CARGO_BIN_EXE_ambit")).expect("lab (run as root)");
+    let plain = lab.add_pod("plainclient").unwrap();
+    let outsider = lab.add_pod("outsider").unwrap();
+    let mut pairs = Vec::new();
+    for k in 0..kinds.len() {
+        pairs.push((
+            lab.add_pod(&format!("c{k}")).unwrap(),
+            lab.add_pod(&format!("s{k}")).unwrap(),
+        ));
+    }
+    set_cc(&lab, cc);
+    let (ca_cert, ca_key) = write_ca(&lab.dir, "ca", "cluster.local").unwrap();
+    let cfg = lab.dir.join("mesh.yaml");
+    let mut yaml = String::from("workloads:\n");
+    for (c, s) in &pairs {
+        for p in [c, s] {
+            yaml += &format!(
+                "- {{uid: {0}, name: {0}, namespace: default, serviceAccount: {0}, workloadIps: [\"{1}\"], protocol: HBONE, services: {{}}}}\n",
+                p.name, p.ip
+            );
+        }
+    }
+    std::fs::write(&cfg, yaml).unwrap();
+    for (kind, (c, s)) in kinds.iter().zip(&pairs) {
+        for pod in [c, s] {
+            lab.redirect(pod).unwrap();
+            let log = std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into());
+            let mut extra_env = vec![("RUST_LOG".to_string(), log)];
+            if kind.ambit {
+                extra_env.push(("AMBIT_CONGESTION_CONTROL".into(), cc.into()));
+            }
+            extra_env.extend(kind.env.iter().cloned());
+            let spec = ProxySpec {
+                config: cfg.clone(),
+                ca_cert: ca_cert.clone(),
+                ca_key: ca_key.clone(),
+                workload_info: format!("default/{0}/{0}", pod.name),
+                trust_domain: "cluster.local".into(),
+                extra_env,
+            };
+            lab.start_proxy_from(&kind.binary, pod, &spec)
+                .unwrap_or_else(|e| panic!("{}: {e}", kind.name));
+        }
+    }
+    let echo_out = EchoServer::start(&outsider, 7000).unwrap();
+    let short_out = close_first_echo(&outsider, 7001).unwrap();
+    lab.start_iperf3_server(&outsider).unwrap();
+    let mut paths = vec![Path {
+        name: "direct (no proxy)".into(),
+        kind: None,
+        client: plain.clone(),
+        server: outsider.clone(),
+        proxies: vec![],
+        echo: echo_out.addr,
+        short: short_out,
+    }];
+    let mut echoes = vec![echo_out];
+    for (k, (kind, (c, s))) in kinds.iter().zip(&pairs).enumerate() {
+        lab.start_iperf3_server(s).unwrap();
+        let echo = EchoServer::start(s, 7000).unwrap();
+        paths.push(Path {
+            name: format!("{} HBONE", kind.name),
+            kind: Some(k),
+            client: c.clone(),
+            server: s.clone(),
+            proxies: vec![format!("proxy-{}", c.name), format!("proxy-{}", s.name)],
+            echo: echo.addr,
+            short: close_first_echo(s, 7001).unwrap(),
+        });
+        echoes.push(echo);
+        paths.push(Path {
+            name: format!("{} passthrough", kind.name),
+            kind: Some(k),
+            client: c.clone(),
+            server: outsider.clone(),
+            proxies: vec![format!("proxy-{}", c.name)],
+            echo: echoes[0].addr,
+            short: short_out,
+        });
+    }
+
+    println!("\n=== TCP congestion control {cc} on every leg: every netns of the lab and Ambit's sockets ===");
+    let n = paths.len();
+    let only = std::env::var("AMBIT_BENCH_ONLY").unwrap_or_default();
+    let wanted = |what: &str| only.is_empty() || only.split(',').any(|w| w == what);
+    let mut measures = Vec::new();
+    let proxy_pids =
+        |p: &Path| -> Vec<u32> { p.proxies.iter().filter_map(|l| lab.pid(l)).collect() };
+    // Memory first, on proxies that have carried no load yet: what one more
+    // idle connection costs, not what an allocator kept from a bulk flow.
+    if wanted("memory") {
+        let per_conn: Vec<f64> = paths
+            .iter()
+            .map(|p| match p.kind {
+                Some(_) if p.name.ends_with("HBONE") => idle_connections(&lab, p, idle),
+                _ => 0.0,
+            })
+            .collect();
+        measures.push(Measure {
+            title: format!("RSS per idle connection ({idle} held)"),
+            unit: "kB",
+            decimals: 2,
+            higher_is_better: false,
+            values: per_conn,
+        });
+    }
+    if wanted("throughput") {
+        let (mut gbps, mut cost) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+        for _ in 0..rounds {
+            for (i, p) in paths.iter().enumerate() {
+                let (g, c) = iperf(&lab, p, secs, 1);
+                gbps[i].push(g);
+                cost[i].push(c);
+            }
+        }
+        for (i, p) in paths.iter().enumerate() {
+            let r: Vec<String> = gbps[i].iter().map(|g| format!("{g:.2}")).collect();
+            println!("{:<42} rounds: {} Gbit/s", p.name, r.join(" "));
+        }
+        measures.push(Measure {
+            title: "throughput (iperf3, 1 stream, median)".into(),
+            unit: "Gbit/s",
+            decimals: 2,
+            higher_is_better: true,
+            values: gbps.into_iter().map(median).collect(),
+        });
+        measures.push(Measure {
+            title: "CPU per byte (processes + irq/softirq)".into(),
+            unit: "cpu-s/Gbit",
+            decimals: 3,
+            higher_is_better: false,
+            values: cost.into_iter().map(median).collect(),
+        });
+    }
+    if wanted("streams") {
+        for streams in [8, 64] {
+            let runs: Vec<(f64, f64)> = paths
+                .iter()
+                .map(|p| iperf(&lab, p, secs, streams))
+                .collect();
+            measures.push(Measure {
+                title: format!("throughput (iperf3, {streams} streams)"),
+                unit: "Gbit/s",
+                decimals: 2,
+                higher_is_better: true,
+                values: runs.iter().map(|r| r.0).collect(),
+            });
+            measures.push(Measure {
+                title: format!("CPU per byte ({streams} streams)"),
+                unit: "cpu-s/Gbit",
+                decimals: 3,
+                higher_is_better: false,
+                values: runs.iter().map(|r| r.1).collect(),
+            });
+        }
+    }
+    if wanted("latency") {
+        const ROUNDS: usize = 20_000;
+        type Counted = ((f64, f64), Option<(f64, f64)>);
+        let pings: Vec<Counted> = paths
+            .iter()
+            .map(|p| counted(&proxy_pids(p), || ping_pong(p, ROUNDS)))
+            .collect();
+        let per = |f: fn((f64, f64)) -> f64| -> Vec<f64> {
+            pings
+                .iter()
+                .map(|(_, c)| c.map(|c| f(c) / (ROUNDS + 500) as f64).unwrap_or(0.0))
+                .collect()
+        };
+        measures.push(Measure {
+            title: "latency (1-byte ping-pong, p50)".into(),
+            unit: "µs",
+            decimals: 1,
+            higher_is_better: false,
+            values: pings.iter().map(|p| p.0 .0).collect(),
+        });
+        measures.push(Measure {
+            title: "latency (1-byte ping-pong, p99)".into(),
+            unit: "µs",
+            decimals: 1,
+            higher_is_better: false,
+            values: pings.iter().map(|p| p.0 .1).collect(),
+        });
+        measures.push(Measure {
+            title: "  proxies' syscalls per round trip".into(),
+            unit: "",
+            decimals: 1,
+            higher_is_better: false,
+            values: per(|c| c.0),
+        });
+        measures.push(Measure {
+            title: "  proxies' context switches per round trip".into(),
+            unit: "",
+            decimals: 2,
+            higher_is_better: false,
+            values: per(|c| c.1),
+        });
+    }
+    if wanted("connections") {
+        let mut rates = vec![Vec::new(); n];
+        let mut costs = vec![None; n];
+        for _ in 0..rounds {
+            for (i, p) in paths.iter().enumerate() {
+                let ((rate, made), c) = counted(&proxy_pids(p), || connect_rate(p, 2.0));
+                rates[i].push(rate);
+                costs[i] = c.map(|(sys, cs)| (sys / made, cs / made));
+            }
+        }
+        measures.push(Measure {
+            title: "connect + 1-byte echo + close".into(),
+            unit: "conn/s",
+            decimals: 0,
+            higher_is_better: true,
+            values: rates.into_iter().map(median).collect(),
+        });
+        measures.push(Measure {
+            title: "  proxies' syscalls per connection".into(),
+            unit: "",
+            decimals: 1,
+            higher_is_better: false,
+            values: costs
+                .iter()
+                .map(|c| c.map(|c| c.0).unwrap_or(0.0))
+                .collect(),
+        });
+        measures.push(Measure {
+            title: "  proxies' context switches per connection".into(),
+            unit: "",
+            decimals: 2,
+            higher_is_better: false,
+            values: costs
+                .iter()
+                .map(|c| c.map(|c| c.1).unwrap_or(0.0))
+                .collect(),
+        });
+    }
+    let rss: Vec<f64> = paths
+        .iter()
+        .map(|p| proxies_rss(&lab, p).0 as f64 / 1024.0)
+        .collect();
+    measures.push(Measure {
+        title: "proxies' RSS after the run (both ends)".into(),
+        unit: "MB",
+        decimals: 1,
+        higher_is_better: false,
+        values: rss,
+    });
+    for m in &measures {
+        print_measure(m, &paths, kinds);
+    }
+    drop(echoes);
+    (measures, paths)
+}
+
+/// What the project aims for against the peer, per measure title prefix and
+/// path shape: (measure, shape, aim as Ambit ÷ peer).
+const AIMS: [(&str, &str, f64); 6] = [
+    ("throughput (iperf3, 1 stream", "HBONE", 1.5),
+    ("CPU per byte (processes", "HBONE", 0.7),
+    ("latency (1-byte ping-pong, p50", "HBONE", 0.7),
+    ("connect + 1-byte echo", "HBONE", 1.3),
+    ("proxies' RSS", "HBONE", 0.5),
+    ("throughput (iperf3, 1 stream", "passthrough", 1.5),
+];
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let secs: u64 = std::env::var("AMBIT_BENCH_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(5);
-    let mut lab = Lab::new("bench", env!("CARGO_BIN_EXE_ambit")).expect("lab (run as root)");
-    let client = lab.add_pod("client").unwrap();
-    let server = lab.add_pod("server").unwrap();
-    let plain_client = lab.add_pod("plainclient").unwrap();
-    let outsider = lab.add_pod("outsider").unwrap();
-    let (ca_cert, ca_key) = write_ca(&lab.dir, "ca", "cluster.local").unwrap();
-    let cfg = lab.dir.join("mesh.yaml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "workloads:\n- {{name: client, namespace: default, serviceAccount: client, workloadIps: [\"{}\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server, workloadIps: [\"{}\"], protocol: HBONE}}\n",
-            client.ip, server.ip
-        ),
-    )
-    .unwrap();
-    for (pod, sa) in [(&client, "client"), (&server, "server")] {
-        lab.redirect(pod).unwrap();
-        let spec = ProxySpec {
-            config: cfg.clone(),
-            ca_cert: ca_cert.clone(),
-            ca_key: ca_key.clone(),
-            workload_info: format!("default/{}/{sa}", pod.name),
-            trust_domain: "cluster.local".into(),
-            extra_env: vec![("RUST_LOG".into(), "warn".into())],
-        };
-        lab.start_proxy(pod, &spec).unwrap();
+    // Idle connections and 64 streams need descriptors.
+    // SAFETY: setrlimit with a struct we own.
+    unsafe {
+        let mut l: libc::rlimit = std::mem::zeroed();
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut l);
+        l.rlim_cur = l.rlim_max;
+        libc::setrlimit(libc::RLIMIT_NOFILE, &l);
     }
-    for pod in [&server, &outsider] {
-        lab.start_iperf3_server(pod).unwrap();
-    }
-
-    let rounds_n: usize = std::env::var("AMBIT_BENCH_ROUNDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3);
-    // The ratios depend on it: BBR without fq paces every socket with timers.
-    let cc =
-        std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control").unwrap_or_default();
-    println!("ambit data-path benchmark: iperf3 single stream, {secs}s per path, {rounds_n} interleaved rounds (median); 20000 1-byte round trips; TCP congestion control {}\n", cc.trim());
-    let (mut ds, mut hs, mut ps) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut dc, mut hc, mut pc) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..rounds_n {
-        for (rate, cost, c, s) in [
-            (&mut ds, &mut dc, &plain_client, &outsider),
-            (&mut hs, &mut hc, &client, &server),
-            (&mut ps, &mut pc, &client, &outsider),
-        ] {
-            let (gbps, cpu) = iperf(c, s, secs);
-            rate.push(gbps);
-            cost.push(cpu);
-        }
-    }
-    let ratios = |v: &[f64], d: &[f64]| {
-        v.iter()
-            .zip(d)
-            .map(|(x, y)| format!("{:.2}", x / y))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    println!(
-        "per-round ratios to direct: HBONE {} | passthrough {}\n",
-        ratios(&hs, &ds),
-        ratios(&ps, &ds)
-    );
-    let median = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    let (direct, hbone, pass) = (median(ds), median(hs), median(ps));
-    table(
-        "throughput (iperf3, 1 stream)",
-        "Gbit/s",
-        [direct, hbone, pass],
-        2,
-    );
-    // Throughput hides how much of the machine a path uses (BBR paces; a
-    // path may leave a core idle): CPU per byte does not.
-    table(
-        "CPU per byte (whole machine)",
-        "cpu-s/Gbit",
-        [median(dc), median(hc), median(pc)],
-        3,
-    );
-
-    let echo_server = EchoServer::start(&server, 7000).unwrap();
-    let echo_outsider = EchoServer::start(&outsider, 7000).unwrap();
-    let rounds = 20_000;
-    let d = ping_pong(&plain_client, echo_outsider.addr, rounds);
-    let h = ping_pong(&client, echo_server.addr, rounds);
-    let p = ping_pong(&client, echo_outsider.addr, rounds);
-    table(
-        "latency (1-byte ping-pong, p50)",
-        "µs",
-        [d, h, p].map(|t| t.as_secs_f64() * 1e6),
-        1,
-    );
-    // Short connections: the per-connection cost (accept, original
-    // destination, an HBONE stream on the pooled connection, dial, close).
-    let short_server = close_first_echo(&server, 7001).unwrap();
-    let short_outsider = close_first_echo(&outsider, 7001).unwrap();
-    let (mut cd, mut ch, mut cp) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..rounds_n {
-        cd.push(connect_rate(&plain_client, short_outsider, 2.0));
-        ch.push(connect_rate(&client, short_server, 2.0));
-        cp.push(connect_rate(&client, short_outsider, 2.0));
-    }
-    table(
-        "short connections (connect+echo+close)",
-        "conn/s",
-        [median(cd), median(ch), median(cp)],
-        0,
-    );
-    // Right after the load, then once the proxies have been idle past their
-    // allocator trim (src/proxy/mod.rs): VmRSS, and its private part.
-    let pids: Vec<u32> = ["proxy-client", "proxy-server"]
-        .iter()
-        .filter_map(|l| lab.pid(l))
+    let secs: u64 = env_or("AMBIT_BENCH_SECS", 5);
+    let rounds: usize = env_or("AMBIT_BENCH_ROUNDS", 3);
+    let idle: usize = env_or("AMBIT_BENCH_IDLE", 1000);
+    let node_cc = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .unwrap_or_default()
+        .trim()
+        .to_string();
+    let mut ccs: Vec<String> = std::env::var("AMBIT_BENCH_CC")
+        .unwrap_or_else(|_| "default,cubic".into())
+        .split(',')
+        .map(|c| {
+            if c == "default" {
+                node_cc.clone()
+            } else {
+                c.trim().to_string()
+            }
+        })
         .collect();
-    let memory = |when: &str| {
-        let each: Vec<String> = pids
-            .iter()
-            .map(|&p| format!("{} kB ({} kB private)", rss_kb(p), anon_kb(p)))
-            .collect();
-        println!("proxy RSS {when}: {}", each.join(" / "));
-    };
-    println!();
-    memory("after the run");
-    std::thread::sleep(Duration::from_secs(12));
-    memory("12 s later, idle");
-    println!(
-        "\nbar (issue #2): HBONE >= 0.40x and passthrough >= 0.80x direct throughput: {}",
-        if hbone / direct >= 0.40 && pass / direct >= 0.80 {
-            "met"
-        } else {
-            "NOT met"
+    ccs.dedup();
+    let ambit = PathBuf::from(env!("CARGO_BIN_EXE_ambit"));
+    let mut kinds = vec![Kind {
+        name: "Ambit".into(),
+        binary: ambit.clone(),
+        env: vec![],
+        ambit: true,
+    }];
+    for w in std::env::var("AMBIT_BENCH_WORKERS")
+        .unwrap_or_default()
+        .split(',')
+    {
+        if !w.trim().is_empty() {
+            kinds.push(Kind {
+                name: format!("Ambit ({} workers)", w.trim()),
+                binary: ambit.clone(),
+                env: vec![("AMBIT_WORKER_THREADS".into(), w.trim().into())],
+                ambit: true,
+            });
         }
+    }
+    if let Ok(peer) = std::env::var("AMBIT_BENCH_PEER") {
+        let env = std::env::var("AMBIT_BENCH_PEER_ENV")
+            .unwrap_or_default()
+            .split_whitespace()
+            .filter_map(|kv| {
+                kv.split_once('=')
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+            })
+            .collect();
+        let name = std::path::Path::new(&peer)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "peer".into());
+        kinds.push(Kind {
+            name,
+            binary: peer.into(),
+            env,
+            ambit: false,
+        });
+    }
+    println!(
+        "ambit data-path benchmark: iperf3 {secs}s per path, {rounds} interleaved rounds (median); \
+         20000 1-byte round trips; {idle} idle connections; node default congestion control {node_cc}; \
+         proxies: {}",
+        kinds.iter().map(|k| k.name.as_str()).collect::<Vec<_>>().join(", ")
     );
+    let mut summary = Vec::new();
+    for cc in &ccs {
+        let (measures, paths) = phase(cc, &kinds, secs, rounds, idle);
+        summary.push((cc.clone(), measures, paths));
+    }
+    let Some(peer) = kinds.iter().position(|k| !k.ambit) else {
+        return;
+    };
+    println!(
+        "\n=== Ambit ÷ {}, same run, aims of issue #20 ===",
+        kinds[peer].name
+    );
+    println!(
+        "{:<10} {:<42} {:<12} {:>8} {:>6}  reached",
+        "cc", "measure", "path", "ratio", "aim"
+    );
+    for (cc, measures, paths) in &summary {
+        for (prefix, shape, aim) in AIMS {
+            let Some(m) = measures.iter().find(|m| m.title.starts_with(prefix)) else {
+                continue;
+            };
+            let value = |k: usize| {
+                paths
+                    .iter()
+                    .zip(&m.values)
+                    .find(|(p, _)| p.kind == Some(k) && p.name.ends_with(shape))
+                    .map(|(_, v)| *v)
+            };
+            if let (Some(a), Some(z)) = (value(0), value(peer)) {
+                let ratio = a / z;
+                let met = if m.higher_is_better {
+                    ratio >= aim
+                } else {
+                    ratio <= aim
+                };
+                println!(
+                    "{cc:<10} {:<42} {shape:<12} {ratio:>7.2}x {aim:>5.1}x  {}",
+                    m.title,
+                    if met { "yes" } else { "no" }
+                );
+            }
+        }
+    }
 }

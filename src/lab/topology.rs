@@ -251,7 +251,21 @@ impl Lab {
 
     /// Runs a dedicated `ambit proxy` inside `pod` and waits until it is ready.
     pub fn start_proxy(&self, pod: &LabPod, spec: &ProxySpec) -> io::Result<()> {
-        let mut cmd = pod.ns.command(&self.binary);
+        self.start_proxy_from(&self.binary.clone(), pod, spec)
+    }
+
+    /// Runs `binary proxy` in dedicated mode inside `pod`, as
+    /// [`Lab::start_proxy`] does: `binary` is `ambit` or another proxy that
+    /// reads ztunnel's settings (`PROXY_MODE`, `LOCAL_XDS_PATH`,
+    /// `PROXY_WORKLOAD_INFO`) and answers `/healthz/ready` on 15021, such as
+    /// ztunnel itself, so that a bench can measure both in one run.
+    pub fn start_proxy_from(
+        &self,
+        binary: &Path,
+        pod: &LabPod,
+        spec: &ProxySpec,
+    ) -> io::Result<()> {
+        let mut cmd = pod.ns.command(binary);
         cmd.arg("proxy")
             .env("PROXY_MODE", "dedicated")
             .env("LOCAL_XDS_PATH", &spec.config)

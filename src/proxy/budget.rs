@@ -4,11 +4,14 @@
 //! What a peer can make the proxy hold is bounded by construction, not by
 //! hoping it reads: each HBONE connection the proxy accepts reserves the
 //! receive window it grants, and each stream reserves the most it may
-//! queue (its HTTP/2 send buffer and its read buffer). A reservation is
-//! made before the connection or stream is served and given back when it
-//! ends. Past the budget a new stream is refused (`REFUSED_STREAM` inbound;
-//! the application's connection closed outbound) and an HBONE connection
-//! gets smaller windows, then is refused; memory does not grow.
+//! queue: its read buffer before it is served, and its HTTP/2 send buffer
+//! once it first has data to send (so the idle connections of a client's
+//! pool cost little). A reservation is given back when its stream or
+//! connection ends. Past the budget a new stream is refused
+//! (`REFUSED_STREAM` inbound; the application's connection closed
+//! outbound), a stream that starts sending is reset (`CANCEL`), and an
+//! HBONE connection gets smaller windows, then is refused; memory does not
+//! grow.
 //!
 //! No one may take the whole budget: one peer identity may reserve at most
 //! a quarter of it, and the streams to one pod at most half, so a
@@ -41,11 +44,17 @@ pub const STREAM_READ_BUFFER: usize = 256 * 1024;
 /// A stream's read buffer to start with (idle and small flows keep it).
 pub const STREAM_READ_START: usize = 16 * 1024;
 
-/// A stream's reservation: its send buffer and its read buffer as it
-/// starts; a read buffer that grows for a bulk flow reserves the rest
-/// ([`Budget::grow_read_buffer`]). Idle streams hold far less; the
-/// reservation is what a peer could make it hold.
-pub const STREAM_COST: usize = STREAM_SEND_BUFFER + STREAM_READ_START;
+/// What a stream reserves before it is served: its read buffer as it
+/// starts (allocated only while its source has data).
+pub const STREAM_OPEN_COST: usize = STREAM_READ_START;
+
+/// A sending stream's whole reservation: [`STREAM_OPEN_COST`], and its send
+/// buffer, added ([`Reservation::grow`]) when it first has data to send. A
+/// read buffer that grows for a bulk flow reserves the rest
+/// ([`Budget::grow_read_buffer`]). The reservation is what a peer could
+/// make the stream hold.
+#[cfg(test)]
+pub const STREAM_COST: usize = STREAM_SEND_BUFFER + STREAM_OPEN_COST;
 
 /// Windows an HBONE connection gets when the budget is more than half
 /// reserved: still far above a cluster network's bandwidth-delay product.
@@ -120,6 +129,35 @@ pub struct Reservation {
     bytes: usize,
     peer: Option<Identity>,
     pod: Option<Arc<str>>,
+}
+
+impl Reservation {
+    /// Adds `bytes` under the same peer and pod shares, or says which is
+    /// spent (counted as a refusal); a refusal leaves the reservation as
+    /// it was.
+    pub fn grow(&mut self, bytes: usize) -> Result<(), Refusal> {
+        let mut more = self
+            .budget
+            .reserve(bytes, self.peer.as_ref(), self.pod.as_ref())?;
+        // Merged into this one: `more` gives nothing back when dropped.
+        self.bytes += std::mem::take(&mut more.bytes);
+        more.peer = None;
+        more.pod = None;
+        Ok(())
+    }
+
+    /// Gives back `bytes` of this reservation (at most what it holds).
+    pub fn shrink(&mut self, bytes: usize) {
+        let bytes = bytes.min(self.bytes);
+        self.bytes -= bytes;
+        // Those bytes under the same shares, given back as it drops.
+        drop(Reservation {
+            budget: self.budget,
+            bytes,
+            peer: self.peer.clone(),
+            pod: self.pod.clone(),
+        });
+    }
 }
 
 impl Drop for Reservation {
@@ -348,6 +386,27 @@ mod tests {
         drop(a1);
         assert_eq!(b.used(), 40);
         assert!(b.by_pod.lock().unwrap().get(&victim) == Some(&40));
+    }
+
+    #[test]
+    fn a_stream_grows_by_its_send_buffer_under_its_shares_and_gives_it_back_when_quiet() {
+        let b = budget(400);
+        let mallory = Identity::new("td", "ns", "mallory");
+        let pod: Arc<str> = "ns/victim".into();
+        // Many idle streams of one peer fit where sending ones would not.
+        let mut idle: Vec<Reservation> = (0..10)
+            .map(|_| b.reserve(5, Some(&mallory), Some(&pod)).unwrap())
+            .collect();
+        idle[0].grow(40).unwrap();
+        assert_eq!(idle[1].grow(40).unwrap_err(), Refusal::Peer);
+        assert_eq!(b.used(), 90, "a refused growth leaves the stream as it was");
+        idle[0].shrink(40);
+        idle[1].grow(40).unwrap();
+        assert_eq!(b.by_peer.lock().unwrap().get(&mallory), Some(&90));
+        idle.clear();
+        assert_eq!(b.used(), 0);
+        assert!(b.by_peer.lock().unwrap().is_empty());
+        assert!(b.by_pod.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -8,8 +8,11 @@ use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use bytes::{Bytes, BytesMut};
 use h2::{RecvStream, SendStream};
 use socket2::SockRef;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, Interest};
+use tokio::io::{AsyncWrite, AsyncWriteExt, Interest};
+use tokio::net::tcp::ReadHalf;
 use tokio::net::TcpStream;
+
+use super::budget::Reservation;
 
 /// Bytes moved in each direction of one connection.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -319,30 +322,81 @@ pub async fn splice_bidirectional(
     (t, up.and(down).map(|_| ()))
 }
 
+/// How long a stream's source must be quiet before its send-buffer
+/// reservation may go back.
+const QUIET: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// Read buffers start small (idle connections cost little) and grow to this for bulk flows.
 const MIN_BUF: usize = super::budget::STREAM_READ_START;
 const MAX_BUF: usize = super::budget::STREAM_READ_BUFFER;
 
 /// Reads from a TCP half into an HBONE stream, honouring HTTP/2 flow control.
-async fn tcp_to_h2<R: AsyncRead + Unpin>(
-    mut src: R,
+/// The read buffer exists only while the source has data, so an idle stream
+/// holds none. While the stream may have data queued in h2, its send buffer
+/// is reserved in `reserved` (when given): from its first data until it is
+/// quiet with nothing queued. Past the budget the stream is reset.
+async fn tcp_to_h2(
+    src: ReadHalf<'_>,
     mut dst: SendStream<Bytes>,
+    mut reserved: Option<&mut Reservation>,
 ) -> io::Result<u64> {
+    use super::budget::STREAM_SEND_BUFFER;
     let mut buf_size = MIN_BUF;
-    let mut buf = BytesMut::with_capacity(buf_size);
+    let mut buf = BytesMut::new();
     let mut grown = None;
     let mut total = 0u64;
+    let mut queued = false;
     loop {
-        buf.reserve(buf_size);
-        let n = src
-            .read_buf(&mut buf)
-            .await
-            .inspect_err(|_| dst.send_reset(h2::Reason::CANCEL))?;
+        let n = loop {
+            buf.reserve(buf_size);
+            match src.try_read_buf(&mut buf) {
+                Ok(n) => break n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    dst.send_reset(h2::Reason::CANCEL);
+                    return Err(e);
+                }
+            }
+            // Quiet: an idle stream holds no read buffer, and once h2 holds
+            // nothing of it (its whole send buffer is free again) its
+            // send-buffer reservation goes back.
+            if buf.is_empty() {
+                buf = BytesMut::new();
+            }
+            let ready = match (queued, reserved.as_deref_mut()) {
+                (true, Some(r)) => {
+                    tokio::select! {
+                        ready = src.readable() => ready,
+                        _ = tokio::time::sleep(QUIET) => {
+                            dst.reserve_capacity(STREAM_SEND_BUFFER);
+                            if dst.capacity() >= STREAM_SEND_BUFFER {
+                                r.shrink(STREAM_SEND_BUFFER);
+                                queued = false;
+                            }
+                            dst.reserve_capacity(0);
+                            src.readable().await
+                        }
+                    }
+                }
+                _ => src.readable().await,
+            };
+            if let Err(e) = ready {
+                dst.send_reset(h2::Reason::CANCEL);
+                return Err(e);
+            }
+        };
         if n == 0 {
             return dst
                 .send_data(Bytes::new(), true)
                 .map(|_| total)
                 .map_err(h2_io);
+        }
+        if let (false, Some(r)) = (queued, reserved.as_deref_mut()) {
+            if let Err(refusal) = r.grow(STREAM_SEND_BUFFER) {
+                dst.send_reset(h2::Reason::CANCEL);
+                return Err(io::Error::other(refusal.reason()));
+            }
+            queued = true;
         }
         if n >= buf_size && buf_size < MAX_BUF {
             // Room to grow comes from the memory budget, once per stream.
@@ -420,14 +474,17 @@ fn h2_io(e: h2::Error) -> io::Error {
 }
 
 /// Copies between a TCP connection and an HBONE stream until both directions end.
-/// `sent` counts TCP → stream.
+/// `sent` counts TCP → stream. `reserved` is the stream's budget
+/// reservation, grown by its send buffer when it first sends.
 pub async fn tcp_h2_bidirectional(
     tcp: &mut TcpStream,
     send: SendStream<Bytes>,
     recv: RecvStream,
+    reserved: Option<&mut Reservation>,
 ) -> (Transferred, io::Result<()>) {
     let (r, w) = tcp.split();
-    let (up, down, proxy_closed_first) = both_ways(tcp_to_h2(r, send), h2_to_tcp(recv, w)).await;
+    let (up, down, proxy_closed_first) =
+        both_ways(tcp_to_h2(r, send, reserved), h2_to_tcp(recv, w)).await;
     let t = Transferred {
         sent: *up.as_ref().unwrap_or(&0),
         received: *down.as_ref().unwrap_or(&0),
@@ -440,6 +497,7 @@ pub async fn tcp_h2_bidirectional(
 pub(super) mod tests {
     use super::*;
     use std::time::Duration;
+    use tokio::io::AsyncReadExt;
     use tokio::net::TcpListener;
 
     /// A connected pair on loopback: (the connecting side, the accepted side).

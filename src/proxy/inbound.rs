@@ -17,7 +17,7 @@ use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::budget::{BUDGET, STREAM_COST};
+use super::budget::{Reservation, BUDGET, STREAM_OPEN_COST};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
@@ -195,7 +195,7 @@ impl Inbound {
             match next {
                 Ok((req, mut respond)) => {
                     let reserved = match BUDGET.reserve(
-                        STREAM_COST,
+                        STREAM_OPEN_COST,
                         Some(&peer_id),
                         Some(&self.pod.key),
                     ) {
@@ -212,9 +212,8 @@ impl Inbound {
                     let this = self.clone();
                     let peer_id = peer_id.clone();
                     self.pod.life.spawn(async move {
-                        this.hbone_stream(req, respond, peer_id, peer, local_ip)
+                        this.hbone_stream(req, respond, peer_id, peer, local_ip, reserved)
                             .await;
-                        drop(reserved);
                     });
                 }
                 Err(e) => {
@@ -232,6 +231,7 @@ impl Inbound {
         peer_id: Identity,
         peer: SocketAddr,
         local_ip: IpAddr,
+        mut reserved: Reservation,
     ) {
         // Only a candidate for the source's labels (below), checked against
         // the peer's certificate: never the address logged or authorized.
@@ -299,7 +299,10 @@ impl Inbound {
         tracked
             .revoked
             .run(async {
-                result = Some(tcp_h2_bidirectional(&mut upstream, send, req.into_body()).await)
+                result = Some(
+                    tcp_h2_bidirectional(&mut upstream, send, req.into_body(), Some(&mut reserved))
+                        .await,
+                )
             })
             .await;
         let (t, res) = result.unwrap_or_else(|| {

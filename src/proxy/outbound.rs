@@ -11,7 +11,7 @@ use std::sync::Arc;
 use socket2::SockRef;
 use tokio::net::{TcpListener, TcpStream};
 
-use super::budget::{Refusal, BUDGET, STREAM_COST};
+use super::budget::{Refusal, BUDGET, STREAM_OPEN_COST};
 use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
@@ -433,9 +433,10 @@ impl Outbound {
         identities: Vec<Identity>,
         host: Option<String>,
     ) -> Result<(Transferred, bool), OutboundError> {
-        // The stream's buffers, reserved before anything is sent for it.
-        let _reserved = BUDGET
-            .reserve(STREAM_COST, None, Some(&self.pod.key))
+        // The stream's read buffer, reserved before anything is sent for it;
+        // its send buffer is added when it first sends.
+        let mut reserved = BUDGET
+            .reserve(STREAM_OPEN_COST, None, Some(&self.pod.key))
             .map_err(OutboundError::Budget)?;
         let key = PoolKey {
             pod: self.pod.uid.clone(),
@@ -481,7 +482,8 @@ impl Outbound {
             Ok(r) => r?,
             Err(_) => return Err(OutboundError::Deadline(proxy)),
         };
-        let (t, res) = tcp_h2_bidirectional(stream, send, resp.into_body()).await;
+        let (t, res) =
+            tcp_h2_bidirectional(stream, send, resp.into_body(), Some(&mut reserved)).await;
         if let Err(e) = &res {
             tracing::debug!(dst.addr = %target, error = %e, "HBONE copy ended with an error");
         }
