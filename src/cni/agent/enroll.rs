@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use super::store::{save_state, PodRecord};
+use super::store::PodRecord;
 use super::Agent;
 use crate::cni::kube;
 use crate::cni::plugin::{AddEvent, Enrollment};
@@ -260,8 +260,9 @@ impl Agent {
         self.save();
     }
 
+    /// Saves the held pods to the state file (a failed write is retried on its own).
     pub(super) fn save(&self) {
-        save_state(&self.cfg.state_file, &self.store.records());
+        self.state.save();
     }
 
     /// Pods whose netns path is gone (or now names another netns) are removed.
