@@ -316,7 +316,14 @@ fn a_netns_deleted_while_its_add_runs_leaves_nothing_after_the_del() {
     );
     let held_before = (netns_held(agent), netns_held(proxy));
     let sockets = || fd_kinds(proxy).get("socket").copied().unwrap_or(0);
-    let sockets_before = sockets();
+    // Read once the proxy has closed its side of our last scrape.
+    let sockets_before = loop {
+        let n = sockets();
+        std::thread::sleep(Duration::from_millis(200));
+        if sockets() == n {
+            break n;
+        }
+    };
     let (rules_before, veths_before) = (host_rules(&node), veths(&node));
     let traffic = Traffic::start(&client, echo.addr);
 
@@ -357,17 +364,21 @@ fn a_netns_deleted_while_its_add_runs_leaves_nothing_after_the_del() {
     let attempts = traffic.stop();
     println!("netns deleted mid-ADD, 20 tries, delays up to {add_time:?}: {outcomes:?}");
 
+    // The kernel ends a netns (and the veth in it) a moment after its last holder.
     wait_until(
-        "the agent and the proxy hold the netns and sockets they held before",
+        "the agent and the proxy hold the netns and sockets they held before, and the node its veths",
         Duration::from_secs(10),
-        || (netns_held(agent), netns_held(proxy)) == held_before && sockets() == sockets_before,
+        || {
+            (netns_held(agent), netns_held(proxy)) == held_before
+                && sockets() == sockets_before
+                && veths(&node) == veths_before
+        },
     );
     assert_eq!(
         host_rules(&node),
         rules_before,
         "the node's nat rules changed"
     );
-    assert_eq!(veths(&node), veths_before, "veths left on the node");
     assert!(
         attempts.len() > 20,
         "too little traffic: {}",
