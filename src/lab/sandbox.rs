@@ -155,9 +155,9 @@ impl Sandboxes {
     }
 
     /// Ends the sandbox holding the netns named `netns_name`, if any: its
-    /// process is killed and its cgroup removed.
-    /// A pod's cgroup goes with its last sandbox: kubelet's second sandbox
-    /// for a pod shares the pod's cgroup with the first until that one goes.
+    /// process is killed, and the pod's cgroup removed unless another
+    /// sandbox of the pod is in it (kubelet's second sandbox for a pod
+    /// shares the pod's cgroup with the first until that one goes).
     pub(super) fn release(&mut self, netns_name: &str) {
         let Some(at) = self.held.iter().position(|s| s.netns_name == netns_name) else {
             return;
