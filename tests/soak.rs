@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 
 use ambit::lab::node::Node;
 use ambit::lab::{connect_from, echo_roundtrip, pod_uid, EchoServer, LabPod};
-use common::{counter, wait_until};
+use common::node::{fd_kinds, ipset_members, proxy_uids, served, state_uids};
+use common::wait_until;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 
@@ -106,54 +107,6 @@ fn sample(pid: u32) -> Option<Sample> {
     Some((Instant::now(), fds, threads, ambit::lab::rss_kb(pid)))
 }
 
-/// Pod UIDs in the agent's state file; panics if it does not parse.
-fn state_uids(node: &Node) -> BTreeSet<String> {
-    let path = node.dir.join("agent-state.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|_| "[]".into());
-    let v: serde_json::Value = serde_json::from_str(&text)
-        .unwrap_or_else(|e| panic!("agent state corrupt after a kill: {e}\n{text}"));
-    v.as_array()
-        .expect("agent state is a list")
-        .iter()
-        .filter_map(|r| r["uid"].as_str().map(str::to_string))
-        .collect()
-}
-
-/// Pod UIDs the proxy serves, from its config dump.
-fn proxy_uids(node: &Node) -> Option<BTreeSet<String>> {
-    let (status, body) =
-        ambit::lab::http_get_in(&node.lab.node, "127.0.0.1:15000", "/config_dump").ok()?;
-    if status != 200 {
-        return None;
-    }
-    let dump: serde_json::Value = serde_json::from_str(&body).ok()?;
-    let pods = dump["pods"]
-        .as_array()
-        .or_else(|| dump["workloadState"].as_array())?;
-    Some(
-        pods.iter()
-            .filter_map(|p| p["uid"].as_str().map(str::to_string))
-            .collect(),
-    )
-}
-
-/// Addresses in the node's probe ipset.
-fn ipset_members(node: &Node) -> BTreeSet<String> {
-    let out = node
-        .lab
-        .node
-        .command("ipset")
-        .args(["list", "istio-inpod-probes-v4"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .skip_while(|l| !l.starts_with("Members:"))
-        .skip(1)
-        .filter_map(|l| l.split_whitespace().next().map(str::to_string))
-        .collect()
-}
-
 fn netns_count() -> usize {
     let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
     String::from_utf8_lossy(&out.stdout).lines().count()
@@ -168,27 +121,6 @@ fn veth_count(node: &Node) -> usize {
         .output()
         .unwrap();
     String::from_utf8_lossy(&out.stdout).lines().count()
-}
-
-/// Whether `pod`'s traffic to `echo` is carried over HBONE: a round trip
-/// works and the proxy counts an mTLS connection from it.
-fn served(node: &Node, pod: &LabPod, echo: SocketAddr) -> bool {
-    let ok = connect_from(pod, echo)
-        .and_then(|mut c| echo_roundtrip(&mut c, b"served?"))
-        .is_ok_and(|b| b == b"served?");
-    ok && ambit::lab::http_get_in(&node.lab.node, "127.0.0.1:15020", "/metrics")
-        .ok()
-        .is_some_and(|(_, m)| {
-            counter(
-                &m,
-                "istio_tcp_connections_opened_total",
-                &[
-                    ("reporter", "source"),
-                    ("source_workload", &pod.name),
-                    ("connection_security_policy", "mutual_tls"),
-                ],
-            ) > 0
-        })
 }
 
 /// Kills the process `label` with SIGKILL, starts it again and waits until
@@ -704,22 +636,6 @@ fn settled_sample(node: &Node, pods: &[&LabPod]) -> Vec<(u32, Sample)> {
             (pid, sample(pid).unwrap())
         })
         .collect()
-}
-
-/// A process's descriptors by kind (`socket`, `pipe`, `net`, a path...).
-fn fd_kinds(pid: u32) -> std::collections::BTreeMap<String, usize> {
-    let mut kinds = std::collections::BTreeMap::new();
-    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let target = std::fs::read_link(e.path()).unwrap_or_default();
-        let t = target.to_string_lossy();
-        let kind = t.split(":[").next().unwrap_or_default().to_string();
-        *kinds.entry(kind).or_default() += 1;
-    }
-    kinds
 }
 
 /// The pid of a process whose name is `comm`, if one runs.

@@ -2,6 +2,7 @@
 //! for the hello, sends the snapshot (an Add with the netns fd for every pod
 //! it holds, then SnapshotSent), and afterwards Adds to the newest connection
 //! and Dels to all, each request waiting at most 5 s for its in-order Ack.
+//! It keeps its socket file in place: one removed is bound again.
 
 use std::collections::HashSet;
 use std::os::fd::AsRawFd;
@@ -92,31 +93,66 @@ pub struct ZdsServer {
 const PROXY_WAIT: Duration = Duration::from_secs(3);
 
 impl ZdsServer {
-    /// Binds `path` and serves proxy connections in the background.
+    /// Binds `path` and serves proxy connections in the background. The
+    /// socket file is looked at every [`SOCKET_CHECK`]: if it was removed
+    /// it is bound again (see `SocketFile`), so that a proxy that starts or
+    /// reconnects later still finds the agent.
     pub fn start(path: &Path, source: Arc<dyn PodSource>) -> std::io::Result<Arc<Self>> {
-        let listener = SeqPacketListener::bind(path)?;
+        let mut listener = SeqPacketListener::bind(path)?;
+        let mut bound = file_id(path).ok();
         let server = Arc::new(ZdsServer {
             conns: Mutex::new(Vec::new()),
             next_id: Default::default(),
             proxy_came: Default::default(),
         });
         let s = server.clone();
+        let path = path.to_path_buf();
         tokio::spawn(async move {
+            let mut check = tokio::time::interval(SOCKET_CHECK);
+            check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // What was last said about the file, so a state is logged once.
+            let mut said = SocketFile::Ours;
             loop {
-                match listener.accept().await {
-                    Ok(conn) => {
-                        let s = s.clone();
-                        let source = source.clone();
-                        tokio::spawn(async move {
-                            if let Err(e) = s.serve(conn, source).await {
-                                tracing::warn!(error = %e, "ZDS proxy connection ended");
+                tokio::select! {
+                    accepted = listener.accept() => match accepted {
+                        Ok(conn) => {
+                            let s = s.clone();
+                            let source = source.clone();
+                            tokio::spawn(async move {
+                                if let Err(e) = s.serve(conn, source).await {
+                                    tracing::warn!(error = %e, "ZDS proxy connection ended");
+                                }
+                            });
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "ZDS accept failed");
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                    },
+                    _ = check.tick() => match socket_file(file_id(&path), bound) {
+                        SocketFile::Ours => said = SocketFile::Ours,
+                        SocketFile::Gone => match SeqPacketListener::bind(&path) {
+                            Ok(fresh) => {
+                                // The old listener goes; proxies connected through it stay.
+                                listener = fresh;
+                                bound = file_id(&path).ok();
+                                said = SocketFile::Ours;
+                                tracing::warn!(path = %path.display(), "the ZDS socket file was removed; bound it again (connected proxies stay connected, new ones connect to the new file)");
                             }
-                        });
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "ZDS accept failed");
-                        tokio::time::sleep(Duration::from_millis(200)).await;
-                    }
+                            Err(e) => {
+                                if said != SocketFile::Gone {
+                                    tracing::error!(path = %path.display(), error = %e, "the ZDS socket file was removed and cannot be bound again; no new proxy can connect until it is (trying every second)");
+                                }
+                                said = SocketFile::Gone;
+                            }
+                        },
+                        SocketFile::Other => {
+                            if said != SocketFile::Other {
+                                tracing::error!(path = %path.display(), "the ZDS socket path now names a file this agent did not bind (another agent?); left alone, so new proxies connect to that one");
+                            }
+                            said = SocketFile::Other;
+                        }
+                    },
                 }
             }
         });
@@ -299,6 +335,42 @@ impl ZdsServer {
     }
 }
 
+/// How often the agent looks whether its ZDS socket file is still there.
+pub const SOCKET_CHECK: Duration = Duration::from_secs(1);
+
+/// What the ZDS socket path holds, against the file the agent bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SocketFile {
+    /// The socket the agent bound.
+    Ours,
+    /// Nothing (removed, or its directory was): bind it again.
+    Gone,
+    /// Another file. Left alone: another agent may have bound it (a second
+    /// one started by mistake, or beside this one), and two agents taking
+    /// the path from each other every second would keep proxies from
+    /// staying with either.
+    Other,
+}
+
+/// Device and inode of the file at `path`, not following a link.
+fn file_id(path: &Path) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path)?;
+    Ok((m.dev(), m.ino()))
+}
+
+/// The state of the socket path from what `stat` says now and the
+/// (device, inode) the agent's bind left there.
+fn socket_file(now: std::io::Result<(u64, u64)>, bound: Option<(u64, u64)>) -> SocketFile {
+    match now {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => SocketFile::Gone,
+        // Cannot tell (a permission problem on the way): nothing to act on.
+        Err(_) => SocketFile::Ours,
+        Ok(id) if bound.is_none_or(|b| b == id) => SocketFile::Ours,
+        Ok(_) => SocketFile::Other,
+    }
+}
+
 /// Sends one request and waits for its Ack.
 async fn exchange(
     conn: &SeqPacket,
@@ -411,6 +483,77 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn only_a_removed_socket_file_is_bound_again() {
+        let gone = || -> std::io::Result<(u64, u64)> {
+            Err(std::io::Error::from(std::io::ErrorKind::NotFound))
+        };
+        assert_eq!(socket_file(gone(), Some((1, 2))), SocketFile::Gone);
+        assert_eq!(socket_file(Ok((1, 2)), Some((1, 2))), SocketFile::Ours);
+        assert_eq!(
+            socket_file(Ok((1, 3)), Some((1, 2))),
+            SocketFile::Other,
+            "another file at the path is not taken over"
+        );
+        let denied: std::io::Result<(u64, u64)> =
+            Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied));
+        assert_eq!(socket_file(denied, Some((1, 2))), SocketFile::Ours);
+    }
+
+    /// Says hello and takes the (empty) snapshot, as a proxy does.
+    async fn take_snapshot(proxy: SeqPacket) -> SeqPacket {
+        let hello = ZdsHello {
+            version: crate::proto::zds::Version::V1 as i32,
+        };
+        proxy.send(&hello.encode_to_vec(), None).await.unwrap();
+        let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
+            .await
+            .expect("the agent sends the snapshot")
+            .unwrap();
+        let payload = WorkloadRequest::decode(bytes.as_slice()).unwrap().payload;
+        assert!(
+            matches!(payload, Some(Payload::SnapshotSent(_))),
+            "{payload:?}"
+        );
+        ack(&proxy, "").await;
+        proxy
+    }
+
+    /// A proxy that connects after the socket file was removed finds the
+    /// agent again within a check or two; one connected before stays.
+    #[tokio::test]
+    async fn a_removed_socket_file_is_bound_again_and_takes_new_proxies() {
+        let dir = std::env::temp_dir().join(format!("ambit-zds-rebind-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("zds.sock");
+        let server = ZdsServer::start(&path, Arc::new(NoPods)).unwrap();
+        let first = take_snapshot(SeqPacket::connect(&path).unwrap()).await;
+        std::fs::remove_file(&path).unwrap();
+        assert!(SeqPacket::connect(&path).is_err(), "the file is gone");
+        let deadline = std::time::Instant::now() + SOCKET_CHECK * 3;
+        let second = loop {
+            if let Ok(p) = SeqPacket::connect(&path) {
+                break p;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the socket file was not bound again"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let _second = take_snapshot(second).await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        while server.connected().await != 2 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "both proxies connected: the old one stays"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        drop(first);
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -213,26 +213,22 @@ impl Node {
     /// ADD with that UID. A failed ADD ends the sandbox (the netns stays
     /// until the node is dropped).
     pub fn add_pod(&mut self, name: &str, namespace: &str) -> Result<LabPod, String> {
-        let netns_name = format!("{}-{name}", self.lab.id);
-        let uid = pod_uid(name);
-        assert!(Command::new("ip")
-            .args(["netns", "add", &netns_name])
-            .status()
-            .unwrap()
-            .success());
-        self.pods.push(netns_name.clone());
-        self.lab
-            .hold(&netns_name, &uid)
-            .unwrap_or_else(|e| panic!("sandbox of pod {name}: {e}"));
+        self.add_sandbox(name, namespace, name)
+    }
+
+    /// [`Node::add_pod`] for one sandbox of pod `name`: the netns is named
+    /// after `sandbox` (`<lab id>-<sandbox>`, also the container id the
+    /// chain is given), the UID is the pod's. Kubelet makes a second
+    /// sandbox for the same pod, with the same UID, when the first dies.
+    pub fn add_sandbox(
+        &mut self,
+        name: &str,
+        namespace: &str,
+        sandbox: &str,
+    ) -> Result<LabPod, String> {
+        let netns_name = self.create_sandbox(name, sandbox);
         let ns = Netns::named(&netns_name).unwrap();
-        // Runtimes bring the pod's loopback up themselves, before the network's plugins run.
-        assert!(ns
-            .command("ip")
-            .args(["link", "set", "lo", "up"])
-            .status()
-            .unwrap()
-            .success());
-        let result = match self.cni("ADD", name, namespace) {
+        let result = match self.cni("ADD", name, namespace, sandbox) {
             Ok(result) => result,
             Err(e) => {
                 self.lab.release(&netns_name);
@@ -255,27 +251,71 @@ impl Node {
         })
     }
 
+    /// The sandbox `sandbox` of pod `name` with no CNI call yet: its netns
+    /// (`<lab id>-<sandbox>`, loopback up, as runtimes leave it), held by a
+    /// process in the cgroup of pod [`pod_uid`]`(name)`. Returns the netns
+    /// name; the netns goes when the node is dropped.
+    pub fn create_sandbox(&mut self, name: &str, sandbox: &str) -> String {
+        let netns_name = self.netns_name(sandbox);
+        assert!(Command::new("ip")
+            .args(["netns", "add", &netns_name])
+            .status()
+            .unwrap()
+            .success());
+        self.pods.push(netns_name.clone());
+        self.lab
+            .hold(&netns_name, &pod_uid(name))
+            .unwrap_or_else(|e| panic!("sandbox {sandbox} of pod {name}: {e}"));
+        let ns = Netns::named(&netns_name).unwrap();
+        // Runtimes bring the pod's loopback up themselves, before the network's plugins run.
+        assert!(ns
+            .command("ip")
+            .args(["link", "set", "lo", "up"])
+            .status()
+            .unwrap()
+            .success());
+        netns_name
+    }
+
+    /// The name of the netns of sandbox `sandbox` (`<lab id>-<sandbox>`).
+    pub fn netns_name(&self, sandbox: &str) -> String {
+        format!("{}-{sandbox}", self.lab.id)
+    }
+
     /// Deletes the pod named `name` as a runtime does: CNI DEL through the
     /// chain (which frees its address), then its sandbox and netns. Works
     /// for a pod whose ADD failed too. Returns the DEL's error, if any; the
     /// pod is torn down either way.
     pub fn delete_pod(&mut self, name: &str, namespace: &str) -> Result<(), String> {
+        self.delete_sandbox(name, namespace, name)
+    }
+
+    /// [`Node::delete_pod`] for the sandbox `sandbox` of pod `name`.
+    pub fn delete_sandbox(
+        &mut self,
+        name: &str,
+        namespace: &str,
+        sandbox: &str,
+    ) -> Result<(), String> {
         let deleted = self
-            .cni("DEL", name, namespace)
+            .cni("DEL", name, namespace, sandbox)
             .map(|_| ())
             .map_err(|e| e.to_string());
-        self.tear_down(&format!("{}-{name}", self.lab.id));
+        let netns_name = self.netns_name(sandbox);
+        self.tear_down(&netns_name);
         deleted
     }
 
-    /// Runs the CNI chain's `command` for the pod named `name`, as a runtime does.
-    fn cni(
+    /// Runs the CNI chain's `command` for the sandbox `sandbox` of pod
+    /// `name`, as a runtime does (its netns path, even once that is gone).
+    pub fn cni(
         &self,
         command: &str,
         name: &str,
         namespace: &str,
+        sandbox: &str,
     ) -> std::io::Result<serde_json::Value> {
-        let netns_name = format!("{}-{name}", self.lab.id);
+        let netns_name = self.netns_name(sandbox);
         let conflist = self.conflist();
         let args = format!(
             "IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID={}",
@@ -292,13 +332,20 @@ impl Node {
         .run(command)
     }
 
-    /// Kills a pod's sandbox and deletes its netns.
-    fn tear_down(&mut self, netns_name: &str) {
+    /// Kills a sandbox's process and deletes its netns, as a runtime does
+    /// when the sandbox goes (with or without a CNI DEL). Takes `&self`, so
+    /// it can race a CNI call on another thread.
+    pub fn kill_sandbox(&self, netns_name: &str) {
         self.lab.release(netns_name);
         let _ = Command::new("ip")
             .args(["netns", "del", netns_name])
             .stderr(std::process::Stdio::null())
             .status();
+    }
+
+    /// Kills a pod's sandbox and deletes its netns.
+    fn tear_down(&mut self, netns_name: &str) {
+        self.kill_sandbox(netns_name);
         self.pods.retain(|p| p != netns_name);
     }
 

@@ -76,10 +76,10 @@ struct Sandbox {
 }
 
 impl Sandbox {
-    fn end(&mut self) {
+    /// Kills and reaps the holder; the cgroup stays.
+    fn stop(&mut self) {
         let _ = self.holder.kill();
         let _ = self.holder.wait();
-        remove_cgroup(&self.cgroup);
     }
 }
 
@@ -155,22 +155,28 @@ impl Sandboxes {
     }
 
     /// Ends the sandbox holding the netns named `netns_name`, if any: its
-    /// process is killed and its cgroup removed.
+    /// process is killed, and the pod's cgroup removed unless another
+    /// sandbox of the pod is in it (kubelet's second sandbox for a pod
+    /// shares the pod's cgroup with the first until that one goes).
     pub(super) fn release(&mut self, netns_name: &str) {
-        self.held.retain_mut(|s| {
-            if s.netns_name != netns_name {
-                return true;
-            }
-            s.end();
-            false
-        });
+        let Some(at) = self.held.iter().position(|s| s.netns_name == netns_name) else {
+            return;
+        };
+        let mut sandbox = self.held.remove(at);
+        sandbox.stop();
+        if !self.held.iter().any(|s| s.cgroup == sandbox.cgroup) {
+            remove_cgroup(&sandbox.cgroup);
+        }
     }
 }
 
 impl Drop for Sandboxes {
     fn drop(&mut self) {
         for s in &mut self.held {
-            s.end();
+            s.stop();
+        }
+        for s in &self.held {
+            remove_cgroup(&s.cgroup);
         }
         if let Some(root) = &self.root {
             remove_cgroup(&root.join("kubepods"));

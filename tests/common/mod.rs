@@ -1,11 +1,13 @@
 //! Scenario harness for the end-to-end tests: a mesh of pods in network
 //! namespaces on this host, each meshed pod with its in-pod rules and its own
 //! dedicated `ambit proxy`, all torn down when the test ends (even on failure).
-//! `kube` holds the pieces for a node enrolled from the fake Kubernetes API.
+//! `kube` holds the pieces for a node enrolled from the fake Kubernetes API,
+//! `node` the readers of what a whole lab node holds.
 
 #![allow(dead_code)]
 
 pub mod kube;
+pub mod node;
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::json;
 
-use super::store::{save_state, PodRecord};
+use super::store::PodRecord;
 use super::Agent;
 use crate::cni::kube;
 use crate::cni::plugin::{AddEvent, Enrollment};
@@ -223,11 +223,35 @@ impl Agent {
         if let Err(e) = hostprobe::add_pod(&uid, &record.ip_addrs()) {
             tracing::warn!(pod = %pod, error = %e, "probe ipset not updated; kubelet probes to this pod may be captured");
         }
+        if let Some((old, _)) = self.store.get(&uid) {
+            self.let_go_of_old_sandbox(&pod, &old, &record);
+        }
         tracing::info!(pod = %pod, uid = %uid, sa = %record.service_account, "pod enrolled");
         self.metrics.event("add");
         self.store.insert(record, netns);
         self.save();
         Ok(())
+    }
+
+    /// The pod `old` held is enrolled again as `new` (same uid), usually in
+    /// a new sandbox with a new netns after kubelet recreated it: the proxy
+    /// has already replaced the old netns's listeners, and the record (with
+    /// the old netns fd) is about to be replaced. Here the old addresses
+    /// leave the probe ipset, or they would stay there, the pod's uid on
+    /// them, after the pod is gone. The old netns keeps its rules until it
+    /// goes: whatever still runs there stays captured, and with no proxy
+    /// listening there it is cut off rather than let out in plaintext.
+    fn let_go_of_old_sandbox(&self, pod: &str, old: &PodRecord, new: &PodRecord) {
+        let kept = new.ip_addrs();
+        let stale: Vec<std::net::IpAddr> = old
+            .ip_addrs()
+            .into_iter()
+            .filter(|ip| !kept.contains(ip))
+            .collect();
+        hostprobe::remove_pod(&new.uid, &stale);
+        if old.netns_id != new.netns_id {
+            tracing::info!(pod, uid = %new.uid, old_netns = %old.netns_path.display(), netns = %new.netns_path.display(), "pod enrolled again in a new netns (sandbox recreated); the old one is let go");
+        }
     }
 
     /// Removes a pod: probe ipset, then its rules (if its netns is still
@@ -260,8 +284,9 @@ impl Agent {
         self.save();
     }
 
+    /// Saves the held pods to the state file (a failed write is retried on its own).
     pub(super) fn save(&self) {
-        save_state(&self.cfg.state_file, &self.store.records());
+        self.state.save();
     }
 
     /// Pods whose netns path is gone (or now names another netns) are removed.

@@ -1,4 +1,5 @@
-//! The agent's Prometheus metrics (istio-cni's names), served on 15014.
+//! The agent's Prometheus metrics (istio-cni's names, and Ambit's own for
+//! what istio-cni does not report), served on 15014.
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -15,6 +16,8 @@ pub struct AgentMetrics {
     pub ztunnel_connected: Gauge,
     /// `nodeagent_reconcile_events_total{type}`: pods added and removed.
     pub reconcile_events: Family<Vec<(String, String)>, Counter>,
+    /// `ambit_agent_state_write_failures_total`: failed writes of the state file.
+    pub state_write_failures: Counter,
 }
 
 impl AgentMetrics {
@@ -39,6 +42,11 @@ impl AgentMetrics {
             "nodeagent_reconcile_events",
             "Pods enrolled and removed",
             self.reconcile_events.clone(),
+        );
+        r.register(
+            "ambit_agent_state_write_failures",
+            "Failed writes of the agent's state file (each is retried until one succeeds)",
+            self.state_write_failures.clone(),
         );
         r
     }

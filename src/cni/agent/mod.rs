@@ -39,7 +39,7 @@ use discover::{discover, find_netns};
 pub use enroll::{enrollment, own_pod_prefix, plugin_entry, EnrollError};
 pub use events::parse_add_event;
 use metrics::AgentMetrics;
-use store::{load_state, PodStore};
+use store::{load_state, PodStore, StateFile};
 
 /// File name of the plugin event socket inside the run dir.
 pub const PLUGIN_SOCKET: &str = "pluginevent.sock";
@@ -49,6 +49,8 @@ pub struct Agent {
     metrics: Arc<AgentMetrics>,
     cfg: AgentConfig,
     store: Arc<PodStore>,
+    /// The state file the store is saved to.
+    state: Arc<StateFile>,
     zds: Arc<ZdsServer>,
     rules: RedirectRules,
     enroll: Enrollment,
@@ -164,6 +166,12 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
     let zds = ZdsServer::start(&cfg.zds_path, store.clone())
         .with_context(|| format!("ZDS socket {}", cfg.zds_path.display()))?;
     let metrics = Arc::new(AgentMetrics::default());
+    let state = Arc::new(StateFile::new(
+        cfg.state_file.clone(),
+        store.clone(),
+        metrics.state_write_failures.clone(),
+    ));
+    tokio::spawn(state.clone().write_again());
     let agent = Arc::new(Agent {
         metrics: metrics.clone(),
         enroll,
@@ -172,6 +180,7 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         retry: Default::default(),
         cfg: cfg.clone(),
         store,
+        state,
         zds,
         rules,
         ops: Default::default(),

@@ -1,14 +1,17 @@
 //! The agent's pods: the record of one enrolled pod as the state file keeps
 //! it, the in-memory table the ZDS snapshot is read from, and the state file
-//! itself (written atomically, read record by record). No rules, no ZDS.
+//! itself (written atomically and again after a failed write, read record
+//! by record). No rules, no ZDS.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use serde::{Deserialize, Serialize};
 
+use crate::backoff::Backoff;
 use crate::cni::install;
 use crate::cni::kube;
 use crate::cni::zds_server::{PodSource, ZdsPod};
@@ -130,15 +133,95 @@ impl PodStore {
     }
 }
 
-/// Writes `records` to the state file atomically (0600); an error is logged
-/// and the agent keeps serving from memory.
-pub(super) fn save_state(path: &Path, records: &[PodRecord]) {
+/// Writes `records` to the state file atomically (0600): the file holds
+/// either the old list or the new one, never a part.
+fn save_state(path: &Path, records: &[PodRecord]) -> Result<(), install::InstallError> {
     let text = serde_json::to_string_pretty(records).unwrap_or_else(|_| "[]".into());
     if let Some(dir) = path.parent() {
         let _ = std::fs::create_dir_all(dir);
     }
-    if let Err(e) = install::write_atomic(path, text.as_bytes(), 0o600) {
-        tracing::error!(error = %e, "cannot save agent state");
+    install::write_atomic(path, text.as_bytes(), 0o600)
+}
+
+/// First and longest wait before writing the state file again after a failed write.
+const SAVE_AGAIN_FIRST: Duration = Duration::from_millis(500);
+const SAVE_AGAIN_MAX: Duration = Duration::from_secs(30);
+
+/// The state file, kept in line with the store. Each save writes the pods
+/// as held at that moment. A failed write (a full or read-only disk) costs
+/// the pods nothing, since the agent serves from memory; it is logged and
+/// counted, and the file is written again with backoff until a write
+/// succeeds, with no pod change needed to bring it up to date.
+pub(super) struct StateFile {
+    path: PathBuf,
+    store: Arc<PodStore>,
+    /// Held from reading the pods until the file is renamed into place, so
+    /// that of two saves the later reading is the one left on disk. True
+    /// while the file lags the store (the last write failed).
+    behind: Mutex<bool>,
+    /// Wakes [`StateFile::write_again`] after a failed write.
+    failed: tokio::sync::Notify,
+    /// `ambit_agent_state_write_failures_total`.
+    failures: Counter,
+}
+
+impl StateFile {
+    pub(super) fn new(path: PathBuf, store: Arc<PodStore>, failures: Counter) -> Self {
+        StateFile {
+            path,
+            store,
+            behind: Mutex::new(false),
+            failed: tokio::sync::Notify::new(),
+            failures,
+        }
+    }
+
+    /// Writes the store's pods now. On failure the pods stay served and
+    /// [`StateFile::write_again`] takes over.
+    pub(super) fn save(&self) {
+        if let Err(e) = self.write() {
+            tracing::error!(file = %self.path.display(), error = %e, "agent state not saved; pods are served from memory, and the file is written again until it succeeds");
+            self.failed.notify_one();
+        }
+    }
+
+    /// One write of the pods as held now, counted if it fails.
+    fn write(&self) -> Result<(), install::InstallError> {
+        let mut behind = self.behind.lock().unwrap_or_else(|e| e.into_inner());
+        let written = save_state(&self.path, &self.store.records());
+        match &written {
+            Ok(()) if *behind => {
+                tracing::info!(file = %self.path.display(), "agent state saved again; the file is up to date")
+            }
+            Ok(()) => {}
+            Err(_) => {
+                self.failures.inc();
+            }
+        }
+        *behind = written.is_err();
+        written
+    }
+
+    fn is_behind(&self) -> bool {
+        *self.behind.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// After each failed save: writes again, waiting 0.5 s doubling up to
+    /// 30 s (jittered) between tries, until the file is up to date (by one
+    /// of these writes or by a save of a pod change). Runs for the agent's life.
+    pub(super) async fn write_again(self: Arc<Self>) {
+        loop {
+            self.failed.notified().await;
+            let mut backoff = Backoff::new(SAVE_AGAIN_FIRST, SAVE_AGAIN_MAX);
+            let mut tries = 0u32;
+            while self.is_behind() {
+                tokio::time::sleep(backoff.next_delay()).await;
+                tries += 1;
+                if let Err(e) = self.write() {
+                    tracing::warn!(file = %self.path.display(), tries, error = %e, "agent state still not saved; trying again");
+                }
+            }
+        }
     }
 }
 
@@ -195,6 +278,60 @@ fn set_aside(path: &Path, why: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn record(uid: &str, netns: &Netns) -> PodRecord {
+        PodRecord {
+            uid: uid.into(),
+            name: uid.into(),
+            namespace: "default".into(),
+            service_account: "default".into(),
+            netns_path: netns.path().to_path_buf(),
+            netns_id: netns.id().unwrap(),
+            ips: vec!["10.0.0.5/24".into()],
+            overrides: Default::default(),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failed_write_is_counted_and_written_again_with_no_pod_change() {
+        let dir = std::env::temp_dir().join(format!("ambit-state-again-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // A file where the state file's directory should be: every write fails.
+        let blocker = dir.join("state");
+        std::fs::write(&blocker, "not a directory").unwrap();
+        let path = blocker.join("agent-state.json");
+        let store = Arc::new(PodStore::default());
+        let failures = Counter::default();
+        let state = Arc::new(StateFile::new(
+            path.clone(),
+            store.clone(),
+            failures.clone(),
+        ));
+        tokio::spawn(state.clone().write_again());
+        let here = Netns::current().unwrap();
+        store.insert(record("uid-a", &here), here.clone());
+        state.save();
+        assert_eq!(failures.get(), 1);
+        assert!(state.is_behind());
+        // Tried again on its own (the first wait is at most 0.75 s).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(failures.get() >= 2, "{} tries", failures.get());
+        std::fs::remove_file(&blocker).unwrap();
+        let start = tokio::time::Instant::now();
+        while state.is_behind() {
+            assert!(
+                start.elapsed() < SAVE_AGAIN_MAX * 2,
+                "never written once writes work again"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let saved: Vec<String> = load_state(&path).into_iter().map(|(r, _)| r.uid).collect();
+        assert_eq!(saved, ["uid-a"]);
+        let tries = failures.get();
+        tokio::time::sleep(SAVE_AGAIN_MAX * 2).await;
+        assert_eq!(failures.get(), tries, "no more writes once up to date");
+        std::fs::remove_dir_all(&dir).ok();
+    }
 
     #[test]
     fn an_unreadable_record_costs_only_its_pod_and_a_broken_file_is_kept_aside() {
