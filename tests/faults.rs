@@ -532,7 +532,7 @@ fn enrollment_flipped_back_and_forth_under_traffic_ends_right_each_time() {
     let outside: Vec<&Attempt> = failed
         .iter()
         .copied()
-        .filter(|a| !during_flip(*a))
+        .filter(|a| !during_flip(a))
         .collect();
     let took: Vec<Duration> = flips.iter().map(|(from, to)| *to - *from).collect();
     println!(
