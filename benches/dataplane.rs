@@ -298,6 +298,33 @@ fn print_measure(m: &Measure, paths: &[Path], kinds: &[Kind]) {
     }
 }
 
+const ALLOWED_CC: &str = "/proc/sys/net/ipv4/tcp_allowed_congestion_control";
+
+/// A netns other than the host's may only default to an algorithm the
+/// host allows; `allow` adds `ccs` to that list for the run and the drop
+/// puts the host's list back.
+struct AllowedCc(String);
+
+impl AllowedCc {
+    fn allow(ccs: &[String]) -> AllowedCc {
+        let before = std::fs::read_to_string(ALLOWED_CC).unwrap_or_default();
+        let mut list: Vec<&str> = before.split_whitespace().collect();
+        for cc in ccs {
+            if !list.contains(&cc.as_str()) {
+                list.push(cc);
+            }
+        }
+        std::fs::write(ALLOWED_CC, list.join(" ")).expect("allowing the congestion controls");
+        AllowedCc(before.trim().to_string())
+    }
+}
+
+impl Drop for AllowedCc {
+    fn drop(&mut self) {
+        let _ = std::fs::write(ALLOWED_CC, &self.0);
+    }
+}
+
 /// Sets `cc` as the default congestion control of every netns of the lab.
 fn set_cc(lab: &Lab, cc: &str) {
     let mut all = vec![lab.node.clone()];
@@ -667,6 +694,7 @@ fn main() {
          proxies: {}",
         kinds.iter().map(|k| k.name.as_str()).collect::<Vec<_>>().join(", ")
     );
+    let _allowed = AllowedCc::allow(&ccs);
     let mut summary = Vec::new();
     for cc in &ccs {
         let (measures, paths) = phase(cc, &kinds, secs, rounds, idle);

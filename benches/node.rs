@@ -16,7 +16,7 @@
 use std::time::{Duration, Instant};
 
 use ambit::lab::node::Node;
-use ambit::lab::{iperf3, rss_kb};
+use ambit::lab::{iperf3, pod_uid, rss_kb};
 
 fn hz() -> f64 {
     // SAFETY: sysconf has no preconditions.
@@ -85,7 +85,11 @@ fn main() {
     }
     std::thread::sleep(Duration::from_millis(500));
     let rss = rss_kb(pid);
-    let served = node.dump("127.0.0.1:15000").matches("\"uid-pod").count();
+    let dump = node.dump("127.0.0.1:15000");
+    let served = pods
+        .iter()
+        .filter(|p| dump.contains(&pod_uid(&p.name)))
+        .count();
     times.sort();
     let pct = |p: f64| {
         times[((times.len() as f64 * p).ceil() as usize)

@@ -529,11 +529,7 @@ fn enrollment_flipped_back_and_forth_under_traffic_ends_right_each_time() {
             .any(|(from, to)| a.at >= *from && a.at <= *to + Duration::from_millis(200))
     };
     let failed = failures(&attempts);
-    let outside: Vec<&Attempt> = failed
-        .iter()
-        .copied()
-        .filter(|a| !during_flip(a))
-        .collect();
+    let outside: Vec<&Attempt> = failed.iter().copied().filter(|a| !during_flip(a)).collect();
     let took: Vec<Duration> = flips.iter().map(|(from, to)| *to - *from).collect();
     println!(
         "6 enrollment flips, settled after {took:?}; {} connections, {} failed during a flip",
