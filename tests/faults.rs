@@ -599,13 +599,19 @@ struct Attempt {
 /// Round trips from one pod to an echo server, back to back, until stopped.
 struct Traffic {
     stop: Arc<AtomicBool>,
+    made: Arc<std::sync::atomic::AtomicUsize>,
     thread: std::thread::JoinHandle<Vec<Attempt>>,
 }
+
+/// Round trips [`Traffic::stop`] waits for at least, however fast the
+/// fault went by, so that a test's traffic spans it and some time after.
+const MIN_ATTEMPTS: usize = 25;
 
 impl Traffic {
     fn start(pod: &LabPod, echo: SocketAddr) -> Traffic {
         let stop = Arc::new(AtomicBool::new(false));
-        let (s, pod) = (stop.clone(), pod.clone());
+        let made = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (s, m, pod) = (stop.clone(), made.clone(), pod.clone());
         let thread = std::thread::spawn(move || {
             let mut attempts = Vec::new();
             while !s.load(Ordering::Relaxed) {
@@ -618,14 +624,19 @@ impl Traffic {
                     Err(e) => Some(e.to_string()),
                 };
                 attempts.push(Attempt { at, error });
+                m.store(attempts.len(), Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(20));
             }
             attempts
         });
-        Traffic { stop, thread }
+        Traffic { stop, made, thread }
     }
 
+    /// Stops once at least [`MIN_ATTEMPTS`] round trips were made.
     fn stop(self) -> Vec<Attempt> {
+        wait_until("enough round trips", Duration::from_secs(30), || {
+            self.made.load(Ordering::Relaxed) >= MIN_ATTEMPTS
+        });
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().unwrap()
     }
