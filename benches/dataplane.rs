@@ -185,6 +185,13 @@ fn proxies_rss(lab: &Lab, path: &Path) -> (u64, u64) {
 /// returns the proxies' RSS growth per connection in kB while they are held.
 fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
     let (before, _) = proxies_rss(lab, path);
+    let each: Vec<String> = path
+        .proxies
+        .iter()
+        .filter_map(|l| Some((l, lab.pid(l)?)))
+        .map(|(l, p)| format!("{l} {} kB ({} kB private)", rss_kb(p), anon_kb(p)))
+        .collect();
+    println!("{} before: {}", path.name, each.join(", "));
     let target = path.echo;
     let held = path
         .client
@@ -205,6 +212,13 @@ fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
         .unwrap_or_else(|e| panic!("{n} idle connections on {}: {e}", path.name));
     std::thread::sleep(Duration::from_millis(500));
     let (after, _) = proxies_rss(lab, path);
+    let each: Vec<String> = path
+        .proxies
+        .iter()
+        .filter_map(|l| Some((l, lab.pid(l)?)))
+        .map(|(l, p)| format!("{l} {} kB ({} kB private)", rss_kb(p), anon_kb(p)))
+        .collect();
+    println!("{} with {n} idle connections: {}", path.name, each.join(", "));
     drop(held);
     after.saturating_sub(before) as f64 / n as f64
 }

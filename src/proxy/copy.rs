@@ -348,7 +348,11 @@ async fn tcp_to_h2(
     let mut queued = false;
     loop {
         let n = loop {
-            buf.reserve(buf_size);
+            // A new buffer only when the last one is mostly used: a read
+            // that would block then costs no allocation.
+            if buf.capacity() - buf.len() < buf_size / 2 {
+                buf.reserve(buf_size);
+            }
             match src.try_read_buf(&mut buf) {
                 Ok(n) => break n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
