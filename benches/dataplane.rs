@@ -181,17 +181,22 @@ fn proxies_rss(lab: &Lab, path: &Path) -> (u64, u64) {
         .fold((0, 0), |(r, a), p| (r + rss_kb(p), a + anon_kb(p)))
 }
 
-/// Opens `n` connections through the path, each with one round trip, and
-/// returns the proxies' RSS growth per connection in kB while they are held.
-fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
-    let (before, _) = proxies_rss(lab, path);
+/// Each of the path's proxies' RSS and its private part, for the log.
+fn each_rss(lab: &Lab, path: &Path) -> String {
     let each: Vec<String> = path
         .proxies
         .iter()
         .filter_map(|l| Some((l, lab.pid(l)?)))
         .map(|(l, p)| format!("{l} {} kB ({} kB private)", rss_kb(p), anon_kb(p)))
         .collect();
-    println!("{} before: {}", path.name, each.join(", "));
+    each.join(", ")
+}
+
+/// Opens `n` connections through the path, each with one round trip, and
+/// returns the proxies' RSS growth per connection in kB while they are held.
+fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
+    let (before, _) = proxies_rss(lab, path);
+    println!("{} before: {}", path.name, each_rss(lab, path));
     let target = path.echo;
     let held = path
         .client
@@ -212,13 +217,11 @@ fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
         .unwrap_or_else(|e| panic!("{n} idle connections on {}: {e}", path.name));
     std::thread::sleep(Duration::from_millis(500));
     let (after, _) = proxies_rss(lab, path);
-    let each: Vec<String> = path
-        .proxies
-        .iter()
-        .filter_map(|l| Some((l, lab.pid(l)?)))
-        .map(|(l, p)| format!("{l} {} kB ({} kB private)", rss_kb(p), anon_kb(p)))
-        .collect();
-    println!("{} with {n} idle connections: {}", path.name, each.join(", "));
+    println!(
+        "{} with {n} idle connections: {}",
+        path.name,
+        each_rss(lab, path)
+    );
     drop(held);
     after.saturating_sub(before) as f64 / n as f64
 }
