@@ -377,9 +377,10 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
                 let name = format!("cnikill-{next}");
                 let hunter_stop = Arc::new(AtomicBool::new(false));
                 let hs = hunter_stop.clone();
+                let lab_id = node.lab.id.clone();
                 let hunter = std::thread::spawn(move || {
                     while !hs.load(Ordering::Relaxed) {
-                        if let Some(pid) = find_process("ambit-cni") {
+                        if let Some(pid) = find_process("ambit-cni", &lab_id) {
                             kill9(pid);
                             return true;
                         }
@@ -638,14 +639,24 @@ fn settled_sample(node: &Node, pods: &[&LabPod]) -> Vec<(u32, Sample)> {
         .collect()
 }
 
-/// The pid of a process whose name is `comm`, if one runs.
-fn find_process(comm: &str) -> Option<u32> {
+/// The pid of a running process named `comm` whose environment mentions
+/// `lab_id` (a CNI plugin gets its pod's netns path, named after the lab):
+/// this lab's, never another test's running beside it.
+fn find_process(comm: &str, lab_id: &str) -> Option<u32> {
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
         // `stat` is "pid (comm) state ...": a running one, not a zombie.
         let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
         let (name, rest) = stat.split_once('(')?.1.rsplit_once(')')?;
-        (name == comm && !rest.trim_start().starts_with('Z')).then_some(pid)
+        if name != comm || rest.trim_start().starts_with('Z') {
+            return None;
+        }
+        let environ = std::fs::read(e.path().join("environ")).ok()?;
+        let netns_of_this_lab = format!("{lab_id}-");
+        let ours = environ
+            .split(|&b| b == 0)
+            .any(|var| String::from_utf8_lossy(var).contains(&netns_of_this_lab));
+        ours.then_some(pid)
     })
 }
 
