@@ -32,8 +32,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ambit::lab::{
-    anon_kb, close_first_echo, connect_from, iperf3, rss_kb, short_connection, write_ca,
-    EchoServer, Ends, Lab, LabPod, ProxySpec,
+    anon_kb, close_first_echo, connect_from, cpu_seconds, iperf3, rss_kb,
+    set_default_congestion_control, short_connection, write_ca, EchoServer, Ends, Lab, LabPod,
+    ProxySpec,
 };
 
 fn env_or<T: std::str::FromStr>(key: &str, default: T) -> T {
@@ -41,24 +42,6 @@ fn env_or<T: std::str::FromStr>(key: &str, default: T) -> T {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(default)
-}
-
-fn hz() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
-}
-
-/// User + system CPU seconds of one process, all its threads.
-fn process_cpu(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces): state is 3,
-    // utime 14 and stime 15, counted from 1 over the whole line.
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .map(|t| t.parse().unwrap_or(0))
-        .collect();
-    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / hz()
 }
 
 /// The machine's irq + softirq seconds so far: the kernel's packet work,
@@ -73,7 +56,9 @@ fn irq_cpu() -> f64 {
         .skip(1)
         .filter_map(|t| t.parse().ok())
         .collect();
-    (t.get(5).copied().unwrap_or(0) + t.get(6).copied().unwrap_or(0)) as f64 / hz()
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    (t.get(5).copied().unwrap_or(0) + t.get(6).copied().unwrap_or(0)) as f64 / hz
 }
 
 /// CPU seconds of this process's children that have been waited for (the
@@ -123,7 +108,7 @@ impl Path {
 /// involved plus the kernel's packet work.
 fn iperf(lab: &Lab, path: &Path, secs: u64, streams: u32) -> (f64, f64) {
     let pids = path.pids(lab);
-    let cpu = || pids.iter().map(|&p| process_cpu(p)).sum::<f64>() + irq_cpu() + children_cpu();
+    let cpu = || pids.iter().map(|&p| cpu_seconds(p)).sum::<f64>() + irq_cpu() + children_cpu();
     let before = cpu();
     let p = streams.to_string();
     let extra: Vec<&str> = if streams > 1 { vec!["-P", &p] } else { vec![] };
@@ -344,19 +329,9 @@ impl Drop for AllowedCc {
 
 /// Sets `cc` as the default congestion control of every netns of the lab.
 fn set_cc(lab: &Lab, cc: &str) {
-    let mut all = vec![lab.node.clone()];
-    all.extend(lab.pods().iter().map(|p| p.ns.clone()));
-    for ns in all {
-        let out = ns
-            .command("sysctl")
-            .args(["-qw", &format!("net.ipv4.tcp_congestion_control={cc}")])
-            .output()
-            .expect("sysctl");
-        assert!(
-            out.status.success(),
-            "setting {cc}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+    let pods = lab.pods().iter().map(|p| &p.ns);
+    for ns in std::iter::once(&lab.node).chain(pods) {
+        set_default_congestion_control(ns, cc).unwrap_or_else(|e| panic!("setting {cc}: {e}"));
     }
 }
 

@@ -16,23 +16,7 @@
 use std::time::{Duration, Instant};
 
 use ambit::lab::node::Node;
-use ambit::lab::{iperf3, pod_uid, rss_kb};
-
-fn hz() -> f64 {
-    // SAFETY: sysconf has no preconditions.
-    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
-}
-
-/// User + system CPU seconds of one process, all its threads.
-fn process_cpu(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
-    let f: Vec<u64> = rest
-        .split_whitespace()
-        .map(|t| t.parse().unwrap_or(0))
-        .collect();
-    (f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0)) as f64 / hz()
-}
+use ambit::lab::{cpu_seconds, iperf3, pod_uid, rss_kb};
 
 fn main() {
     if std::env::args().any(|a| a == "--list") {
@@ -109,7 +93,7 @@ fn main() {
     for server in &pods[half..] {
         node.lab.start_iperf3_server(server).expect("iperf3 -s");
     }
-    let cpu_before = process_cpu(pid);
+    let cpu_before = cpu_seconds(pid);
     let started = Instant::now();
     let flows: Vec<_> = (0..half)
         .map(|i| {
@@ -125,7 +109,7 @@ fn main() {
         gbit += run.gbit;
     }
     let wall = started.elapsed().as_secs_f64();
-    let cpu = process_cpu(pid) - cpu_before;
+    let cpu = cpu_seconds(pid) - cpu_before;
     gbps.sort_by(|a, b| a.total_cmp(b));
     println!(
         "\n{half} flows at once between {n} pods (HBONE, all through the one shared proxy, {secs} s, congestion control {cc}):"

@@ -202,7 +202,7 @@ fn the_proxy_s_own_connections_use_its_congestion_control_and_apps_keep_theirs()
     // Every pod's default is reno (built into every kernel): what the
     // applications' own sockets must keep.
     for pod in [&client, &server, &outsider] {
-        set_default_congestion_control(pod, "reno").unwrap();
+        set_default_congestion_control(&pod.ns, "reno").unwrap();
     }
     m.write_config(&format!(
         "workloads:\n{}{}",

@@ -107,7 +107,7 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
     );
     // The shared proxy's sockets in the pod carry its congestion control
     // (cubic by default); the application's keep the pod's (reno here).
-    set_default_congestion_control(&client, "reno").unwrap();
+    set_default_congestion_control(&client.ns, "reno").unwrap();
     let mut held = connect_from(&client, echo.addr).unwrap();
     held.write_all(b"x").unwrap();
     held.read_exact(&mut [0u8; 1]).unwrap();

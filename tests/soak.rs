@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use ambit::lab::node::Node;
 use ambit::lab::{connect_from, echo_roundtrip, pod_uid, EchoServer, LabPod};
-use common::node::{fd_kinds, ipset_members, proxy_uids, served, state_uids};
+use common::node::{fd_kinds, ipset_members, proxy_uids, served, state_uids, veth_count};
 use common::wait_until;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
@@ -109,17 +109,6 @@ fn sample(pid: u32) -> Option<Sample> {
 
 fn netns_count() -> usize {
     let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().count()
-}
-
-fn veth_count(node: &Node) -> usize {
-    let out = node
-        .lab
-        .node
-        .command("ip")
-        .args(["-o", "link", "show", "type", "veth"])
-        .output()
-        .unwrap();
     String::from_utf8_lossy(&out.stdout).lines().count()
 }
 

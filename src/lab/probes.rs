@@ -60,11 +60,10 @@ pub struct Established {
     pub congestion_control: String,
 }
 
-/// Sets `pod`'s default TCP congestion control: what its applications'
-/// sockets get.
-pub fn set_default_congestion_control(pod: &LabPod, algorithm: &str) -> io::Result<()> {
-    let set = pod
-        .ns
+/// Sets the default TCP congestion control of a pod's (or any) netns: what
+/// its applications' sockets get.
+pub fn set_default_congestion_control(ns: &Netns, algorithm: &str) -> io::Result<()> {
+    let set = ns
         .command("sysctl")
         .args([
             "-qw",
@@ -135,6 +134,23 @@ pub fn time_waits(pod: &LabPod, port: u16) -> io::Result<String> {
 /// Resident memory of a process in kB (`/proc/<pid>/status` VmRSS; 0 if unknown).
 pub fn rss_kb(pid: u32) -> u64 {
     status_kb(pid, "VmRSS")
+}
+
+/// User + system CPU seconds of process `pid` so far, all its threads.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // After the command name (which may hold spaces): utime and stime are
+    // the 12th and 13th fields.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let ticks: u64 = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|t| t.parse::<u64>().ok())
+        .sum();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
+    ticks as f64 / hz as f64
 }
 
 /// The private (anonymous) part of [`rss_kb`], `RssAnon`: what one more such

@@ -158,3 +158,15 @@ pub fn metric_value(metrics: &str, name: &str) -> Option<f64> {
         .lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
 }
+
+/// Veths on the node's side (one per pod on the bridge).
+pub fn veth_count(node: &Node) -> usize {
+    let out = node
+        .lab
+        .node
+        .command("ip")
+        .args(["-o", "link", "show", "type", "veth"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).lines().count()
+}
