@@ -18,11 +18,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ambit::lab::kubeapi::{FakeApi, Kind};
+use ambit::lab::kubeapi::Kind;
 use ambit::lab::node::Node;
 use ambit::lab::{connect_from, echo_roundtrip, istio_rules, pod_uid, EchoServer, LabPod};
 use common::counter;
-use common::kube::{annotated, kube_node, pod, set_running, wait_for, MODE};
+use common::kube::{enrolled_as, kube_node, pod, set_running, wait_for, MODE};
 use common::node::{
     fd_kinds, ipset_entries, ipset_members, metric_value, mtls_from, netns_held, proxy_pods_at,
     proxy_uids, round_trip, served, state_records_at, state_uids, state_uids_at, veth_count, ADMIN,
@@ -483,7 +483,7 @@ fn enrollment_flipped_back_and_forth_under_traffic_ends_right_each_time() {
     set_running(&api, "mesh", &f1);
     let echo = EchoServer::start(&s1, 8080).unwrap();
     wait_for("f1 enrolled by its ADD", &node, || {
-        enrolled_as(&node, &api, &f1, true)
+        enrolled_as(&node, &api, "mesh", &f1, true)
     });
     let traffic = Traffic::start(&f1, echo.addr);
 
@@ -499,7 +499,9 @@ fn enrollment_flipped_back_and_forth_under_traffic_ends_right_each_time() {
         } else {
             "f1 released"
         };
-        wait_for(what, &node, || enrolled_as(&node, &api, &f1, enrolled));
+        wait_for(what, &node, || {
+            enrolled_as(&node, &api, "mesh", &f1, enrolled)
+        });
         flips.push((from, Instant::now()));
         // Its traffic now goes as its state says: over HBONE into s1's
         // proxy, or in plaintext into s1's capture.
@@ -531,34 +533,6 @@ fn enrollment_flipped_back_and_forth_under_traffic_ends_right_each_time() {
         "connections failed outside a flip: {:?}",
         &outside[..outside.len().min(3)]
     );
-}
-
-/// Whether `pod` is in the state a flip asked for: enrolled (captured,
-/// served by the proxy, annotated) or not (none of these).
-fn enrolled_as(node: &Node, api: &FakeApi, pod: &LabPod, enrolled: bool) -> bool {
-    let uid = pod_uid(&pod.name);
-    let Some(in_proxy) = proxy_uids(node).map(|p| p.contains(&uid)) else {
-        return false;
-    };
-    let captured = istio_rules(pod) > 0;
-    let route = ip_rule_in(pod);
-    let annotation = annotated(api, "mesh", &pod.name);
-    if enrolled {
-        captured && route && in_proxy && annotation.as_deref() == Some("enabled")
-    } else {
-        !captured && !route && !in_proxy && annotation.is_none()
-    }
-}
-
-/// Whether the pod's netns has the in-pod policy route rule (fwmark 0x111 → table 100).
-fn ip_rule_in(pod: &LabPod) -> bool {
-    let out = pod
-        .ns
-        .command("ip")
-        .args(["rule", "list"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).contains("lookup 100")
 }
 
 /// Connections the proxy opened into pod `name` with the given security.

@@ -3,11 +3,15 @@
 //! traffic between two meshed pods, short connections and one long flow,
 //! while a driver creates and deletes pods, edits the local config, and
 //! sends SIGKILL to the proxy, to the agent, and to `ambit-cni` in the
-//! middle of an ADD. What must hold is checked as it goes and at the end,
-//! and printed as a table.
+//! middle of an ADD. The mesh state comes from the local config, from
+//! `ambit control-plane` (killed too), or, with pods enrolled by their
+//! labels from the (fake) Kubernetes API server, which is killed and
+//! started again while the driver also flips pods' enrollment, some of
+//! them while the agent or the API server is down. What must hold is
+//! checked as it goes and at the end, and printed as a table.
 //!
-//! `soak_short` runs with the other tests (about a minute). The long soak
-//! is ignored by default:
+//! The short soaks run with the other tests (under a minute each). The
+//! long soak is ignored by default:
 //!
 //! ```text
 //! AMBIT_SOAK_SECS=600 cargo test --test soak -- --ignored --nocapture
@@ -22,15 +26,27 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ambit::lab::kubeapi::{FakeApi, Kind};
 use ambit::lab::node::Node;
 use ambit::lab::{connect_from, echo_roundtrip, pod_uid, EchoServer, LabPod};
-use common::node::{fd_kinds, ipset_members, proxy_uids, served, state_uids, veth_count};
+use common::kube::{enrolled_as, kube_node, pod, set_running, MODE};
+use common::node::{
+    fd_kinds, ipset_members, mtls_from, proxy_uids, round_trip, served, state_uids, veth_count,
+    METRICS,
+};
 use common::wait_until;
+use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 
 /// How long a pod whose ADD succeeded may take to be served over HBONE.
 const SERVE_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long a pod whose enrollment label flipped may take to be as the
+/// label says (captured and served over HBONE, or released with nothing
+/// left), counted from the flip or, if the agent or the API server was
+/// down then, from when it was back.
+const FLIP_LIMIT: Duration = Duration::from_secs(10);
 
 /// After a proxy is killed, how long new connections may fail: until the
 /// new proxy is ready and has taken the pods, plus this for the kernel to
@@ -41,16 +57,35 @@ const HANDOVER_SLACK: Duration = Duration::from_secs(1);
 /// means a meshed connection left in plaintext.
 const MARKER: &[u8] = b"AMBIT-SOAK-CLEAR-7f3a";
 
+/// Where the node's mesh state and enrollment come from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// The local config; pods enrolled by namespace.
+    LocalConfig,
+    /// `ambit control-plane` on the node (killed too).
+    ControlPlane,
+    /// Pods enrolled by their labels from the fake Kubernetes API server
+    /// (killed too); the driver flips enrollment.
+    Kubernetes,
+}
+
 #[test]
 fn soak_short() {
-    soak("soak", Duration::from_secs(45), 19, false);
+    soak("soak", Duration::from_secs(45), 19, Source::LocalConfig);
 }
 
 /// The same with the node's mesh state and certificates from `ambit
 /// control-plane`, which is killed too.
 #[test]
 fn soak_short_with_a_control_plane() {
-    soak("soakcp", Duration::from_secs(30), 7, true);
+    soak("soakcp", Duration::from_secs(30), 7, Source::ControlPlane);
+}
+
+/// The same with pods enrolled by their labels from the Kubernetes API
+/// server, which is killed too, and pods' enrollment flipped.
+#[test]
+fn soak_short_enrolled_from_kubernetes() {
+    soak("soakkube", Duration::from_secs(40), 11, Source::Kubernetes);
 }
 
 #[test]
@@ -60,8 +95,24 @@ fn soak_long() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(600);
-    soak("soaklong", Duration::from_secs(secs), 20_261_130, false);
-    soak("soaklongcp", Duration::from_secs(secs), 20_261_131, true);
+    soak(
+        "soaklong",
+        Duration::from_secs(secs),
+        20_261_130,
+        Source::LocalConfig,
+    );
+    soak(
+        "soaklongcp",
+        Duration::from_secs(secs),
+        20_261_131,
+        Source::ControlPlane,
+    );
+    soak(
+        "soaklongkube",
+        Duration::from_secs(secs),
+        20_261_201,
+        Source::Kubernetes,
+    );
 }
 
 /// One attempt of the short-connection loop.
@@ -78,8 +129,22 @@ struct Window {
     to: Instant,
 }
 
-/// A process sample: (when, descriptors, threads, RSS kB).
-type Sample = (Instant, usize, usize, u64);
+/// What a process holds at one moment.
+#[derive(Clone, Copy)]
+struct Sample {
+    /// Descriptors other than pipes.
+    fds: usize,
+    /// Pipe descriptors: the proxy keeps a few empty splice pipes per
+    /// worker thread for the next passthrough connection, so these may
+    /// grow up to [`SPARE_PIPE_FDS`] with no leak.
+    pipes: usize,
+    threads: usize,
+    rss_kb: u64,
+}
+
+/// Pipe descriptors the proxy may keep for reuse: up to 4 spare pipes
+/// (2 descriptors each) on each of its 2 worker threads.
+const SPARE_PIPE_FDS: usize = 4 * 2 * 2;
 
 #[derive(Default)]
 struct Counts {
@@ -94,6 +159,9 @@ struct Counts {
     config_edits: usize,
     state_checks: usize,
     slowest_serve: Duration,
+    flips: usize,
+    flips_while_down: usize,
+    slowest_flip: Duration,
 }
 
 fn kill9(pid: u32) {
@@ -102,23 +170,40 @@ fn kill9(pid: u32) {
 }
 
 fn sample(pid: u32) -> Option<Sample> {
-    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
+    let all = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
+    let pipes = fd_kinds(pid).get("pipe").copied().unwrap_or(0);
     let threads = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.count();
-    Some((Instant::now(), fds, threads, ambit::lab::rss_kb(pid)))
+    Some(Sample {
+        fds: all.saturating_sub(pipes),
+        pipes,
+        threads,
+        rss_kb: ambit::lab::rss_kb(pid),
+    })
 }
 
-fn netns_count() -> usize {
+/// This lab's network namespaces (soaks run side by side: never another's).
+fn netns_count(node: &Node) -> usize {
     let out = Command::new("ip").args(["netns", "list"]).output().unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().count()
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&node.lab.id))
+        .count()
 }
 
-/// Kills the process `label` with SIGKILL, starts it again and waits until
-/// it is ready; returns when it died and when its successor was ready.
-fn kill_and_restart(node: &Node, label: &str, ready: (&str, &str)) -> Window {
+/// Kills the process `label` with SIGKILL, does `meanwhile`, starts it
+/// again and waits until it is ready; returns when it died and when its
+/// successor was ready.
+fn kill_and_restart(
+    node: &Node,
+    label: &str,
+    ready: (&str, &str),
+    meanwhile: impl FnOnce(),
+) -> Window {
     let pid = node.lab.pid(label).expect("process running");
     let from = Instant::now();
     kill9(pid);
     node.lab.stop(label); // reaps it
+    meanwhile();
     node.lab.spawn(label, node.command(label)).unwrap();
     node.wait_ready(ready.0, ready.1);
     Window {
@@ -198,16 +283,128 @@ fn node_with_control_plane(tag: &str) -> Node {
     node
 }
 
-fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
-    let mut node = if with_cp {
-        node_with_control_plane(tag)
-    } else {
-        Node::start_with(BIN, tag, "namespaces:default", false)
+/// Where the Kubernetes-mode soak's pods live (labelled ambient).
+const KUBE_NS: &str = "mesh";
+
+/// A node `node-a` whose agent enrolls pods by their labels from the fake
+/// API server, with the API objects of the two pods that carry traffic.
+fn node_enrolled_from_kubernetes(tag: &str) -> (Node, FakeApi) {
+    let subnet = "10.152.0";
+    let mesh = format!(
+        "workloads:\n\
+         - {{name: client, namespace: {KUBE_NS}, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n\
+         - {{name: server, namespace: {KUBE_NS}, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
+    );
+    let (node, api) = kube_node(tag, subnet, &mesh);
+    api.put(Kind::Pod, pod(KUBE_NS, "client", "node-a", "client-sa"));
+    api.put(Kind::Pod, pod(KUBE_NS, "server", "node-a", "server-sa"));
+    node.launch(false);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    node.wait_ready("127.0.0.1:15021", "/healthz/ready");
+    (node, api)
+}
+
+/// Pods come and go as kubelet makes them: with an API server, the pod
+/// object is there before its sandbox's ADD and runs once it succeeded;
+/// the sandbox is deleted (CNI DEL, then its netns) before the object.
+struct Pods<'a> {
+    api: Option<&'a FakeApi>,
+    ns: &'static str,
+}
+
+impl Pods<'_> {
+    fn add(&self, node: &mut Node, name: &str) -> Result<LabPod, String> {
+        if let Some(api) = self.api {
+            // The two pods that carry traffic already have theirs.
+            if api.get(Kind::Pod, self.ns, name).is_none() {
+                api.put(Kind::Pod, pod(self.ns, name, "node-a", "default"));
+            }
+        }
+        let added = node.add_pod(name, self.ns);
+        if let (Some(api), Ok(p)) = (self.api, &added) {
+            set_running(api, self.ns, p);
+        }
+        added
+    }
+
+    fn delete(&self, node: &mut Node, name: &str) {
+        let _ = node.delete_pod(name, self.ns);
+        if let Some(api) = self.api {
+            api.delete(Kind::Pod, self.ns, name);
+        }
+    }
+}
+
+/// A pod whose enrollment label the driver flipped.
+struct Flip {
+    pod: LabPod,
+    enroll: bool,
+}
+
+/// Flips the label of a live pod (if any): a released pod gets
+/// `istio.io/dataplane-mode=ambient` again, an enrolled one `none`.
+fn flip(
+    api: &FakeApi,
+    live: &[LabPod],
+    released: &mut BTreeSet<String>,
+    rng: &mut fastrand::Rng,
+) -> Option<Flip> {
+    if live.is_empty() {
+        return None;
+    }
+    let pod = live[rng.usize(0..live.len())].clone();
+    let enroll = released.remove(&pod.name);
+    if !enroll {
+        released.insert(pod.name.clone());
+    }
+    let mode = if enroll { "ambient" } else { "none" };
+    api.update(Kind::Pod, KUBE_NS, &pod.name, |o| {
+        o["metadata"]["labels"][MODE] = json!(mode)
+    });
+    Some(Flip { pod, enroll })
+}
+
+/// Waits until a flipped pod is as its label says: enrolled (captured, in
+/// the proxy, annotated, its new connections over mTLS) or released (none
+/// of these, its connections working in plaintext). How long it took, or
+/// `None` past [`FLIP_LIMIT`].
+fn settle(node: &Node, api: &FakeApi, f: &Flip, echo: SocketAddr) -> Option<Duration> {
+    let t = Instant::now();
+    while t.elapsed() < FLIP_LIMIT {
+        if enrolled_as(node, api, KUBE_NS, &f.pod, f.enroll) {
+            let before = mtls_from(node, METRICS, &f.pod.name);
+            if round_trip(&f.pod, echo)
+                && (mtls_from(node, METRICS, &f.pod.name) > before) == f.enroll
+            {
+                return Some(t.elapsed());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    None
+}
+
+fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
+    let (mut node, api) = match source {
+        Source::LocalConfig => (
+            Node::start_with(BIN, tag, "namespaces:default", false),
+            None,
+        ),
+        Source::ControlPlane => (node_with_control_plane(tag), None),
+        Source::Kubernetes => {
+            let (node, api) = node_enrolled_from_kubernetes(tag);
+            (node, Some(api))
+        }
     };
-    let netns_before = netns_count();
+    let with_cp = source == Source::ControlPlane;
+    let pods = Pods {
+        api: api.as_ref(),
+        ns: if api.is_some() { KUBE_NS } else { "default" },
+    };
+    let netns_before = netns_count(&node);
     let veths_before = veth_count(&node);
-    let client = node.add_pod("client", "default").unwrap();
-    let server = node.add_pod("server", "default").unwrap();
+    let client = pods.add(&mut node, "client").unwrap();
+    let server = pods.add(&mut node, "server").unwrap();
     let echo = EchoServer::start(&server, 8080).unwrap();
     let target = echo.addr;
 
@@ -267,6 +464,9 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut counts = Counts::default();
     let mut live: Vec<LabPod> = Vec::new();
+    // Live pods whose label says `none` now.
+    let mut released: BTreeSet<String> = BTreeSet::new();
+    let mut flip_failures: Vec<String> = Vec::new();
     let mut gone: Vec<String> = Vec::new();
     let mut proxy_windows: Vec<Window> = Vec::new();
     let mut agent_windows: Vec<Window> = Vec::new();
@@ -283,10 +483,11 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
         if !faults && baseline.is_none() {
             // Faults over: back to the two pods, then the processes' baseline.
             for pod in std::mem::take(&mut live) {
-                let _ = node.delete_pod(&pod.name, "default");
+                pods.delete(&mut node, &pod.name);
                 gone.push(pod_uid(&pod.name));
                 counts.deletes += 1;
             }
+            released.clear();
             baseline = Some(settled_sample(&node, &[&client, &server]));
             steady_churn = counts.adds + counts.deletes;
         }
@@ -299,7 +500,7 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
             0..=34 if live.len() < 12 => {
                 next += 1;
                 let name = format!("churn-{next}");
-                match node.add_pod(&name, "default") {
+                match pods.add(&mut node, &name) {
                     Ok(pod) => {
                         counts.adds += 1;
                         let t = Instant::now();
@@ -319,7 +520,7 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
                     Err(e) => {
                         counts.adds_failed += 1;
                         eprintln!("ADD of {name} failed: {e}");
-                        let _ = node.delete_pod(&name, "default");
+                        pods.delete(&mut node, &name);
                         gone.push(pod_uid(&name));
                     }
                 }
@@ -327,17 +528,64 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
             // A pod goes (as a runtime deletes it: CNI DEL, then its netns).
             0..=54 if !live.is_empty() => {
                 let pod = live.swap_remove(rng.usize(0..live.len()));
-                let _ = node.delete_pod(&pod.name, "default");
+                released.remove(&pod.name);
+                pods.delete(&mut node, &pod.name);
                 gone.push(pod_uid(&pod.name));
                 counts.deletes += 1;
             }
+            // In Kubernetes mode, half the kills come with a pod's label
+            // flipped while the process is down.
             55..=64 => {
+                let mut flipped = None;
                 proxy_windows.push(kill_and_restart(
                     &node,
                     "proxy",
                     ("127.0.0.1:15021", "/healthz/ready"),
+                    || {
+                        if let Some(api) = api.as_ref().filter(|_| rng.bool()) {
+                            flipped = flip(api, &live, &mut released, &mut rng);
+                        }
+                    },
                 ));
                 counts.proxy_kills += 1;
+                if let (Some(api), Some(f)) = (api.as_ref(), flipped) {
+                    counts.flips_while_down += 1;
+                    settled_flip(
+                        &node,
+                        api,
+                        &f,
+                        target,
+                        &mut counts,
+                        &mut flip_failures,
+                        "while the proxy was down",
+                    );
+                }
+            }
+            // The API server dies and comes back on the same address: its
+            // watches are cut and must be made again from a new list.
+            65..=74 if api.is_some() && roll % 2 == 0 => {
+                let api = api.as_ref().unwrap();
+                api.kill();
+                let flipped = if rng.bool() {
+                    flip(api, &live, &mut released, &mut rng)
+                } else {
+                    None
+                };
+                std::thread::sleep(Duration::from_millis(rng.u64(200..1500)));
+                api.start_again().unwrap();
+                counts.cp_kills += 1;
+                if let Some(f) = flipped {
+                    counts.flips_while_down += 1;
+                    settled_flip(
+                        &node,
+                        api,
+                        &f,
+                        target,
+                        &mut counts,
+                        &mut flip_failures,
+                        "while the API server was down",
+                    );
+                }
             }
             65..=74 if with_cp && roll % 2 == 0 => {
                 let pid = node.lab.pid("cp").expect("control plane running");
@@ -350,12 +598,30 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
                 counts.cp_kills += 1;
             }
             65..=74 => {
+                let mut flipped = None;
                 agent_windows.push(kill_and_restart(
                     &node,
                     "agent",
                     ("127.0.0.1:8000", "/readyz"),
+                    || {
+                        if let Some(api) = api.as_ref().filter(|_| rng.bool()) {
+                            flipped = flip(api, &live, &mut released, &mut rng);
+                        }
+                    },
                 ));
                 counts.agent_kills += 1;
+                if let (Some(api), Some(f)) = (api.as_ref(), flipped) {
+                    counts.flips_while_down += 1;
+                    settled_flip(
+                        &node,
+                        api,
+                        &f,
+                        target,
+                        &mut counts,
+                        &mut flip_failures,
+                        "while the agent was down",
+                    );
+                }
                 state_uids(&node);
                 counts.state_checks += 1;
             }
@@ -377,7 +643,7 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
                     }
                     false
                 });
-                let added = node.add_pod(&name, "default");
+                let added = pods.add(&mut node, &name);
                 hunter_stop.store(true, Ordering::Relaxed);
                 let killed = hunter.join().unwrap();
                 counts.cni_kill_tries += 1;
@@ -392,9 +658,24 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
                             eprintln!("ADD of {name} failed: {e}");
                         }
                         counts.adds_failed += 1;
-                        let _ = node.delete_pod(&name, "default");
+                        pods.delete(&mut node, &name);
                         gone.push(pod_uid(&name));
                     }
+                }
+            }
+            // A pod's enrollment label flips.
+            90..=99 if api.is_some() => {
+                let api = api.as_ref().unwrap();
+                if let Some(f) = flip(api, &live, &mut released, &mut rng) {
+                    settled_flip(
+                        &node,
+                        api,
+                        &f,
+                        target,
+                        &mut counts,
+                        &mut flip_failures,
+                        "under traffic",
+                    );
                 }
             }
             // The local config changes (a workload comes or goes).
@@ -424,16 +705,12 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
     let (trips, breaks) = long.join().unwrap();
 
     // What the node holds once settled: the live pods, nothing deleted.
-    let want: BTreeSet<String> = ["client", "server"]
-        .iter()
-        .map(|n| pod_uid(n))
-        .chain(live.iter().map(|p| pod_uid(&p.name)))
-        .collect();
-    let want_ips: BTreeSet<String> = [&client, &server]
+    let enrolled: Vec<&LabPod> = [&client, &server]
         .into_iter()
-        .chain(live.iter())
-        .map(|p| p.ip.to_string())
+        .chain(live.iter().filter(|p| !released.contains(&p.name)))
         .collect();
+    let want: BTreeSet<String> = enrolled.iter().map(|p| pod_uid(&p.name)).collect();
+    let want_ips: BTreeSet<String> = enrolled.iter().map(|p| p.ip.to_string()).collect();
     let mut settled = Duration::ZERO;
     let t = Instant::now();
     let held_right = |node: &Node| {
@@ -490,20 +767,20 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
     // churned without faults are gone.
     steady_churn = counts.adds + counts.deletes - steady_churn;
     for pod in std::mem::take(&mut live) {
-        let _ = node.delete_pod(&pod.name, "default");
+        pods.delete(&mut node, &pod.name);
     }
     let end = settled_sample(&node, &[&client, &server]);
 
     let baseline = baseline.expect("a phase without faults");
 
     // Every pod deleted: the host is back to where it started.
-    let _ = node.delete_pod("client", "default");
-    let _ = node.delete_pod("server", "default");
+    pods.delete(&mut node, "client");
+    pods.delete(&mut node, "server");
     let mut leftovers = (0, 0);
     let t = Instant::now();
     while t.elapsed() < Duration::from_secs(10) {
         leftovers = (
-            netns_count().saturating_sub(netns_before),
+            netns_count(&node).saturating_sub(netns_before),
             veth_count(&node).saturating_sub(veths_before),
         );
         if leftovers == (0, 0) {
@@ -513,10 +790,10 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
     }
 
     let failed_total = failed_in.len() + failed_out.len();
-    let source = if with_cp {
-        "from ambit control-plane"
-    } else {
-        "from the local config"
+    let source = match source {
+        Source::LocalConfig => "from the local config",
+        Source::ControlPlane => "from ambit control-plane",
+        Source::Kubernetes => "from the local config, pods enrolled by label from the API server",
     };
     println!("\nsoak {tag}: {churn_secs:.0} s of churn, seed {seed}, mesh state {source}");
     println!("| measure | value |\n|---|---|");
@@ -529,7 +806,22 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
         "| SIGKILLs: proxy / agent / ambit-cni mid-ADD (of tries) | {} / {} / {} ({}) |",
         counts.proxy_kills, counts.agent_kills, counts.cni_kills, counts.cni_kill_tries
     );
-    println!("| control plane SIGKILLs | {} |", counts.cp_kills);
+    println!(
+        "| control plane SIGKILLs (the API server's kills in Kubernetes mode) | {} |",
+        counts.cp_kills
+    );
+    if api.is_some() {
+        println!(
+            "| enrollment flips (of them while the proxy, agent or API server was down) / not as the label says within {FLIP_LIMIT:?} | {} ({}) / {} |",
+            counts.flips,
+            counts.flips_while_down,
+            flip_failures.len()
+        );
+        println!(
+            "| slowest flip, from the flip or the process back | {:?} |",
+            counts.slowest_flip
+        );
+    }
     println!("| mesh config edits | {} |", counts.config_edits);
     println!(
         "| short connections / failed in a proxy kill window / failed outside | {} / {} / {} |",
@@ -555,8 +847,8 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
     );
     for (label, (b, e)) in ["agent", "proxy"].iter().zip(baseline.iter().zip(&end)) {
         println!(
-            "| {label} before and after {steady_churn} pod adds and deletes without faults: fds / threads / RSS | {} → {} / {} → {} / {} → {} kB |",
-            b.1 .1, e.1 .1, b.1 .2, e.1 .2, b.1 .3, e.1 .3
+            "| {label} before and after {steady_churn} pod adds and deletes without faults: fds besides pipes / pipes / threads / RSS | {} → {} / {} → {} / {} → {} / {} → {} kB |",
+            b.1.fds, e.1.fds, b.1.pipes, e.1.pipes, b.1.threads, e.1.threads, b.1.rss_kb, e.1.rss_kb
         );
     }
     println!(
@@ -577,6 +869,10 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
         "pods never served: {serve_failures:?}"
     );
     assert!(
+        flip_failures.is_empty(),
+        "pods not as their label says: {flip_failures:?}"
+    );
+    assert!(
         gone_held.is_empty(),
         "deleted pods still held: {gone_held:?}"
     );
@@ -595,19 +891,49 @@ fn soak(tag: &str, length: Duration, seed: u64, with_cp: bool) {
     );
     for (label, (b, e)) in ["agent", "proxy"].iter().zip(baseline.iter().zip(&end)) {
         assert_eq!(b.0, e.0, "{label} restarted without a fault");
+        let end_pid = e.0;
+        let (b, e) = (b.1, e.1);
         assert!(
-            e.1 .1 <= b.1 .1 + 2 && e.1 .2 <= b.1 .2 + 2,
-            "{label}: descriptors or threads grew over the churn: {:?} → {:?}; open now: {:?}",
-            (b.1 .1, b.1 .2),
-            (e.1 .1, e.1 .2),
-            fd_kinds(e.0)
+            e.fds <= b.fds + 2 && e.threads <= b.threads + 2 && e.pipes <= b.pipes + SPARE_PIPE_FDS,
+            "{label}: descriptors or threads grew over the churn: fds {} → {}, pipes {} → {}, threads {} → {}; open now: {:?}",
+            b.fds,
+            e.fds,
+            b.pipes,
+            e.pipes,
+            b.threads,
+            e.threads,
+            fd_kinds(end_pid)
         );
         assert!(
-            e.1 .3 <= b.1 .3 + 8 * 1024,
+            e.rss_kb <= b.rss_kb + 8 * 1024,
             "{label}: RSS grew over the churn: {} → {} kB",
-            b.1 .3,
-            e.1 .3
+            b.rss_kb,
+            e.rss_kb
         );
+    }
+}
+
+/// Counts a flip and waits for it to settle; one that does not is a failure.
+fn settled_flip(
+    node: &Node,
+    api: &FakeApi,
+    f: &Flip,
+    echo: SocketAddr,
+    counts: &mut Counts,
+    failures: &mut Vec<String>,
+    when: &str,
+) {
+    counts.flips += 1;
+    match settle(node, api, f, echo) {
+        Some(took) => {
+            eprintln!("flip of {} {when}: settled in {took:?}", f.pod.name);
+            counts.slowest_flip = counts.slowest_flip.max(took)
+        }
+        None => {
+            let want = if f.enroll { "enrolled" } else { "released" };
+            eprintln!("{} not {want} within {FLIP_LIMIT:?}", f.pod.name);
+            failures.push(format!("{} ({want})", f.pod.name));
+        }
     }
 }
 

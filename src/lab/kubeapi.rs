@@ -2,7 +2,9 @@
 //! serves list and watch of pods and namespaces (with resourceVersions and a
 //! replayable history), single GETs, and merge patches on `pods/status`,
 //! which it records. [`FakeApi::expire_watches`] ends every open watch with
-//! `410 Gone`, as an API server does when its watch cache has moved on.
+//! `410 Gone`, as an API server does when its watch cache has moved on;
+//! [`FakeApi::kill`] and [`FakeApi::start_again`] take it down and bring it
+//! back on the same address, as a killed and restarted API server.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -77,6 +79,15 @@ struct Inner {
 pub struct FakeApi {
     pub addr: SocketAddr,
     inner: Arc<Mutex<Inner>>,
+    ns: Netns,
+    /// The serving thread, while the server is up.
+    server: Mutex<Option<Server>>,
+}
+
+/// The thread serving one listener, and how to stop it.
+struct Server {
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
 }
 
 /// Where an object is stored: namespaces are cluster-scoped.
@@ -197,39 +208,88 @@ fn reply(code: StatusCode, v: &Value) -> Response<Body> {
         .unwrap_or_default()
 }
 
+/// Serves `listener` on a thread of its own until told to stop; stopping
+/// drops the listener and every connection with the thread's runtime.
+fn serve_on(listener: std::net::TcpListener, state: Arc<Mutex<Inner>>) -> std::io::Result<Server> {
+    listener.set_nonblocking(true)?;
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
+            loop {
+                let stream = tokio::select! {
+                    _ = &mut stopped => return,
+                    accepted = listener.accept() => match accepted {
+                        Ok((stream, _)) => stream,
+                        Err(_) => continue,
+                    },
+                };
+                let state = state.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| {
+                        let state = state.clone();
+                        async move { Ok::<_, Infallible>(serve(&state, req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        // Dropping the runtime here drops every connection it served.
+    });
+    Ok(Server { stop, thread })
+}
+
 impl FakeApi {
     /// Starts the server on 127.0.0.1 inside `ns` (where the agent runs).
     pub fn start(ns: &Netns) -> std::io::Result<FakeApi> {
         let listener = ns.run(|| std::net::TcpListener::bind("127.0.0.1:0"))??;
-        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let inner = Arc::new(Mutex::new(Inner::default()));
-        let state = inner.clone();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .expect("runtime");
-            rt.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener).expect("listener");
-                loop {
-                    let Ok((stream, _)) = listener.accept().await else {
-                        continue;
-                    };
-                    let state = state.clone();
-                    tokio::spawn(async move {
-                        let svc = service_fn(move |req| {
-                            let state = state.clone();
-                            async move { Ok::<_, Infallible>(serve(&state, req).await) }
-                        });
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .serve_connection(TokioIo::new(stream), svc)
-                            .await;
-                    });
-                }
-            });
-        });
-        Ok(FakeApi { addr, inner })
+        let server = serve_on(listener, inner.clone())?;
+        Ok(FakeApi {
+            addr,
+            inner,
+            ns: ns.clone(),
+            server: Mutex::new(Some(server)),
+        })
+    }
+
+    /// The server dies, as a killed API server process does: its listener
+    /// closes (new connections are refused) and every open connection,
+    /// watches included, is cut without a last chunk. The objects stay, as
+    /// they would in etcd. Does nothing if it is already down.
+    pub fn kill(&self) {
+        let server = self.server.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(server) = server {
+            let _ = server.stop.send(());
+            let _ = server.thread.join();
+        }
+        self.lock().watches.clear();
+    }
+
+    /// The server comes back on the same address. Like a restarted API
+    /// server, whose watch cache starts from what etcd holds now, it
+    /// refuses watches from any resourceVersion before now (410 Gone), so
+    /// clients list again.
+    pub fn start_again(&self) -> std::io::Result<()> {
+        let mut server = self.server.lock().unwrap_or_else(|e| e.into_inner());
+        if server.is_some() {
+            return Ok(());
+        }
+        let addr = self.addr;
+        let listener = self.ns.run(move || std::net::TcpListener::bind(addr))??;
+        {
+            let mut inner = self.lock();
+            inner.oldest = inner.rv;
+        }
+        *server = Some(serve_on(listener, self.inner.clone())?);
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {

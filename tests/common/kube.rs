@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use ambit::lab::kubeapi::{FakeApi, Kind};
 use ambit::lab::node::Node;
-use ambit::lab::{pod_uid, LabPod};
+use ambit::lab::{istio_rules, pod_uid, LabPod};
+
+use super::node::proxy_uids;
 use serde_json::{json, Value};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_ambit");
@@ -118,4 +120,32 @@ pub fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
     }
     agent_objects(&api);
     (node, api)
+}
+
+/// Whether `pod` is in the state a flip asked for: enrolled (captured,
+/// served by the proxy, annotated) or not (none of these).
+pub fn enrolled_as(node: &Node, api: &FakeApi, ns: &str, pod: &LabPod, enrolled: bool) -> bool {
+    let uid = pod_uid(&pod.name);
+    let Some(in_proxy) = proxy_uids(node).map(|p| p.contains(&uid)) else {
+        return false;
+    };
+    let captured = istio_rules(pod) > 0;
+    let route = ip_rule_in(pod);
+    let annotation = annotated(api, ns, &pod.name);
+    if enrolled {
+        captured && route && in_proxy && annotation.as_deref() == Some("enabled")
+    } else {
+        !captured && !route && !in_proxy && annotation.is_none()
+    }
+}
+
+/// Whether the pod's netns has the in-pod policy route rule (fwmark 0x111 → table 100).
+pub fn ip_rule_in(pod: &LabPod) -> bool {
+    let out = pod
+        .ns
+        .command("ip")
+        .args(["rule", "list"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).contains("lookup 100")
 }
