@@ -1,8 +1,8 @@
 //! Faults a node meets besides SIGKILLs (issue #19), one test each, through
-//! the real binaries on a lab node: the ZDS socket file removed under a
-//! running agent and proxy; a full disk under the agent's state file; a
-//! pod's sandbox recreated with the same UID in a new netns; a netns
-//! deleted while its ADD runs; the CNI conflist rewritten every second by
+//! the real binaries on a lab node: the ZDS socket file, or the plugin
+//! event socket file, removed under a running agent and proxy; a full disk
+//! under the agent's state file; a pod's sandbox recreated with the same
+//! UID in a new netns; a netns deleted while its ADD runs; the CNI conflist rewritten every second by
 //! another plugin; and a pod's enrollment flipped back and forth under
 //! traffic. Each checks what a user of the node would notice: pods served
 //! over HBONE, nothing of a deleted pod left behind, what the logs and
@@ -123,6 +123,38 @@ fn a_removed_zds_socket_file_is_bound_again_and_a_new_proxy_connects() {
         "a pod already served lost connections: {:?}",
         &failed[..failed.len().min(3)]
     );
+}
+
+/// Fault: the plugin event socket file is removed under a running agent.
+/// Until it is bound again, an ADD that must be enrolled fails closed (the
+/// pod gets no network rather than one outside the mesh); the agent binds
+/// it again within a couple of checks, says so, and the next ADD is
+/// enrolled and served.
+#[test]
+fn a_removed_plugin_event_socket_is_bound_again_and_the_next_add_is_served() {
+    let mut node = Node::start_with(BIN, "evgone", "namespaces:default", false);
+    // The local config names the pods by address in the order they come:
+    // `client` first, then `server`. Here the first one listens.
+    let first = node.add_pod("client", "default").unwrap();
+    let echo = EchoServer::start(&first, 8080).unwrap();
+    let sock = node.dir.join("run").join("pluginevent.sock");
+    let bound = inode(&sock).expect("the agent bound its plugin event socket");
+    std::fs::remove_file(&sock).unwrap();
+    let removed = Instant::now();
+    wait_until("the plugin event socket bound again", REBIND_LIMIT, || {
+        inode(&sock).is_some_and(|i| i != bound)
+    });
+    let rebound = removed.elapsed();
+    let log = std::fs::read_to_string(node.lab.log_path("agent")).unwrap();
+    assert!(
+        log.contains("the plugin event socket file was removed; bound it again"),
+        "the agent says what it did:\n{log}"
+    );
+    let late = node.add_pod("server", "default").unwrap();
+    wait_until("a pod added after the removal served", SERVE_LIMIT, || {
+        served(&node, &late, echo.addr)
+    });
+    println!("plugin event socket removed: bound again after {rebound:?}; the next ADD served");
 }
 
 /// Fault: the disk under the agent's state file is full. An ADD still

@@ -11,7 +11,7 @@
 //! checked as it goes and at the end, and printed as a table.
 //!
 //! The short soaks run with the other tests (under a minute each). The
-//! long soak is ignored by default:
+//! long soaks (one per mesh state source) are ignored by default:
 //!
 //! ```text
 //! AMBIT_SOAK_SECS=600 cargo test --test soak -- --ignored --nocapture
@@ -88,31 +88,31 @@ fn soak_short_enrolled_from_kubernetes() {
     soak("soakkube", Duration::from_secs(40), 11, Source::Kubernetes);
 }
 
-#[test]
-#[ignore = "long: AMBIT_SOAK_SECS (default 600) of churn and kills"]
-fn soak_long() {
+/// The long soaks' length: `AMBIT_SOAK_SECS`, 600 s unless set.
+fn long_soak() -> Duration {
     let secs = std::env::var("AMBIT_SOAK_SECS")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(600);
-    soak(
-        "soaklong",
-        Duration::from_secs(secs),
-        20_261_130,
-        Source::LocalConfig,
-    );
-    soak(
-        "soaklongcp",
-        Duration::from_secs(secs),
-        20_261_131,
-        Source::ControlPlane,
-    );
-    soak(
-        "soaklongkube",
-        Duration::from_secs(secs),
-        20_261_201,
-        Source::Kubernetes,
-    );
+    Duration::from_secs(secs)
+}
+
+#[test]
+#[ignore = "long: AMBIT_SOAK_SECS (default 600) of churn and kills"]
+fn soak_long() {
+    soak("soaklong", long_soak(), 20_261_130, Source::LocalConfig);
+}
+
+#[test]
+#[ignore = "long: AMBIT_SOAK_SECS (default 600) of churn and kills"]
+fn soak_long_with_a_control_plane() {
+    soak("soaklongcp", long_soak(), 20_261_131, Source::ControlPlane);
+}
+
+#[test]
+#[ignore = "long: AMBIT_SOAK_SECS (default 600) of churn, kills and flips"]
+fn soak_long_enrolled_from_kubernetes() {
+    soak("soaklongkube", long_soak(), 20_261_201, Source::Kubernetes);
 }
 
 /// One attempt of the short-connection loop.

@@ -19,6 +19,7 @@ use crate::proto::zds::{
     workload_request::Payload, workload_response, AddWorkload, DelWorkload, SnapshotSent,
     WorkloadInfo, WorkloadRequest, WorkloadResponse, ZdsHello,
 };
+use crate::unix_bind::{KeptPath, SOCKET_CHECK};
 use crate::zds::{SeqPacket, SeqPacketListener};
 
 /// How long the agent waits for the hello and for each Ack.
@@ -95,23 +96,20 @@ const PROXY_WAIT: Duration = Duration::from_secs(3);
 impl ZdsServer {
     /// Binds `path` and serves proxy connections in the background. The
     /// socket file is looked at every [`SOCKET_CHECK`]: if it was removed
-    /// it is bound again (see `SocketFile`), so that a proxy that starts or
+    /// it is bound again ([`KeptPath`]), so that a proxy that starts or
     /// reconnects later still finds the agent.
     pub fn start(path: &Path, source: Arc<dyn PodSource>) -> std::io::Result<Arc<Self>> {
         let mut listener = SeqPacketListener::bind(path)?;
-        let mut bound = file_id(path).ok();
+        let mut kept = KeptPath::new(path, "ZDS socket");
         let server = Arc::new(ZdsServer {
             conns: Mutex::new(Vec::new()),
             next_id: Default::default(),
             proxy_came: Default::default(),
         });
         let s = server.clone();
-        let path = path.to_path_buf();
         tokio::spawn(async move {
             let mut check = tokio::time::interval(SOCKET_CHECK);
             check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            // What was last said about the file, so a state is logged once.
-            let mut said = SocketFile::Ours;
             loop {
                 tokio::select! {
                     accepted = listener.accept() => match accepted {
@@ -129,30 +127,11 @@ impl ZdsServer {
                             tokio::time::sleep(Duration::from_millis(200)).await;
                         }
                     },
-                    _ = check.tick() => match socket_file(file_id(&path), bound) {
-                        SocketFile::Ours => said = SocketFile::Ours,
-                        SocketFile::Gone => match SeqPacketListener::bind(&path) {
-                            Ok(fresh) => {
-                                // The old listener goes; proxies connected through it stay.
-                                listener = fresh;
-                                bound = file_id(&path).ok();
-                                said = SocketFile::Ours;
-                                tracing::warn!(path = %path.display(), "the ZDS socket file was removed; bound it again (connected proxies stay connected, new ones connect to the new file)");
-                            }
-                            Err(e) => {
-                                if said != SocketFile::Gone {
-                                    tracing::error!(path = %path.display(), error = %e, "the ZDS socket file was removed and cannot be bound again; no new proxy can connect until it is (trying every second)");
-                                }
-                                said = SocketFile::Gone;
-                            }
-                        },
-                        SocketFile::Other => {
-                            if said != SocketFile::Other {
-                                tracing::error!(path = %path.display(), "the ZDS socket path now names a file this agent did not bind (another agent?); left alone, so new proxies connect to that one");
-                            }
-                            said = SocketFile::Other;
+                    _ = check.tick() => {
+                        if let Some(fresh) = kept.check(SeqPacketListener::bind) {
+                            listener = fresh;
                         }
-                    },
+                    }
                 }
             }
         });
@@ -335,42 +314,6 @@ impl ZdsServer {
     }
 }
 
-/// How often the agent looks whether its ZDS socket file is still there.
-pub const SOCKET_CHECK: Duration = Duration::from_secs(1);
-
-/// What the ZDS socket path holds, against the file the agent bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SocketFile {
-    /// The socket the agent bound.
-    Ours,
-    /// Nothing (removed, or its directory was): bind it again.
-    Gone,
-    /// Another file. Left alone: another agent may have bound it (a second
-    /// one started by mistake, or beside this one), and two agents taking
-    /// the path from each other every second would keep proxies from
-    /// staying with either.
-    Other,
-}
-
-/// Device and inode of the file at `path`, not following a link.
-fn file_id(path: &Path) -> std::io::Result<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::symlink_metadata(path)?;
-    Ok((m.dev(), m.ino()))
-}
-
-/// The state of the socket path from what `stat` says now and the
-/// (device, inode) the agent's bind left there.
-fn socket_file(now: std::io::Result<(u64, u64)>, bound: Option<(u64, u64)>) -> SocketFile {
-    match now {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => SocketFile::Gone,
-        // Cannot tell (a permission problem on the way): nothing to act on.
-        Err(_) => SocketFile::Ours,
-        Ok(id) if bound.is_none_or(|b| b == id) => SocketFile::Ours,
-        Ok(_) => SocketFile::Other,
-    }
-}
-
 /// Sends one request and waits for its Ack.
 async fn exchange(
     conn: &SeqPacket,
@@ -484,23 +427,6 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         std::fs::remove_dir_all(&dir).ok();
-    }
-
-    #[test]
-    fn only_a_removed_socket_file_is_bound_again() {
-        let gone = || -> std::io::Result<(u64, u64)> {
-            Err(std::io::Error::from(std::io::ErrorKind::NotFound))
-        };
-        assert_eq!(socket_file(gone(), Some((1, 2))), SocketFile::Gone);
-        assert_eq!(socket_file(Ok((1, 2)), Some((1, 2))), SocketFile::Ours);
-        assert_eq!(
-            socket_file(Ok((1, 3)), Some((1, 2))),
-            SocketFile::Other,
-            "another file at the path is not taken over"
-        );
-        let denied: std::io::Result<(u64, u64)> =
-            Err(std::io::Error::from(std::io::ErrorKind::PermissionDenied));
-        assert_eq!(socket_file(denied, Some((1, 2))), SocketFile::Ours);
     }
 
     /// Says hello and takes the (empty) snapshot, as a proxy does.

@@ -17,10 +17,13 @@ use hyper_util::rt::TokioIo;
 use super::{Agent, PLUGIN_SOCKET};
 use crate::cni::plugin::AddEvent;
 use crate::limits::{caps, ConnectionCap};
+use crate::unix_bind::{KeptPath, SOCKET_CHECK};
 
 /// Binds the plugin socket in `run_dir` (0750 dir; the socket 0600 from
 /// the start, [`crate::unix_bind`]) and serves events on it until the
-/// process ends.
+/// process ends. A socket file removed meanwhile is bound again within
+/// [`SOCKET_CHECK`] ([`KeptPath`]): until then, every ADD that must be
+/// enrolled fails closed.
 pub(super) fn spawn(agent: Arc<Agent>, run_dir: &Path) -> anyhow::Result<()> {
     use std::os::unix::fs::DirBuilderExt;
     std::fs::DirBuilder::new()
@@ -29,15 +32,20 @@ pub(super) fn spawn(agent: Arc<Agent>, run_dir: &Path) -> anyhow::Result<()> {
         .create(run_dir)?;
     let sock = run_dir.join(PLUGIN_SOCKET);
     let _ = std::fs::remove_file(&sock);
-    let listener = crate::unix_bind::owner_only(&sock, |path| {
+    let listener = bind(&sock).with_context(|| format!("plugin socket {}", sock.display()))?;
+    let kept = KeptPath::new(&sock, "plugin event socket");
+    tokio::spawn(plugin_events(agent, listener, kept));
+    Ok(())
+}
+
+/// The plugin socket at `path`, owner-only from its creation.
+fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    crate::unix_bind::owner_only(path, |path| {
         let l = std::os::unix::net::UnixListener::bind(path)?;
         l.set_nonblocking(true)?;
         Ok(l)
     })
     .and_then(tokio::net::UnixListener::from_std)
-    .with_context(|| format!("plugin socket {}", sock.display()))?;
-    tokio::spawn(plugin_events(agent, listener));
-    Ok(())
 }
 
 /// Reads the ADD event the plugin POSTs: the Go field names of Istio's
@@ -46,10 +54,25 @@ pub fn parse_add_event(body: &[u8]) -> Result<AddEvent, serde_json::Error> {
     serde_json::from_slice(body)
 }
 
-async fn plugin_events(agent: Arc<Agent>, listener: tokio::net::UnixListener) {
+async fn plugin_events(
+    agent: Arc<Agent>,
+    mut listener: tokio::net::UnixListener,
+    mut kept: KeptPath,
+) {
     let cap = ConnectionCap::new("agent_events", caps::AGENT_EVENTS);
+    let mut check = tokio::time::interval(SOCKET_CHECK);
+    check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            _ = check.tick() => {
+                if let Some(fresh) = kept.check(bind) {
+                    listener = fresh;
+                }
+                continue;
+            }
+        };
+        let Ok((stream, _)) = accepted else {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             continue;
         };
