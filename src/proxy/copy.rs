@@ -31,28 +31,28 @@ pub struct Transferred {
 /// (towards the originator) ended cleanly, with its half-close sent, before
 /// `up` read the originator's own close. Only then does the proxy hold the
 /// originator's connection in TIME_WAIT.
-async fn both_ways<U, D>(up: U, down: D) -> (io::Result<u64>, io::Result<u64>, bool)
+///
+/// A plain combinator, not an async fn: an async fn (or async blocks
+/// around `join!`) stores its argument futures again beside the joined
+/// ones, which made this three times the size of the two copies it runs,
+/// in every connection's task for its whole life. The order the two ended
+/// in comes from one process-wide counter each takes a number from.
+fn both_ways<U, D>(
+    up: U,
+    down: D,
+) -> impl std::future::Future<Output = (io::Result<u64>, io::Result<u64>, bool)>
 where
     U: std::future::Future<Output = io::Result<u64>>,
     D: std::future::Future<Output = io::Result<u64>>,
 {
-    use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
-    // Atomics, not a Cell: the joined future must stay Send.
-    let (up_done, down_first) = (AtomicBool::new(false), AtomicBool::new(false));
-    let (u, d) = tokio::join!(
-        async {
-            let r = up.await;
-            up_done.store(true, Relaxed);
-            r
-        },
-        async {
-            let r = down.await;
-            down_first.store(!up_done.load(Relaxed), Relaxed);
-            r
-        }
-    );
-    let clean = u.is_ok() && d.is_ok();
-    (u, d, clean && down_first.into_inner())
+    use futures_util::FutureExt;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+    static ENDED: AtomicU64 = AtomicU64::new(0);
+    let stamp = |r: io::Result<u64>| (r, ENDED.fetch_add(1, Relaxed));
+    futures_util::future::join(up.map(stamp), down.map(stamp)).map(|((u, up_at), (d, down_at))| {
+        let clean = u.is_ok() && d.is_ok();
+        (u, d, clean && down_at < up_at)
+    })
 }
 
 /// The size a pipe grows to once its flow is a bulk one (capped by

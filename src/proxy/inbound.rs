@@ -296,15 +296,17 @@ impl Inbound {
         };
         let tracked = self.tracker.track(auth);
         let mut result = None;
-        tracked
-            .revoked
-            .run(async {
+        // Pinned here and passed by pointer: by value, `run` would hold a
+        // second copy of it.
+        {
+            let copy = std::pin::pin!(async {
                 result = Some(
                     tcp_h2_bidirectional(&mut upstream, send, req.into_body(), Some(&mut reserved))
                         .await,
                 )
-            })
-            .await;
+            });
+            tracked.revoked.run(copy).await;
+        }
         let (t, res) = result.unwrap_or_else(|| {
             (
                 Transferred::default(),
@@ -376,10 +378,12 @@ impl Inbound {
         };
         let tracked = self.tracker.track(auth);
         let mut result = None;
-        tracked
-            .revoked
-            .run(async { result = Some(splice_bidirectional(&stream, &upstream).await) })
-            .await;
+        {
+            let copy = std::pin::pin!(async {
+                result = Some(splice_bidirectional(&stream, &upstream).await)
+            });
+            tracked.revoked.run(copy).await;
+        }
         // Cut short by a failure (not by policy, which closes at once): what
         // the sender still sends would go unread (see end_unserved).
         let copy_failed = matches!(result, Some((_, Err(_))));

@@ -448,7 +448,10 @@ impl Outbound {
         // TCP, TLS, HTTP/2; then the CONNECT and its answer) within one
         // deadline, so a peer that accepts and then stalls fails its callers
         // in time instead of holding them (and the pool's dial lock) forever.
-        let established = tokio::time::timeout(HBONE_DEADLINE, async {
+        // On the heap while it runs, and gone once the stream is up: the
+        // dial (TCP, TLS and HTTP/2 handshakes) is the largest stage, and
+        // held inline it would size the task of every connection for life.
+        let established = Box::pin(tokio::time::timeout(HBONE_DEADLINE, async {
             let lease: Lease = self.pool.get(key, || self.dial(proxy, identities)).await?;
             let mut sender = lease.sender();
             let req = ConnectRequest {
@@ -476,7 +479,7 @@ impl Outbound {
                 });
             }
             Ok((lease, send, resp))
-        })
+        }))
         .await;
         let (lease, send, resp) = match established {
             Ok(r) => r?,
