@@ -353,7 +353,7 @@ async fn tcp_to_h2(
             if buf.capacity() - buf.len() < buf_size / 2 {
                 buf.reserve(buf_size);
             }
-            match src.try_read_buf(&mut buf) {
+            match read_some(src.as_ref(), &mut buf) {
                 Ok(n) => break n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => {
@@ -434,6 +434,34 @@ async fn tcp_to_h2(
             let part = chunk.split_to(cap.min(chunk.len()));
             dst.send_data(part, false).map_err(h2_io)?;
         }
+    }
+}
+
+/// Reads what `src` holds into `buf`'s spare room. A read that leaves room
+/// means the socket had no more: its readiness is cleared then, as tokio's
+/// own `poll_read` does, so the next wait goes straight to the poller
+/// instead of making a read that finds nothing (one system call less per
+/// message through the proxy). Cleared only if no new event came since
+/// the read began (`try_io` compares readiness ticks), so data arriving
+/// meanwhile is never missed.
+fn read_some(src: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    let mut got = 0;
+    let read = src.try_io(Interest::READABLE, || {
+        let spare = buf.spare_capacity_mut();
+        let room = spare.len();
+        let n = SockRef::from(src).recv(spare)?;
+        // SAFETY: recv(2) initialized the first `n` bytes of the spare room.
+        unsafe { buf.set_len(buf.len() + n) };
+        got = n;
+        if n > 0 && n < room {
+            Err(io::ErrorKind::WouldBlock.into())
+        } else {
+            Ok(n)
+        }
+    });
+    match read {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock && got > 0 => Ok(got),
+        r => r,
     }
 }
 
