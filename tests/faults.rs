@@ -70,19 +70,7 @@ fn a_removed_zds_socket_file_is_bound_again_and_a_new_proxy_connects() {
     });
     let traffic = Traffic::start(&client, echo.addr);
 
-    let sock = node.dir.join("zds.sock");
-    let bound = inode(&sock).expect("the agent bound its ZDS socket");
-    std::fs::remove_file(&sock).unwrap();
-    let removed = Instant::now();
-    wait_until("the ZDS socket file bound again", REBIND_LIMIT, || {
-        inode(&sock).is_some_and(|i| i != bound)
-    });
-    let rebound = removed.elapsed();
-    let log = std::fs::read_to_string(node.lab.log_path("agent")).unwrap();
-    assert!(
-        log.contains("the ZDS socket file was removed; bound it again"),
-        "the agent says what it did:\n{log}"
-    );
+    let rebound = remove_and_wait_rebound(&node, &node.dir.join("zds.sock"), "ZDS socket");
 
     // A pod added now goes to the proxy connected through the old file.
     let late = node.add_pod("late", "default").unwrap();
@@ -138,23 +126,33 @@ fn a_removed_plugin_event_socket_is_bound_again_and_the_next_add_is_served() {
     let first = node.add_pod("client", "default").unwrap();
     let echo = EchoServer::start(&first, 8080).unwrap();
     let sock = node.dir.join("run").join("pluginevent.sock");
-    let bound = inode(&sock).expect("the agent bound its plugin event socket");
-    std::fs::remove_file(&sock).unwrap();
-    let removed = Instant::now();
-    wait_until("the plugin event socket bound again", REBIND_LIMIT, || {
-        inode(&sock).is_some_and(|i| i != bound)
-    });
-    let rebound = removed.elapsed();
-    let log = std::fs::read_to_string(node.lab.log_path("agent")).unwrap();
-    assert!(
-        log.contains("the plugin event socket file was removed; bound it again"),
-        "the agent says what it did:\n{log}"
-    );
+    let rebound = remove_and_wait_rebound(&node, &sock, "plugin event socket");
     let late = node.add_pod("server", "default").unwrap();
     wait_until("a pod added after the removal served", SERVE_LIMIT, || {
         served(&node, &late, echo.addr)
     });
     println!("plugin event socket removed: bound again after {rebound:?}; the next ADD served");
+}
+
+/// Removes the agent's socket file at `sock` (the agent calls it `what`),
+/// waits until the agent has bound a new one and checks that its log says
+/// so; returns how long that took.
+fn remove_and_wait_rebound(node: &Node, sock: &Path, what: &str) -> Duration {
+    let bound = inode(sock).unwrap_or_else(|| panic!("the agent bound its {what}"));
+    std::fs::remove_file(sock).unwrap();
+    let removed = Instant::now();
+    wait_until(
+        &format!("the {what} file bound again"),
+        REBIND_LIMIT,
+        || inode(sock).is_some_and(|i| i != bound),
+    );
+    let rebound = removed.elapsed();
+    let log = std::fs::read_to_string(node.lab.log_path("agent")).unwrap();
+    assert!(
+        log.contains(&format!("the {what} file was removed; bound it again")),
+        "the agent says what it did:\n{log}"
+    );
+    rebound
 }
 
 /// Fault: the disk under the agent's state file is full. An ADD still

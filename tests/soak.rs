@@ -159,9 +159,6 @@ struct Counts {
     config_edits: usize,
     state_checks: usize,
     slowest_serve: Duration,
-    flips: usize,
-    flips_while_down: usize,
-    slowest_flip: Duration,
 }
 
 fn kill9(pid: u32) {
@@ -341,27 +338,80 @@ struct Flip {
     enroll: bool,
 }
 
-/// Flips the label of a live pod (if any): a released pod gets
-/// `istio.io/dataplane-mode=ambient` again, an enrolled one `none`.
-fn flip(
-    api: &FakeApi,
-    live: &[LabPod],
-    released: &mut BTreeSet<String>,
-    rng: &mut fastrand::Rng,
-) -> Option<Flip> {
-    if live.is_empty() {
-        return None;
+/// The driver's enrollment flips (Kubernetes mode only; with no API server
+/// there is nothing to flip) and what came of them.
+struct Flips<'a> {
+    api: Option<&'a FakeApi>,
+    /// Live pods whose label says `none` now.
+    released: BTreeSet<String>,
+    made: usize,
+    while_down: usize,
+    slowest: Duration,
+    /// Pods not as their label said within [`FLIP_LIMIT`].
+    failures: Vec<String>,
+}
+
+impl<'a> Flips<'a> {
+    fn new(api: Option<&'a FakeApi>) -> Self {
+        Flips {
+            api,
+            released: BTreeSet::new(),
+            made: 0,
+            while_down: 0,
+            slowest: Duration::ZERO,
+            failures: Vec::new(),
+        }
     }
-    let pod = live[rng.usize(0..live.len())].clone();
-    let enroll = released.remove(&pod.name);
-    if !enroll {
-        released.insert(pod.name.clone());
+
+    /// Flips the label of a live pod (if any): a released pod gets
+    /// `istio.io/dataplane-mode=ambient` again, an enrolled one `none`.
+    fn flip(&mut self, live: &[LabPod], rng: &mut fastrand::Rng) -> Option<Flip> {
+        let api = self.api?;
+        if live.is_empty() {
+            return None;
+        }
+        let pod = live[rng.usize(0..live.len())].clone();
+        let enroll = self.released.remove(&pod.name);
+        if !enroll {
+            self.released.insert(pod.name.clone());
+        }
+        let mode = if enroll { "ambient" } else { "none" };
+        api.update(Kind::Pod, KUBE_NS, &pod.name, |o| {
+            o["metadata"]["labels"][MODE] = json!(mode)
+        });
+        Some(Flip { pod, enroll })
     }
-    let mode = if enroll { "ambient" } else { "none" };
-    api.update(Kind::Pod, KUBE_NS, &pod.name, |o| {
-        o["metadata"]["labels"][MODE] = json!(mode)
-    });
-    Some(Flip { pod, enroll })
+
+    /// Half the time, [`Flips::flip`]: for a flip while a process is down.
+    fn maybe(&mut self, live: &[LabPod], rng: &mut fastrand::Rng) -> Option<Flip> {
+        if self.api.is_some() && rng.bool() {
+            self.flip(live, rng)
+        } else {
+            None
+        }
+    }
+
+    /// Counts a flip and waits for it to settle; one that does not is a
+    /// failure. `down` names the process that was down during the flip.
+    fn settle(&mut self, node: &Node, f: Option<Flip>, echo: SocketAddr, down: Option<&str>) {
+        let (Some(api), Some(f)) = (self.api, f) else {
+            return;
+        };
+        self.made += 1;
+        self.while_down += usize::from(down.is_some());
+        match settle(node, api, &f, echo) {
+            Some(took) => {
+                let when = down.map_or("under traffic".into(), |p| format!("while {p} was down"));
+                eprintln!("flip of {} {when}: settled in {took:?}", f.pod.name);
+                self.slowest = self.slowest.max(took)
+            }
+            None => {
+                let want = if f.enroll { "enrolled" } else { "released" };
+                eprintln!("{} not {want} within {FLIP_LIMIT:?}", f.pod.name);
+                self.failures.push(format!("{} ({want})", f.pod.name));
+            }
+        }
+    }
 }
 
 /// Waits until a flipped pod is as its label says: enrolled (captured, in
@@ -464,9 +514,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut counts = Counts::default();
     let mut live: Vec<LabPod> = Vec::new();
-    // Live pods whose label says `none` now.
-    let mut released: BTreeSet<String> = BTreeSet::new();
-    let mut flip_failures: Vec<String> = Vec::new();
+    let mut flips = Flips::new(api.as_ref());
     let mut gone: Vec<String> = Vec::new();
     let mut proxy_windows: Vec<Window> = Vec::new();
     let mut agent_windows: Vec<Window> = Vec::new();
@@ -487,7 +535,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
                 gone.push(pod_uid(&pod.name));
                 counts.deletes += 1;
             }
-            released.clear();
+            flips.released.clear();
             baseline = Some(settled_sample(&node, &[&client, &server]));
             steady_churn = counts.adds + counts.deletes;
         }
@@ -528,7 +576,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
             // A pod goes (as a runtime deletes it: CNI DEL, then its netns).
             0..=54 if !live.is_empty() => {
                 let pod = live.swap_remove(rng.usize(0..live.len()));
-                released.remove(&pod.name);
+                flips.released.remove(&pod.name);
                 pods.delete(&mut node, &pod.name);
                 gone.push(pod_uid(&pod.name));
                 counts.deletes += 1;
@@ -541,51 +589,21 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
                     &node,
                     "proxy",
                     ("127.0.0.1:15021", "/healthz/ready"),
-                    || {
-                        if let Some(api) = api.as_ref().filter(|_| rng.bool()) {
-                            flipped = flip(api, &live, &mut released, &mut rng);
-                        }
-                    },
+                    || flipped = flips.maybe(&live, &mut rng),
                 ));
                 counts.proxy_kills += 1;
-                if let (Some(api), Some(f)) = (api.as_ref(), flipped) {
-                    counts.flips_while_down += 1;
-                    settled_flip(
-                        &node,
-                        api,
-                        &f,
-                        target,
-                        &mut counts,
-                        &mut flip_failures,
-                        "while the proxy was down",
-                    );
-                }
+                flips.settle(&node, flipped, target, Some("the proxy"));
             }
             // The API server dies and comes back on the same address: its
             // watches are cut and must be made again from a new list.
             65..=74 if api.is_some() && roll % 2 == 0 => {
                 let api = api.as_ref().unwrap();
                 api.kill();
-                let flipped = if rng.bool() {
-                    flip(api, &live, &mut released, &mut rng)
-                } else {
-                    None
-                };
+                let flipped = flips.maybe(&live, &mut rng);
                 std::thread::sleep(Duration::from_millis(rng.u64(200..1500)));
                 api.start_again().unwrap();
                 counts.cp_kills += 1;
-                if let Some(f) = flipped {
-                    counts.flips_while_down += 1;
-                    settled_flip(
-                        &node,
-                        api,
-                        &f,
-                        target,
-                        &mut counts,
-                        &mut flip_failures,
-                        "while the API server was down",
-                    );
-                }
+                flips.settle(&node, flipped, target, Some("the API server"));
             }
             65..=74 if with_cp && roll % 2 == 0 => {
                 let pid = node.lab.pid("cp").expect("control plane running");
@@ -603,25 +621,10 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
                     &node,
                     "agent",
                     ("127.0.0.1:8000", "/readyz"),
-                    || {
-                        if let Some(api) = api.as_ref().filter(|_| rng.bool()) {
-                            flipped = flip(api, &live, &mut released, &mut rng);
-                        }
-                    },
+                    || flipped = flips.maybe(&live, &mut rng),
                 ));
                 counts.agent_kills += 1;
-                if let (Some(api), Some(f)) = (api.as_ref(), flipped) {
-                    counts.flips_while_down += 1;
-                    settled_flip(
-                        &node,
-                        api,
-                        &f,
-                        target,
-                        &mut counts,
-                        &mut flip_failures,
-                        "while the agent was down",
-                    );
-                }
+                flips.settle(&node, flipped, target, Some("the agent"));
                 state_uids(&node);
                 counts.state_checks += 1;
             }
@@ -665,18 +668,8 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
             }
             // A pod's enrollment label flips.
             90..=99 if api.is_some() => {
-                let api = api.as_ref().unwrap();
-                if let Some(f) = flip(api, &live, &mut released, &mut rng) {
-                    settled_flip(
-                        &node,
-                        api,
-                        &f,
-                        target,
-                        &mut counts,
-                        &mut flip_failures,
-                        "under traffic",
-                    );
-                }
+                let flipped = flips.flip(&live, &mut rng);
+                flips.settle(&node, flipped, target, None);
             }
             // The local config changes (a workload comes or goes).
             85..=99 => {
@@ -707,7 +700,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
     // What the node holds once settled: the live pods, nothing deleted.
     let enrolled: Vec<&LabPod> = [&client, &server]
         .into_iter()
-        .chain(live.iter().filter(|p| !released.contains(&p.name)))
+        .chain(live.iter().filter(|p| !flips.released.contains(&p.name)))
         .collect();
     let want: BTreeSet<String> = enrolled.iter().map(|p| pod_uid(&p.name)).collect();
     let want_ips: BTreeSet<String> = enrolled.iter().map(|p| p.ip.to_string()).collect();
@@ -813,13 +806,13 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
     if api.is_some() {
         println!(
             "| enrollment flips (of them while the proxy, agent or API server was down) / not as the label says within {FLIP_LIMIT:?} | {} ({}) / {} |",
-            counts.flips,
-            counts.flips_while_down,
-            flip_failures.len()
+            flips.made,
+            flips.while_down,
+            flips.failures.len()
         );
         println!(
             "| slowest flip, from the flip or the process back | {:?} |",
-            counts.slowest_flip
+            flips.slowest
         );
     }
     println!("| mesh config edits | {} |", counts.config_edits);
@@ -869,8 +862,9 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
         "pods never served: {serve_failures:?}"
     );
     assert!(
-        flip_failures.is_empty(),
-        "pods not as their label says: {flip_failures:?}"
+        flips.failures.is_empty(),
+        "pods not as their label says: {:?}",
+        flips.failures
     );
     assert!(
         gone_held.is_empty(),
@@ -910,30 +904,6 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
             b.rss_kb,
             e.rss_kb
         );
-    }
-}
-
-/// Counts a flip and waits for it to settle; one that does not is a failure.
-fn settled_flip(
-    node: &Node,
-    api: &FakeApi,
-    f: &Flip,
-    echo: SocketAddr,
-    counts: &mut Counts,
-    failures: &mut Vec<String>,
-    when: &str,
-) {
-    counts.flips += 1;
-    match settle(node, api, f, echo) {
-        Some(took) => {
-            eprintln!("flip of {} {when}: settled in {took:?}", f.pod.name);
-            counts.slowest_flip = counts.slowest_flip.max(took)
-        }
-        None => {
-            let want = if f.enroll { "enrolled" } else { "released" };
-            eprintln!("{} not {want} within {FLIP_LIMIT:?}", f.pod.name);
-            failures.push(format!("{} ({want})", f.pod.name));
-        }
     }
 }
 
