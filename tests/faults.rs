@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 
 use ambit::lab::kubeapi::Kind;
 use ambit::lab::node::Node;
-use ambit::lab::{connect_from, echo_roundtrip, istio_rules, pod_uid, EchoServer, LabPod};
+use ambit::lab::{
+    connect_from, echo_roundtrip, istio_rules, pod_uid, stdout_in, EchoServer, LabPod,
+};
 use common::counter;
 use common::kube::{enrolled_as, kube_node, pod, set_running, wait_for, MODE};
 use common::node::{
@@ -655,8 +657,7 @@ fn state_write_failures(node: &Node) -> f64 {
 
 /// TCP listeners in the pod's netns.
 fn listeners(pod: &LabPod) -> Vec<String> {
-    let out = pod.ns.command("ss").args(["-ltnH"]).output().unwrap();
-    String::from_utf8_lossy(&out.stdout)
+    stdout_in(&pod.ns, "ss", &["-ltnH"])
         .lines()
         .map(str::to_string)
         .collect()
@@ -709,13 +710,9 @@ fn plugin_once_and_last(path: &Path) -> bool {
 
 /// The pod's `net.core.somaxconn` (the other plugin's tuning step sets it).
 fn somaxconn(pod: &LabPod) -> String {
-    let out = pod
-        .ns
-        .command("sysctl")
-        .args(["-n", "net.core.somaxconn"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
+    stdout_in(&pod.ns, "sysctl", &["-n", "net.core.somaxconn"])
+        .trim()
+        .to_string()
 }
 
 /// A small tmpfs for the agent's state, unmounted when dropped (test

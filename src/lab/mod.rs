@@ -29,7 +29,7 @@ pub mod waypoint;
 pub use cni_call::CniCall;
 pub use probes::{
     aborts, anon_kb, cpu_seconds, established, iptables_save, istio_rules, rss_kb,
-    set_default_congestion_control, time_waits, Established,
+    set_default_congestion_control, stdout_in, time_waits, Established,
 };
 pub use sandbox::pod_uid;
 pub use topology::{write_ca, write_serving_ca, Lab, LabPod, ProxySpec, BRIDGE, SUBNET};

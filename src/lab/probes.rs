@@ -18,6 +18,15 @@ pub fn iptables_save(ns: &Netns) -> String {
     }
 }
 
+/// What `prog args` prints in `ns`; panics, naming the command, if it
+/// cannot run or fails.
+pub fn stdout_in(ns: &Netns, prog: &str, args: &[&str]) -> String {
+    match ns.command(prog).args(args).output() {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).into_owned(),
+        other => panic!("{prog} {args:?} in {}: {other:?}", ns.path().display()),
+    }
+}
+
 /// How many lines of the pod's IPv4 rules are Istio's (0: not captured).
 pub fn istio_rules(pod: &LabPod) -> usize {
     iptables_save(&pod.ns)

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use ambit::lab::kubeapi::{FakeApi, Kind};
 use ambit::lab::node::Node;
-use ambit::lab::{istio_rules, pod_uid, LabPod};
+use ambit::lab::{istio_rules, pod_uid, stdout_in, LabPod};
 
 use super::node::proxy_uids;
 use serde_json::{json, Value};
@@ -141,11 +141,5 @@ pub fn enrolled_as(node: &Node, api: &FakeApi, ns: &str, pod: &LabPod, enrolled:
 
 /// Whether the pod's netns has the in-pod policy route rule (fwmark 0x111 → table 100).
 pub fn ip_rule_in(pod: &LabPod) -> bool {
-    let out = pod
-        .ns
-        .command("ip")
-        .args(["rule", "list"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).contains("lookup 100")
+    stdout_in(&pod.ns, "ip", &["rule", "list"]).contains("lookup 100")
 }

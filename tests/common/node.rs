@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::path::Path;
 
 use ambit::lab::node::Node;
-use ambit::lab::{connect_from, echo_roundtrip, http_get_in, LabPod};
+use ambit::lab::{connect_from, echo_roundtrip, http_get_in, stdout_in, LabPod};
 
 use super::counter;
 
@@ -161,12 +161,11 @@ pub fn metric_value(metrics: &str, name: &str) -> Option<f64> {
 
 /// Veths on the node's side (one per pod on the bridge).
 pub fn veth_count(node: &Node) -> usize {
-    let out = node
-        .lab
-        .node
-        .command("ip")
-        .args(["-o", "link", "show", "type", "veth"])
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout).lines().count()
+    stdout_in(
+        &node.lab.node,
+        "ip",
+        &["-o", "link", "show", "type", "veth"],
+    )
+    .lines()
+    .count()
 }
