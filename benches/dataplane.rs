@@ -23,7 +23,8 @@
 //! `AMBIT_BENCH_IDLE` idle connections (1000), `AMBIT_BENCH_PEER` a second
 //! proxy binary and `AMBIT_BENCH_PEER_ENV` its extra `K=V` settings
 //! (space-separated), `AMBIT_BENCH_WORKERS` extra Ambit worker-thread
-//! counts to run as more paths (e.g. `1`), `AMBIT_BENCH_ONLY` some of
+//! counts to run as more paths (e.g. `1`), `AMBIT_BENCH_VARIANTS` Ambit with
+//! other settings as more paths (`name:K=V K=V;name2:K=V`), `AMBIT_BENCH_ONLY` some of
 //! `memory,throughput,streams,latency,connections` (all).
 
 use std::io::{Read, Write};
@@ -115,6 +116,24 @@ fn iperf(lab: &Lab, path: &Path, secs: u64, streams: u32) -> (f64, f64) {
     let run = iperf3(&path.client, path.server.ip, secs, &extra)
         .unwrap_or_else(|e| panic!("iperf3 on {}: {e}", path.name));
     (run.gbps, (cpu() - before).max(0.0) / run.gbit.max(1e-9))
+}
+
+/// The path's proxies' system calls and context switches per MB received
+/// in one more single-stream iperf3 run, counted by `perf stat` (none
+/// without a proxy or `perf`). Apart from the timed rounds: counting slows
+/// every system call a little.
+fn iperf_counted(lab: &Lab, path: &Path, secs: u64) -> Option<(f64, f64)> {
+    let (run, counts) = counted(&proxy_pids(lab, path), || {
+        iperf3(&path.client, path.server.ip, secs, &[])
+            .unwrap_or_else(|e| panic!("iperf3 on {}: {e}", path.name))
+    });
+    let mb = run.gbit.max(1e-9) * 125.0;
+    counts.map(|(sys, cs)| (sys / mb, cs / mb))
+}
+
+/// The pids of a path's proxies.
+fn proxy_pids(lab: &Lab, path: &Path) -> Vec<u32> {
+    path.proxies.iter().filter_map(|l| lab.pid(l)).collect()
 }
 
 /// Connections per second, one after another from the path's client, and
@@ -430,8 +449,7 @@ fn phase(
     let only = std::env::var("AMBIT_BENCH_ONLY").unwrap_or_default();
     let wanted = |what: &str| only.is_empty() || only.split(',').any(|w| w == what);
     let mut measures = Vec::new();
-    let proxy_pids =
-        |p: &Path| -> Vec<u32> { p.proxies.iter().filter_map(|l| lab.pid(l)).collect() };
+    let proxy_pids = |p: &Path| proxy_pids(&lab, p);
     // Memory first, on proxies that have carried no load yet: what one more
     // idle connection costs, not what an allocator kept from a bulk flow.
     if wanted("memory") {
@@ -459,6 +477,10 @@ fn phase(
                 cost[i].push(c);
             }
         }
+        let per_mb: Vec<(f64, f64)> = paths
+            .iter()
+            .map(|p| iperf_counted(&lab, p, secs).unwrap_or_default())
+            .collect();
         for (i, p) in paths.iter().enumerate() {
             let r: Vec<String> = gbps[i].iter().map(|g| format!("{g:.2}")).collect();
             println!("{:<42} rounds: {} Gbit/s", p.name, r.join(" "));
@@ -476,6 +498,20 @@ fn phase(
             decimals: 3,
             higher_is_better: false,
             values: cost.into_iter().map(median).collect(),
+        });
+        measures.push(Measure {
+            title: "  proxies' syscalls per MB (1 stream)".into(),
+            unit: "",
+            decimals: 1,
+            higher_is_better: false,
+            values: per_mb.iter().map(|c| c.0).collect(),
+        });
+        measures.push(Measure {
+            title: "  proxies' context switches per MB (1 stream)".into(),
+            unit: "",
+            decimals: 2,
+            higher_is_better: false,
+            values: per_mb.iter().map(|c| c.1).collect(),
         });
     }
     if wanted("streams") {
@@ -615,6 +651,16 @@ const AIMS: [(&str, &str, f64); 6] = [
     ("throughput (iperf3, 1 stream", "passthrough", 1.5),
 ];
 
+/// `K=V K=V` (space-separated) as pairs.
+fn key_values(text: &str) -> Vec<(String, String)> {
+    text.split_whitespace()
+        .filter_map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
+        .collect()
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -666,15 +712,23 @@ fn main() {
             });
         }
     }
+    // Ambit with other settings, side by side: `name:K=V K=V;name2:K=V`.
+    for variant in std::env::var("AMBIT_BENCH_VARIANTS")
+        .unwrap_or_default()
+        .split(';')
+    {
+        let Some((name, settings)) = variant.split_once(':') else {
+            continue;
+        };
+        kinds.push(Kind {
+            name: format!("Ambit ({})", name.trim()),
+            binary: ambit.clone(),
+            env: key_values(settings),
+            ambit: true,
+        });
+    }
     if let Ok(peer) = std::env::var("AMBIT_BENCH_PEER") {
-        let env = std::env::var("AMBIT_BENCH_PEER_ENV")
-            .unwrap_or_default()
-            .split_whitespace()
-            .filter_map(|kv| {
-                kv.split_once('=')
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-            })
-            .collect();
+        let env = key_values(&std::env::var("AMBIT_BENCH_PEER_ENV").unwrap_or_default());
         let name = std::path::Path::new(&peer)
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
