@@ -173,6 +173,18 @@ impl Pipe {
         Ok(n)
     }
 
+    /// The buffers the pipe holds at most (the kernel gives a pipe one per
+    /// page of its size). Each takes at least one byte, so a splice into
+    /// an empty pipe that moved fewer bytes than this did not run out of
+    /// them.
+    fn slots(&self) -> usize {
+        static PAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        // SAFETY: sysconf has no preconditions.
+        let page =
+            *PAGE.get_or_init(|| unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(1) as usize);
+        self.size / page
+    }
+
     /// Grows the pipe to [`PIPE_SIZE`], once per connection (a refusal
     /// keeps it as it is).
     fn grow(&mut self) {
@@ -206,6 +218,16 @@ pub(super) fn byte_count(n: isize) -> io::Result<usize> {
     } else {
         Ok(n as usize)
     }
+}
+
+/// Whether a splice that moved `n` bytes into a pipe took all its source
+/// held: it stopped short of the pipe's byte room, and of its slots. Each
+/// slot takes at least a byte, so a splice into an `empty` pipe that moved
+/// fewer bytes than the pipe has slots cannot have run out of them; into a
+/// pipe already holding data, the slots left are unknown. 0 bytes is the
+/// end of the stream, not a drained socket.
+fn took_all_there_was(n: usize, empty: bool, room: usize, slots: usize) -> bool {
+    n > 0 && empty && n < room && n < slots
 }
 
 /// Whether a pipe's write end has no free slot left.
@@ -245,7 +267,16 @@ async fn splice_until_eof(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
     loop {
         let mut moved = false;
         if !eof && !pipe_full && queued < pipe.size {
-            match src.try_io(Interest::READABLE, || {
+            // A splice that provably took all the socket had (see
+            // `took_all_there_was`: in practice a message shorter than the
+            // pipe has slots, 16 bytes at its start size) clears the
+            // socket's readiness, as `read_some` does for reads, saving the
+            // splice that would find nothing. Larger messages still make
+            // that splice: a short splice of them may have run out of
+            // slots. `try_io` clears only if no new event came meanwhile.
+            let (empty, room, slots) = (queued == 0, pipe.size - queued, pipe.slots());
+            let mut took = 0;
+            let filled = src.try_io(Interest::READABLE, || {
                 match pipe.fill_from(src.as_raw_fd(), queued) {
                     Err(e)
                         if e.kind() == io::ErrorKind::WouldBlock
@@ -254,9 +285,18 @@ async fn splice_until_eof(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
                     {
                         Ok(None)
                     }
+                    Ok(n) if took_all_there_was(n, empty, room, slots) => {
+                        took = n;
+                        Err(io::ErrorKind::WouldBlock.into())
+                    }
                     r => r.map(Some),
                 }
-            }) {
+            });
+            let filled = match filled {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && took > 0 => Ok(Some(took)),
+                r => r,
+            };
+            match filled {
                 Ok(None) => pipe_full = true,
                 Ok(Some(0)) => eof = true,
                 Ok(Some(n)) => {
@@ -664,6 +704,93 @@ pub(super) mod tests {
             .unwrap();
         res.unwrap();
         assert_eq!(t.sent, 2_000_000);
+    }
+
+    #[test]
+    fn only_a_splice_short_of_both_bytes_and_slots_took_all_there_was() {
+        const START: usize = 64 * 1024; // 16 slots of a page
+        assert!(took_all_there_was(1, true, START, 16), "a 1-byte message");
+        assert!(took_all_there_was(15, true, START, 16));
+        assert!(
+            !took_all_there_was(16, true, START, 16),
+            "16 bytes may be 16 one-byte segments filling every slot"
+        );
+        assert!(
+            !took_all_there_was(23_168, true, START, 16),
+            "16 MTU-sized segments fill the slots with a third of the bytes"
+        );
+        assert!(
+            !took_all_there_was(3, false, START - 100, 16),
+            "into a pipe holding data: its free slots are unknown"
+        );
+        assert!(
+            !took_all_there_was(0, true, START, 16),
+            "the end of the stream"
+        );
+        assert!(
+            took_all_there_was(200, true, 1 << 20, 256),
+            "a grown pipe has more slots"
+        );
+        assert!(
+            !took_all_there_was(1, true, 4096, 1),
+            "a one-page pipe never tells"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_byte_messages_and_bursts_of_them_all_cross_the_relay() {
+        let (mut app_client, proxy_in) = pair().await;
+        let (proxy_out, mut app_server) = pair().await;
+        app_client.set_nodelay(true).unwrap();
+        app_server.set_nodelay(true).unwrap();
+        let relay = tokio::spawn(async move { splice_bidirectional(&proxy_in, &proxy_out).await });
+        let deadline = Duration::from_secs(20);
+        // Ping-pong: each message is all the socket holds, so each splice
+        // clears the readiness; a message left behind would stall here.
+        for i in 0..2_000u32 {
+            let b = [(i % 251) as u8];
+            app_client.write_all(&b).await.unwrap();
+            let mut got = [0u8; 1];
+            tokio::time::timeout(deadline, app_server.read_exact(&mut got))
+                .await
+                .unwrap_or_else(|_| panic!("request {i} stalled"))
+                .unwrap();
+            app_server.write_all(&got).await.unwrap();
+            tokio::time::timeout(deadline, app_client.read_exact(&mut got))
+                .await
+                .unwrap_or_else(|_| panic!("reply {i} stalled"))
+                .unwrap();
+            assert_eq!(got, b);
+        }
+        // Bursts of 1-byte segments: more of them than a pipe has slots,
+        // so some splices stop at the slots with bytes still waiting.
+        // Each burst must arrive whole before the next is sent: no later
+        // data or FIN comes to wake a copy that stopped too early.
+        for burst in 0..200 {
+            for _ in 0..40 {
+                app_client.write_all(&[9u8]).await.unwrap();
+            }
+            let mut got = [0u8; 40];
+            tokio::time::timeout(Duration::from_secs(5), app_server.read_exact(&mut got))
+                .await
+                .unwrap_or_else(|_| panic!("burst {burst} stalled in the relay"))
+                .unwrap();
+        }
+        app_client.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        tokio::time::timeout(deadline, app_server.read_to_end(&mut rest))
+            .await
+            .expect("the FIN within 20 s")
+            .unwrap();
+        assert!(rest.is_empty());
+        drop(app_server);
+        drop(app_client);
+        let (t, res) = tokio::time::timeout(Duration::from_secs(5), relay)
+            .await
+            .expect("the relay ends once both sides closed")
+            .unwrap();
+        res.unwrap();
+        assert_eq!(t.sent, 2_000 + 8_000);
     }
 
     #[tokio::test]
