@@ -19,7 +19,8 @@ use crate::netns::Netns;
 /// Why an enrollment failed; the plugin shows it to the runtime.
 #[derive(Debug, thiserror::Error)]
 pub enum EnrollError {
-    #[error("pod {pod}: netns {path}: {reason}")]
+    /// `reason` names the netns path (as [`Netns::open`]'s errors do).
+    #[error("pod {pod}: {reason}")]
     Netns {
         pod: String,
         path: String,
@@ -158,7 +159,7 @@ impl Agent {
         let netns_id = netns.id().map_err(|e| EnrollError::Netns {
             pod: pod.clone(),
             path: ev.netns.clone(),
-            reason: e.to_string(),
+            reason: format!("netns {}: {e}", netns_path.display()),
         })?;
         let record = PodRecord {
             uid,
