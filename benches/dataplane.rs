@@ -24,7 +24,8 @@
 //! proxy binary and `AMBIT_BENCH_PEER_ENV` its extra `K=V` settings
 //! (space-separated), `AMBIT_BENCH_WORKERS` extra Ambit worker-thread
 //! counts to run as more paths (e.g. `1`), `AMBIT_BENCH_VARIANTS` Ambit with
-//! other settings as more paths (`name:K=V K=V;name2:K=V`), `AMBIT_BENCH_ONLY` some of
+//! other settings as more paths (`name:K=V K=V;name2:K=V`),
+//! `AMBIT_BENCH_MESSAGE` the ping-pong's message size (1), `AMBIT_BENCH_ONLY` some of
 //! `memory,throughput,streams,latency,connections` (all).
 
 use std::io::{Read, Write};
@@ -157,14 +158,16 @@ fn connect_rate(path: &Path, secs: f64) -> (f64, f64) {
         .unwrap()
 }
 
-/// p50 and p99 of `rounds` 1-byte round trips on one connection.
-fn ping_pong(path: &Path, rounds: usize) -> (f64, f64) {
+/// p50 and p99 of `rounds` round trips of `size`-byte messages on one
+/// connection.
+fn ping_pong(path: &Path, rounds: usize, size: usize) -> (f64, f64) {
     let mut s = connect_from(&path.client, path.echo).unwrap();
     s.set_nodelay(true).unwrap();
-    let mut b = [0u8; 1];
+    let message = vec![b'x'; size];
+    let mut b = vec![0u8; size];
     let mut once = |s: &mut TcpStream| {
         let t = Instant::now();
-        s.write_all(b"x").unwrap();
+        s.write_all(&message).unwrap();
         s.read_exact(&mut b).unwrap();
         t.elapsed()
     };
@@ -538,10 +541,11 @@ fn phase(
     }
     if wanted("latency") {
         const ROUNDS: usize = 20_000;
+        let message: usize = env_or("AMBIT_BENCH_MESSAGE", 1);
         type Counted = ((f64, f64), Option<(f64, f64)>);
         let pings: Vec<Counted> = paths
             .iter()
-            .map(|p| counted(&proxy_pids(p), || ping_pong(p, ROUNDS)))
+            .map(|p| counted(&proxy_pids(p), || ping_pong(p, ROUNDS, message)))
             .collect();
         let per = |f: fn((f64, f64)) -> f64| -> Vec<f64> {
             pings
@@ -550,14 +554,14 @@ fn phase(
                 .collect()
         };
         measures.push(Measure {
-            title: "latency (1-byte ping-pong, p50)".into(),
+            title: format!("latency ({message}-byte ping-pong, p50)"),
             unit: "µs",
             decimals: 1,
             higher_is_better: false,
             values: pings.iter().map(|p| p.0 .0).collect(),
         });
         measures.push(Measure {
-            title: "latency (1-byte ping-pong, p99)".into(),
+            title: format!("latency ({message}-byte ping-pong, p99)"),
             unit: "µs",
             decimals: 1,
             higher_is_better: false,
