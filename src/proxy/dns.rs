@@ -252,14 +252,13 @@ impl DnsProxy {
     pub async fn serve_udp(self: Arc<Self>, sock: tokio::net::UdpSocket) {
         let sock = Arc::new(sock);
         let life = self.pod.life.clone();
-        let mut buf = vec![0u8; 65_535];
         loop {
             let got = tokio::select! {
-                r = sock.recv_from(&mut buf) => r,
+                r = datagram(&sock, |s, buf| s.try_recv_from(buf)) => r,
                 _ = life.stop_listening() => return,
             };
-            let Ok((n, from)) = got else { continue };
-            let (this, sock, packet) = (self.clone(), sock.clone(), buf[..n].to_vec());
+            let Ok((packet, from)) = got else { continue };
+            let (this, sock) = (self.clone(), sock.clone());
             life.spawn(async move {
                 if let Some(resp) = this.resolve(packet).await {
                     let _ = sock.send_to(&resp, from).await;
@@ -312,6 +311,35 @@ impl DnsProxy {
     }
 }
 
+/// The largest a UDP datagram can be.
+const MAX_DATAGRAM: usize = 65_535;
+
+thread_local! {
+    /// Where a datagram lands before it is copied out at its own size: no
+    /// await comes between, so one buffer per thread serves every socket.
+    static DATAGRAM: std::cell::RefCell<Box<[u8]>> =
+        std::cell::RefCell::new(vec![0; MAX_DATAGRAM].into_boxed_slice());
+}
+
+/// Waits for a datagram on `sock` and returns a copy of it at its own size,
+/// with what `recv` says besides (the sender). It is read into this
+/// thread's buffer, so a socket waiting for one holds none: each pod's DNS
+/// listeners held 64 KiB each for the pod's life before (2026-12-01).
+async fn datagram<T>(
+    sock: &tokio::net::UdpSocket,
+    recv: impl Fn(&tokio::net::UdpSocket, &mut [u8]) -> std::io::Result<(usize, T)>,
+) -> std::io::Result<(Vec<u8>, T)> {
+    loop {
+        sock.readable().await?;
+        let got =
+            DATAGRAM.with_borrow_mut(|buf| recv(sock, buf).map(|(n, t)| (buf[..n].to_vec(), t)));
+        match got {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            r => return r,
+        }
+    }
+}
+
 /// Sends `packet` to each upstream resolver in turn, from inside the pod's
 /// netns with the pod mark, and returns the first answer (within
 /// [`UPSTREAM_TIMEOUT`] each). Shared by the DNS proxy and on-demand DNS.
@@ -327,22 +355,11 @@ pub(super) async fn exchange(
         if sock.send(packet).await.is_err() {
             continue;
         }
-        // The buffer is made only once a reply is there: a query waiting
-        // on a slow upstream holds none.
+        // A query waiting on a slow upstream holds no buffer.
         let reply = async {
-            loop {
-                sock.readable().await?;
-                let mut buf = vec![0u8; 65_535];
-                match sock.try_recv(&mut buf) {
-                    Ok(n) => {
-                        buf.truncate(n);
-                        buf.shrink_to_fit();
-                        return Ok::<_, std::io::Error>(buf);
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                    Err(e) => return Err(e),
-                }
-            }
+            datagram(&sock, |s, buf| s.try_recv(buf).map(|n| (n, ())))
+                .await
+                .map(|(reply, ())| reply)
         };
         if let Ok(Ok(buf)) = tokio::time::timeout(UPSTREAM_TIMEOUT, reply).await {
             return Some(buf);
