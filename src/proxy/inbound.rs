@@ -18,13 +18,14 @@ use http::{Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::budget::{Reservation, BUDGET, STREAM_OPEN_COST};
-use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
+use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Denied, Tracker};
 use super::record::{ConnectionRecord, Direction};
+use super::splice::splice_bidirectional;
 use super::waypoint;
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::{tls, Identity};

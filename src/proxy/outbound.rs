@@ -12,13 +12,14 @@ use socket2::SockRef;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::budget::{Refusal, BUDGET, STREAM_OPEN_COST};
-use super::copy::{splice_bidirectional, tcp_h2_bidirectional, Transferred};
+use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
 use super::metrics::{ConnectionLabels, Metrics};
 use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use super::record::{ConnectionRecord, Direction};
+use super::splice::splice_bidirectional;
 use super::waypoint;
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
