@@ -1,6 +1,6 @@
 //! Ports, marks, addresses and protocol constants shared by every role.
 //!
-//! Each value is named once here (docs/architecture.md §3.1) so the in-pod rules, the proxy
+//! Each value is named once here (docs/wire.md §1) so the in-pod rules, the proxy
 //! and the tests cannot disagree. Nothing here does I/O.
 
 /// Outbound capture listener inside each pod netns.

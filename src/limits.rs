@@ -164,7 +164,7 @@ pub fn register(registry: &mut Registry) {
     );
 }
 
-/// Caps per listener (docs/architecture.md §3.11). The pod-facing ones are
+/// Caps per listener (docs/wire.md §10). The pod-facing ones are
 /// per pod and high, since they carry the application's own connections;
 /// the side ports serve probes, scrapes and operators.
 pub mod caps {

@@ -1,4 +1,4 @@
-//! ZDS on the wire (docs/architecture.md §3.2): a `SOCK_SEQPACKET` Unix socket carrying one
+//! ZDS on the wire (docs/wire.md §2): a `SOCK_SEQPACKET` Unix socket carrying one
 //! protobuf message per packet (no length prefix, under 1024 bytes), with the
 //! pod's netns fd passed as `SCM_RIGHTS` on Add. Both ends (the agent's server
 //! and the proxy's client) use these async packet primitives.

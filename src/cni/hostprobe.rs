@@ -1,4 +1,4 @@
-//! Host side of probe handling (docs/architecture.md §3.4, last paragraph): the ipsets
+//! Host side of probe handling (docs/wire.md §4, last paragraph): the ipsets
 //! `istio-inpod-probes-v4`/`-v6` of enrolled pod IPs (each entry commented with
 //! the pod uid) and the nat rule at position 1 of POSTROUTING that SNATs TCP
 //! from local sockets (the kubelet's probes) to those IPs to 169.254.7.127, so

@@ -1,4 +1,4 @@
-//! The CNI plugin role (`ambit-cni`, docs/architecture.md §3.3) as pure logic: the stdin/stdout contract of a
+//! The CNI plugin role (`ambit-cni`, docs/wire.md §3) as pure logic: the stdin/stdout contract of a
 //! chained CNI plugin. It parses the network config from the stdin bytes and the `CNI_*`
 //! environment from a lookup function, decides whether the pod must be enrolled in the mesh, and
 //! renders what goes to stdout: the `prevResult` converted to the config's `cniVersion`, the

@@ -1,4 +1,4 @@
-//! In-pod redirection rules (docs/architecture.md §3.4): render them as `iptables-restore`
+//! In-pod redirection rules (docs/wire.md §4): render them as `iptables-restore`
 //! text identical to Istio CNI's, apply them inside a pod netns atomically and
 //! idempotently, and remove them cleanly.
 //!

@@ -1,4 +1,4 @@
-//! The agent's side of ZDS (docs/architecture.md §3.2): accepts proxy connections, waits
+//! The agent's side of ZDS (docs/wire.md §2): accepts proxy connections, waits
 //! for the hello, sends the snapshot (an Add with the netns fd for every pod
 //! it holds, then SnapshotSent), and afterwards Adds to the newest connection
 //! and Dels to all, each request waiting at most 5 s for its in-order Ack.

@@ -1,6 +1,6 @@
 //! rustls configurations for HBONE: TLS 1.3 only, AES-GCM suites, ALPN `h2`,
 //! client certificate required, no SNI, no session resumption; and the SPIFFE
-//! checks on both sides (docs/architecture.md §3.5).
+//! checks on both sides (docs/wire.md §5).
 //!
 //! The server accepts only client chains that lead to our roots *and* carry a
 //! SPIFFE id of our trust domain. The client verifies the server's chain in the

@@ -1,5 +1,5 @@
 //! The proxy-wide budget for bytes held on behalf of peers
-//! (docs/architecture.md §3.10).
+//! (docs/wire.md §10).
 //!
 //! What a peer can make the proxy hold is bounded by construction, not by
 //! hoping it reads: each HBONE connection the proxy accepts reserves the

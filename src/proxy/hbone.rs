@@ -1,4 +1,4 @@
-//! HBONE on the wire (docs/architecture.md §3.5): building the CONNECT request a client
+//! HBONE on the wire (docs/wire.md §5): building the CONNECT request a client
 //! sends, validating the one a server receives, and the HTTP/2 settings both
 //! sides use. Pure code over `http` values; the sockets live elsewhere.
 

@@ -1,5 +1,5 @@
 //! Shared (in-pod) mode: the ZDS client that takes pod network namespaces
-//! from the node agent (docs/architecture.md §3.2) and the table of pods it serves.
+//! from the node agent (docs/wire.md §2) and the table of pods it serves.
 //!
 //! Each Add opens the pod's listeners inside its netns (a socket factory bound
 //! to that netns, no thread per pod); Del drains that pod now; the snapshot

@@ -1,4 +1,4 @@
-//! The proxy's Prometheus metrics with Istio's names and labels (docs/architecture.md §3.9):
+//! The proxy's Prometheus metrics with Istio's names and labels (docs/wire.md §9):
 //! `istio_tcp_connections_opened_total`, `istio_tcp_connections_closed_total`,
 //! `istio_tcp_sent_bytes_total`, `istio_tcp_received_bytes_total`.
 //!

@@ -1,4 +1,4 @@
-//! The delta ADS client (Envoy delta xDS over gRPC, docs/architecture.md §3.6): subscribes
+//! The delta ADS client (Envoy delta xDS over gRPC, docs/wire.md §6): subscribes
 //! to Istio's `Address` and `Authorization` types, applies every response in
 //! one state swap, ACKs it — or NACKs it naming each bad resource and why,
 //! while applying the good ones — and reconnects with jittered backoff,
