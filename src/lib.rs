@@ -4,7 +4,8 @@
 //! else; `xds` and `identity` build state from config; `cni` and `proxy`
 //! consume state; `lab` and `demo` assemble everything for a single host;
 //! `main` only dispatches. Shared below them all: `backoff` (retry delays),
-//! `sideport` (the HTTP server of the side ports), `unix_bind` (owner-only
+//! `sideport` (the HTTP server of the side ports), `resident` (giving
+//! back start-up's pages of the binary), `unix_bind` (owner-only
 //! Unix sockets), `netns`, `constants`.
 //!
 //! Features: `lab` (on by default) builds the network-namespace lab that
@@ -28,6 +29,7 @@ pub mod netns;
 pub mod node;
 pub mod proto;
 pub mod proxy;
+mod resident;
 mod sideport;
 mod unix_bind;
 pub mod xds;
