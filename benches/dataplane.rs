@@ -201,23 +201,33 @@ fn each_rss(lab: &Lab, path: &Path) -> String {
 
 /// Opens `n` connections through the path, each with one round trip, and
 /// returns the proxies' RSS growth per connection in kB while they are held.
+/// One connection opened and closed first maps the code a connection runs
+/// into both proxies (a proxy that unmaps its start-up code, as Ambit does,
+/// would otherwise count it here), so the growth is what each one holds.
 fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
+    let target = path.echo;
+    let open = move |i: usize| -> std::io::Result<TcpStream> {
+        let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"x")?;
+        s.read_exact(&mut [0u8; 1])
+            .map_err(|e| std::io::Error::other(format!("connection {i}: {e}")))?;
+        Ok(s)
+    };
+    path.client
+        .ns
+        .run(move || open(0).map(drop))
+        .unwrap()
+        .unwrap_or_else(|e| panic!("warm-up connection on {}: {e}", path.name));
+    std::thread::sleep(Duration::from_millis(200));
     let (before, _) = proxies_rss(lab, path);
     println!("{} before: {}", path.name, each_rss(lab, path));
-    let target = path.echo;
     let held = path
         .client
         .ns
         .run(move || {
             (0..n)
-                .map(|i| {
-                    let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
-                    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-                    s.write_all(b"x")?;
-                    s.read_exact(&mut [0u8; 1])
-                        .map_err(|e| std::io::Error::other(format!("connection {i}: {e}")))?;
-                    Ok(s)
-                })
+                .map(open)
                 .collect::<std::io::Result<Vec<TcpStream>>>()
         })
         .unwrap()
