@@ -75,8 +75,9 @@ const TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Once the proxy is first ready, unmaps the binary's pages that start-up
 /// mapped (see `crate::resident`): what the proxy runs from then on maps
-/// back on first use. Measured after a bench run, a dedicated proxy's
-/// resident code fell from 6.5 MB to about 2 MB.
+/// back on first use. Measured (`cargo bench --bench dataplane`): a ready,
+/// idle dedicated proxy's RSS 10 → 2.5 MB; both proxies' RSS after the
+/// whole run 0.81× → 0.64× ztunnel's.
 async fn release_startup_pages(ready: Arc<AtomicBool>) {
     while !ready.load(Ordering::Acquire) {
         tokio::time::sleep(Duration::from_millis(100)).await;
