@@ -14,6 +14,7 @@ COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
 COPY src src
 COPY benches benches
+COPY link link
 # glibc linked statically: the same binary is installed on the host as the
 # CNI plugin, whose glibc may be older than the image's.
 RUN target="$(uname -m)-unknown-linux-gnu" \
