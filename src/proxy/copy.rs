@@ -27,10 +27,11 @@ pub struct Transferred {
     pub proxy_closed_first: bool,
 }
 
-/// Runs both directions of a copy; the third result says whether `down`
-/// (towards the originator) ended cleanly, with its half-close sent, before
-/// `up` read the originator's own close. Only then does the proxy hold the
-/// originator's connection in TIME_WAIT.
+/// Runs both directions of a copy (`up` towards the destination, `down`
+/// back) and folds their ends into what was moved and the first error.
+/// `proxy_closed_first` says whether `down` ended cleanly, with its
+/// half-close sent, before `up` read the originator's own close. Only then
+/// does the proxy hold the originator's connection in TIME_WAIT.
 ///
 /// A plain combinator, not an async fn: an async fn (or async blocks
 /// around `join!`) stores its argument futures again beside the joined
@@ -40,7 +41,7 @@ pub struct Transferred {
 pub(super) fn both_ways<U, D>(
     up: U,
     down: D,
-) -> impl std::future::Future<Output = (io::Result<u64>, io::Result<u64>, bool)>
+) -> impl std::future::Future<Output = (Transferred, io::Result<()>)>
 where
     U: std::future::Future<Output = io::Result<u64>>,
     D: std::future::Future<Output = io::Result<u64>>,
@@ -50,8 +51,12 @@ where
     static ENDED: AtomicU64 = AtomicU64::new(0);
     let stamp = |r: io::Result<u64>| (r, ENDED.fetch_add(1, Relaxed));
     futures_util::future::join(up.map(stamp), down.map(stamp)).map(|((u, up_at), (d, down_at))| {
-        let clean = u.is_ok() && d.is_ok();
-        (u, d, clean && down_at < up_at)
+        let t = Transferred {
+            sent: *u.as_ref().unwrap_or(&0),
+            received: *d.as_ref().unwrap_or(&0),
+            proxy_closed_first: u.is_ok() && d.is_ok() && down_at < up_at,
+        };
+        (t, u.and(d).map(|_| ()))
     })
 }
 
@@ -257,14 +262,7 @@ pub async fn tcp_h2_bidirectional(
     reserved: Option<&mut Reservation>,
 ) -> (Transferred, io::Result<()>) {
     let (r, w) = tcp.split();
-    let (up, down, proxy_closed_first) =
-        both_ways(tcp_to_h2(r, send, reserved), h2_to_tcp(recv, w)).await;
-    let t = Transferred {
-        sent: *up.as_ref().unwrap_or(&0),
-        received: *down.as_ref().unwrap_or(&0),
-        proxy_closed_first,
-    };
-    (t, up.and(down).map(|_| ()))
+    both_ways(tcp_to_h2(r, send, reserved), h2_to_tcp(recv, w)).await
 }
 
 #[cfg(test)]

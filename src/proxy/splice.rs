@@ -297,17 +297,11 @@ pub async fn splice_bidirectional(
     client: &TcpStream,
     upstream: &TcpStream,
 ) -> (Transferred, io::Result<()>) {
-    let (up, down, proxy_closed_first) = both_ways(
+    both_ways(
         splice_one_way(client, upstream),
         splice_one_way(upstream, client),
     )
-    .await;
-    let t = Transferred {
-        sent: *up.as_ref().unwrap_or(&0),
-        received: *down.as_ref().unwrap_or(&0),
-        proxy_closed_first,
-    };
-    (t, up.and(down).map(|_| ()))
+    .await
 }
 
 #[cfg(test)]
