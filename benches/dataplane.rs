@@ -200,11 +200,15 @@ fn each_rss(lab: &Lab, path: &Path) -> String {
 }
 
 /// Opens `n` connections through the path, each with one round trip, and
-/// returns the proxies' RSS growth per connection in kB while they are held.
+/// returns the proxies' RSS growth per connection in kB while they are held,
+/// and what they still hold (kB, both together) 12 s after all closed:
+/// what the burst left behind once each allocator had its chance to give
+/// free memory back (Ambit trims every 10 s; jemalloc, ztunnel's, decays
+/// its free pages over 10 s).
 /// One connection opened and closed first maps the code a connection runs
 /// into both proxies (a proxy that unmaps its start-up code, as Ambit does,
 /// would otherwise count it here), so the growth is what each one holds.
-fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
+fn idle_connections(lab: &Lab, path: &Path, n: usize) -> (f64, f64) {
     let target = path.echo;
     let open = move |i: usize| -> std::io::Result<TcpStream> {
         let mut s = TcpStream::connect_timeout(&target, Duration::from_secs(5))?;
@@ -240,7 +244,17 @@ fn idle_connections(lab: &Lab, path: &Path, n: usize) -> f64 {
         each_rss(lab, path)
     );
     drop(held);
-    after.saturating_sub(before) as f64 / n as f64
+    std::thread::sleep(Duration::from_secs(12));
+    let (closed, _) = proxies_rss(lab, path);
+    println!(
+        "{} 12 s after they closed: {}",
+        path.name,
+        each_rss(lab, path)
+    );
+    (
+        after.saturating_sub(before) as f64 / n as f64,
+        closed.saturating_sub(before) as f64,
+    )
 }
 
 /// Runs `f` while `perf stat` counts the system calls and context switches
@@ -466,19 +480,26 @@ fn phase(
     // Memory first, on proxies that have carried no load yet: what one more
     // idle connection costs, not what an allocator kept from a bulk flow.
     if wanted("memory") {
-        let per_conn: Vec<f64> = paths
+        let (per_conn, kept): (Vec<f64>, Vec<f64>) = paths
             .iter()
             .map(|p| match p.kind {
                 Some(_) if p.name.ends_with("HBONE") => idle_connections(&lab, p, idle),
-                _ => 0.0,
+                _ => (0.0, 0.0),
             })
-            .collect();
+            .unzip();
         measures.push(Measure {
             title: format!("RSS per idle connection ({idle} held)"),
             unit: "kB",
             decimals: 2,
             higher_is_better: false,
             values: per_conn,
+        });
+        measures.push(Measure {
+            title: format!("  RSS kept 12 s after the {idle} closed"),
+            unit: "kB",
+            decimals: 0,
+            higher_is_better: false,
+            values: kept,
         });
     }
     if wanted("throughput") {

@@ -149,11 +149,19 @@ fn remove_and_wait_rebound(node: &Node, sock: &Path, what: &str) -> Duration {
         || inode(sock).is_some_and(|i| i != bound),
     );
     let rebound = removed.elapsed();
-    let log = std::fs::read_to_string(node.lab.log_path("agent")).unwrap();
-    assert!(
-        log.contains(&format!("the {what} file was removed; bound it again")),
-        "the agent says what it did:\n{log}"
-    );
+    // The agent logs right after it binds: the line may trail the file.
+    let said = format!("the {what} file was removed; bound it again");
+    let log = || std::fs::read_to_string(node.lab.log_path("agent")).unwrap_or_default();
+    let limit = Duration::from_secs(5);
+    let started = Instant::now();
+    while !log().contains(&said) {
+        assert!(
+            started.elapsed() < limit,
+            "the agent says what it did within {limit:?}:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
     rebound
 }
 

@@ -96,6 +96,10 @@ impl Baggage<'_> {
     }
 }
 
+const FORWARDED: http::HeaderName = http::header::FORWARDED;
+const BAGGAGE: http::HeaderName = http::HeaderName::from_static("baggage");
+const TRACEPARENT: http::HeaderName = http::HeaderName::from_static("traceparent");
+
 impl ConnectRequest {
     fn forwarded(&self) -> String {
         match &self.host {
@@ -104,18 +108,31 @@ impl ConnectRequest {
         }
     }
 
+    /// `forwarded` (it names the source port) and `traceparent` are new in
+    /// every request, so they are sent never-indexed (RFC 7541 §6.2.3): a
+    /// value that can never be referred to again would only push
+    /// `baggage` out of both ends' HPACK tables, and each end would keep a
+    /// copy of it there for the next few dozen streams, long after this one
+    /// ended, scattered between other connections' memory (heaptrack: that
+    /// was most of what a burst of 1,000 streams left alive on each side).
     pub fn to_http(&self) -> Result<Request<()>, http::Error> {
         let traceparent = format!(
             "00-{:032x}-{:016x}-00",
             fastrand::u128(1..),
             fastrand::u64(1..)
         );
+        let once = |v: String| {
+            http::HeaderValue::try_from(v).map(|mut v| {
+                v.set_sensitive(true);
+                v
+            })
+        };
         Request::builder()
             .method(Method::CONNECT)
             .uri(self.target.to_string())
-            .header("forwarded", self.forwarded())
-            .header("baggage", self.baggage.clone())
-            .header("traceparent", traceparent)
+            .header(FORWARDED, once(self.forwarded())?)
+            .header(BAGGAGE, self.baggage.clone())
+            .header(TRACEPARENT, once(traceparent)?)
             .body(())
     }
 }
@@ -263,6 +280,11 @@ mod tests {
             .contains("k8s.namespace.name=default"));
         let tp = r.headers()["traceparent"].to_str().unwrap();
         assert_eq!(tp.len(), 55, "{tp}");
+        // What is new in every request stays out of the HPACK tables; what
+        // repeats for a source goes in.
+        assert!(r.headers()["forwarded"].is_sensitive());
+        assert!(r.headers()["traceparent"].is_sensitive());
+        assert!(!r.headers()["baggage"].is_sensitive());
         let v6 = ConnectRequest {
             target: "[fd00::3]:80".parse().unwrap(),
             ..req()

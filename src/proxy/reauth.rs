@@ -100,13 +100,22 @@ pub struct Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        self.tracker
-            .open
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.id);
+        let mut open = self.tracker.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.remove(&self.id);
+        shrink_when_sparse(&mut open);
     }
 }
+
+/// A map a burst of connections grew keeps its table (hundreds of kB for a
+/// thousand) once they are gone: it is given back when a quarter is used.
+fn shrink_when_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+    if map.capacity() > SPARSE_FLOOR && map.len() < map.capacity() / 4 {
+        map.shrink_to(map.len() * 2);
+    }
+}
+
+/// Below this many entries a table is never shrunk.
+const SPARSE_FLOOR: usize = 64;
 
 impl Tracker {
     pub fn track(self: &Arc<Self>, auth: Authorized) -> Tracked {
@@ -226,5 +235,23 @@ mod tests {
         assert_eq!(tracker.recheck(&state(WEB)), 0);
         assert_eq!(tracker.recheck(&state("workloads: []\n")), 1);
         drop(kept);
+    }
+
+    #[test]
+    fn a_burst_of_connections_leaves_no_large_table_behind() {
+        let tracker = Arc::new(Tracker::default());
+        let mut held: Vec<Tracked> = (0..1000).map(|_| tracker.track(to_web("web-sa"))).collect();
+        let grown = tracker.open.lock().unwrap().capacity();
+        assert!(grown >= 1000, "{grown}");
+        let last = held.pop();
+        drop(held);
+        let left = tracker.open.lock().unwrap().capacity();
+        assert!(
+            left <= SPARSE_FLOOR,
+            "a table for {left} kept for one connection"
+        );
+        // The one left is still tracked, and still rechecked.
+        assert_eq!(tracker.recheck(&state("workloads: []\n")), 1);
+        drop(last);
     }
 }
