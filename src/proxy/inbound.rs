@@ -297,14 +297,15 @@ impl Inbound {
         };
         let tracked = self.tracker.track(auth);
         let mut result = None;
+        // The request's head goes now: moved into the copy whole, it would
+        // be held there for the stream's life.
+        let body = req.into_body();
         // Pinned here and passed by pointer: by value, `run` would hold a
         // second copy of it.
         {
             let copy = std::pin::pin!(async {
-                result = Some(
-                    tcp_h2_bidirectional(&mut upstream, send, req.into_body(), Some(&mut reserved))
-                        .await,
-                )
+                result =
+                    Some(tcp_h2_bidirectional(&mut upstream, send, body, Some(&mut reserved)).await)
             });
             tracked.revoked.run(copy).await;
         }

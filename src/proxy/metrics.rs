@@ -94,14 +94,16 @@ pub struct DnsLabels {
     pub answered_by: &'static str,
 }
 
+/// The label sets of one pod's connections.
+type LabelSets = std::collections::HashSet<std::sync::Arc<ConnectionLabels>>;
+
 /// The four TCP counters, and the proxy's own counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
     /// Label sets used, by the pod (namespace, name) they describe, so a
-    /// removed pod's series can be dropped (bounded cardinality).
-    by_pod: std::sync::Mutex<
-        std::collections::HashMap<(String, String), std::collections::HashSet<ConnectionLabels>>,
-    >,
+    /// removed pod's series can be dropped (bounded cardinality). Each is
+    /// the one copy every connection with those labels shares.
+    by_pod: std::sync::Mutex<std::collections::HashMap<(String, String), LabelSets>>,
     /// `istio_dns_requests_total`.
     pub dns_requests: Family<DnsLabels, Counter>,
     /// `istio_dns_upstream_failures_total`.
@@ -155,8 +157,19 @@ impl Metrics {
         );
     }
 
-    pub fn opened(&self, labels: &ConnectionLabels) {
-        self.opened.get_or_create(labels).inc();
+    /// Counts a connection opened with `labels`; returns the copy of them
+    /// the connection keeps (see [`Metrics::shared`]).
+    pub fn opened(&self, labels: ConnectionLabels) -> std::sync::Arc<ConnectionLabels> {
+        self.opened.get_or_create(&labels).inc();
+        self.shared(labels)
+    }
+
+    /// The one copy of `labels` that every connection with them shares,
+    /// remembered under their pod so that [`Metrics::forget`] drops their
+    /// series. A connection holding its own 19 label strings for its whole
+    /// life cost ~1 kB each side (in its task and on the heap); shared,
+    /// it holds a pointer.
+    pub fn shared(&self, labels: ConnectionLabels) -> std::sync::Arc<ConnectionLabels> {
         let pod = if labels.reporter == "source" {
             (
                 labels.source_workload_namespace.clone(),
@@ -170,9 +183,12 @@ impl Metrics {
         };
         let mut by_pod = self.by_pod.lock().unwrap_or_else(|e| e.into_inner());
         let sets = by_pod.entry(pod).or_default();
-        if !sets.contains(labels) {
-            sets.insert(labels.clone());
+        if let Some(kept) = sets.get(&labels) {
+            return kept.clone();
         }
+        let kept = std::sync::Arc::new(labels);
+        sets.insert(kept.clone());
+        kept
     }
 
     /// Counts one on-demand resolution of `hostname` for a connection from
@@ -200,10 +216,10 @@ impl Metrics {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&(namespace.to_string(), name.to_string()));
         for labels in sets.into_iter().flatten() {
-            self.opened.remove(&labels);
-            self.closed.remove(&labels);
-            self.sent.remove(&labels);
-            self.received.remove(&labels);
+            self.opened.remove(&*labels);
+            self.closed.remove(&*labels);
+            self.sent.remove(&*labels);
+            self.received.remove(&*labels);
         }
     }
 
@@ -242,7 +258,7 @@ mod tests {
             source_workload: "client".into(),
             ..Default::default()
         };
-        m.opened(&l);
+        m.opened(l.clone());
         m.closed(
             &l,
             Transferred {

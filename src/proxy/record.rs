@@ -42,7 +42,8 @@ enum End {
 #[must_use = "a record counts its connection closed when finished or dropped"]
 pub struct ConnectionRecord {
     metrics: Arc<Metrics>,
-    labels: ConnectionLabels,
+    /// Shared with every connection of the same labels.
+    labels: Arc<ConnectionLabels>,
     direction: Direction,
     src: Option<SocketAddr>,
     dst: SocketAddr,
@@ -65,7 +66,7 @@ impl ConnectionRecord {
         src: Option<SocketAddr>,
         dst: SocketAddr,
     ) -> Self {
-        metrics.opened(&labels);
+        let labels = metrics.opened(labels);
         ConnectionRecord {
             metrics,
             labels,
@@ -104,7 +105,11 @@ impl ConnectionRecord {
 
     /// Never carried: `flag` is the `response_flags` label (`CONNECT`, ...).
     pub fn failed(mut self, flag: &'static str, error: impl Display) {
-        self.labels.response_flags = flag;
+        if self.labels.response_flags != flag {
+            let mut flagged = (*self.labels).clone();
+            flagged.response_flags = flag;
+            self.labels = self.metrics.shared(flagged);
+        }
         self.end(End::Failed(error.to_string()));
     }
 
@@ -372,5 +377,43 @@ mod tests {
         assert_eq!(lines[2]["level"], "WARN");
         assert_eq!(lines[2]["fields"]["error"], "connection refused");
         assert_eq!(lines[3]["fields"]["error"], "cancelled before it closed");
+    }
+
+    #[test]
+    fn connections_share_one_copy_of_their_labels_and_a_gone_pod_takes_every_series() {
+        let metrics = Arc::new(Metrics::default());
+        let mut registry = Registry::default();
+        metrics.register(&mut registry);
+        let labels = ConnectionLabels {
+            source_workload: "client".into(),
+            source_workload_namespace: "shop".into(),
+            ..Default::default()
+        };
+        let dst: SocketAddr = "10.0.0.3:8080".parse().unwrap();
+        let open = || {
+            ConnectionRecord::open(
+                metrics.clone(),
+                labels.clone(),
+                Direction::Outbound,
+                None,
+                dst,
+            )
+        };
+        let (a, b) = (open(), open());
+        assert!(Arc::ptr_eq(&a.labels, &b.labels), "one copy for both");
+        a.closed(Transferred::default(), None);
+        // A failure counts its close under its own flag, and that series
+        // belongs to the pod too.
+        b.failed("CONNECT", "connection refused");
+        let text = || {
+            let mut t = String::new();
+            prometheus_client::encoding::text::encode(&mut t, &registry).unwrap();
+            t
+        };
+        let closed = "istio_tcp_connections_closed_total";
+        assert_eq!(counter(&text(), closed, "CONNECT"), 1, "{}", text());
+        metrics.forget("shop", "client");
+        let left = text();
+        assert!(!left.contains("source_workload=\"client\""), "{left}");
     }
 }
