@@ -223,9 +223,13 @@ fn idle_connections(lab: &Lab, path: &Path, n: usize) -> (f64, f64) {
         .run(move || open(0).map(drop))
         .unwrap()
         .unwrap_or_else(|e| panic!("warm-up connection on {}: {e}", path.name));
+    // What both proxies hold now (kB), said in the log with `when`.
+    let rss = |when: &str| {
+        println!("{} {when}: {}", path.name, each_rss(lab, path));
+        proxies_rss(lab, path).0
+    };
     std::thread::sleep(Duration::from_millis(200));
-    let (before, _) = proxies_rss(lab, path);
-    println!("{} before: {}", path.name, each_rss(lab, path));
+    let before = rss("before");
     let held = path
         .client
         .ns
@@ -237,20 +241,10 @@ fn idle_connections(lab: &Lab, path: &Path, n: usize) -> (f64, f64) {
         .unwrap()
         .unwrap_or_else(|e| panic!("{n} idle connections on {}: {e}", path.name));
     std::thread::sleep(Duration::from_millis(500));
-    let (after, _) = proxies_rss(lab, path);
-    println!(
-        "{} with {n} idle connections: {}",
-        path.name,
-        each_rss(lab, path)
-    );
+    let after = rss(&format!("with {n} idle connections"));
     drop(held);
     std::thread::sleep(Duration::from_secs(12));
-    let (closed, _) = proxies_rss(lab, path);
-    println!(
-        "{} 12 s after they closed: {}",
-        path.name,
-        each_rss(lab, path)
-    );
+    let closed = rss("12 s after they closed");
     (
         after.saturating_sub(before) as f64 / n as f64,
         closed.saturating_sub(before) as f64,

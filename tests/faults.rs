@@ -30,7 +30,7 @@ use common::node::{
     proxy_uids, round_trip, served, state_records_at, state_uids, state_uids_at, veth_count, ADMIN,
     AGENT_METRICS, METRICS,
 };
-use common::wait_until;
+use common::{wait_until, wait_until_showing};
 use serde_json::json;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
@@ -152,16 +152,12 @@ fn remove_and_wait_rebound(node: &Node, sock: &Path, what: &str) -> Duration {
     // The agent logs right after it binds: the line may trail the file.
     let said = format!("the {what} file was removed; bound it again");
     let log = || std::fs::read_to_string(node.lab.log_path("agent")).unwrap_or_default();
-    let limit = Duration::from_secs(5);
-    let started = Instant::now();
-    while !log().contains(&said) {
-        assert!(
-            started.elapsed() < limit,
-            "the agent says what it did within {limit:?}:\n{}",
-            log()
-        );
-        std::thread::sleep(Duration::from_millis(25));
-    }
+    wait_until_showing(
+        &format!("the agent's log to say {said:?}"),
+        REBIND_LIMIT,
+        || log().contains(&said),
+        log,
+    );
     rebound
 }
 

@@ -254,11 +254,24 @@ mod tests {
             .sum()
     }
 
-    #[test]
-    fn every_connection_is_counted_at_both_ends_and_logged_once_as_access() {
+    /// Metrics and the registry that exposes them.
+    fn registered() -> (Arc<Metrics>, Registry) {
         let metrics = Arc::new(Metrics::default());
         let mut registry = Registry::default();
         metrics.register(&mut registry);
+        (metrics, registry)
+    }
+
+    /// The registry's text exposition.
+    fn exposed(registry: &Registry) -> String {
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, registry).unwrap();
+        text
+    }
+
+    #[test]
+    fn every_connection_is_counted_at_both_ends_and_logged_once_as_access() {
+        let (metrics, registry) = registered();
         let labels = ConnectionLabels {
             source_workload: "client".into(),
             source_workload_namespace: "shop".into(),
@@ -309,8 +322,7 @@ mod tests {
             ));
         });
 
-        let mut text = String::new();
-        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        let text = exposed(&registry);
         let opened = "istio_tcp_connections_opened_total";
         let closed = "istio_tcp_connections_closed_total";
         assert_eq!(counter(&text, opened, "DENY"), 1, "{text}");
@@ -381,9 +393,7 @@ mod tests {
 
     #[test]
     fn connections_share_one_copy_of_their_labels_and_a_gone_pod_takes_every_series() {
-        let metrics = Arc::new(Metrics::default());
-        let mut registry = Registry::default();
-        metrics.register(&mut registry);
+        let (metrics, registry) = registered();
         let labels = ConnectionLabels {
             source_workload: "client".into(),
             source_workload_namespace: "shop".into(),
@@ -399,21 +409,23 @@ mod tests {
                 dst,
             )
         };
-        let (a, b) = (open(), open());
-        assert!(Arc::ptr_eq(&a.labels, &b.labels), "one copy for both");
-        a.closed(Transferred::default(), None);
-        // A failure counts its close under its own flag, and that series
-        // belongs to the pod too.
-        b.failed("CONNECT", "connection refused");
-        let text = || {
-            let mut t = String::new();
-            prometheus_client::encoding::text::encode(&mut t, &registry).unwrap();
-            t
-        };
+        // Under a subscriber, as every test here that logs: tracing caches
+        // whether a log line is wanted when the line first runs, and a
+        // first run with none would hide it from the other tests' capture.
+        let lines = logged(|| {
+            let (a, b) = (open(), open());
+            assert!(Arc::ptr_eq(&a.labels, &b.labels), "one copy for both");
+            a.closed(Transferred::default(), None);
+            // A failure counts its close under its own flag, and that
+            // series belongs to the pod too.
+            b.failed("CONNECT", "connection refused");
+        });
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        let text = exposed(&registry);
         let closed = "istio_tcp_connections_closed_total";
-        assert_eq!(counter(&text(), closed, "CONNECT"), 1, "{}", text());
+        assert_eq!(counter(&text, closed, "CONNECT"), 1, "{text}");
         metrics.forget("shop", "client");
-        let left = text();
+        let left = exposed(&registry);
         assert!(!left.contains("source_workload=\"client\""), "{left}");
     }
 }

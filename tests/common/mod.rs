@@ -88,12 +88,23 @@ impl Mesh {
 
 /// Polls `f` every 25 ms until it holds; panics naming `what` if it does not
 /// within `limit`. Use instead of a fixed sleep before checking a state.
-pub fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+pub fn wait_until(what: &str, limit: Duration, f: impl FnMut() -> bool) {
+    wait_until_showing(what, limit, f, String::new);
+}
+
+/// [`wait_until`], with what `detail` says (a log, say) in the panic.
+pub fn wait_until_showing(
+    what: &str,
+    limit: Duration,
+    mut f: impl FnMut() -> bool,
+    detail: impl Fn() -> String,
+) {
     let started = Instant::now();
     while !f() {
         assert!(
             started.elapsed() < limit,
-            "timed out after {limit:?} waiting for: {what}"
+            "timed out after {limit:?} waiting for: {what}\n{}",
+            detail()
         );
         std::thread::sleep(Duration::from_millis(25));
     }
