@@ -97,13 +97,18 @@ pub struct DnsLabels {
 /// The label sets of one pod's connections.
 type LabelSets = std::collections::HashSet<std::sync::Arc<ConnectionLabels>>;
 
+/// Label sets by namespace, then pod name.
+type ByPod = std::collections::HashMap<String, std::collections::HashMap<String, LabelSets>>;
+
 /// The four TCP counters, and the proxy's own counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    /// Label sets used, by the pod (namespace, name) they describe, so a
-    /// removed pod's series can be dropped (bounded cardinality). Each is
-    /// the one copy every connection with those labels shares.
-    by_pod: std::sync::Mutex<std::collections::HashMap<(String, String), LabelSets>>,
+    /// Label sets used, by the pod they describe (namespace, then name),
+    /// so a removed pod's series can be dropped (bounded cardinality).
+    /// Each is the one copy every connection with those labels shares.
+    /// Nested rather than keyed by a pair so that a lookup borrows the
+    /// names instead of copying them for every connection.
+    by_pod: std::sync::Mutex<ByPod>,
     /// `istio_dns_requests_total`.
     pub dns_requests: Family<DnsLabels, Counter>,
     /// `istio_dns_upstream_failures_total`.
@@ -170,24 +175,30 @@ impl Metrics {
     /// life cost ~1 kB each side (in its task and on the heap); shared,
     /// it holds a pointer.
     pub fn shared(&self, labels: ConnectionLabels) -> std::sync::Arc<ConnectionLabels> {
-        let pod = if labels.reporter == "source" {
-            (
-                labels.source_workload_namespace.clone(),
-                labels.source_workload.clone(),
-            )
+        let (namespace, name) = if labels.reporter == "source" {
+            (&labels.source_workload_namespace, &labels.source_workload)
         } else {
             (
-                labels.destination_workload_namespace.clone(),
-                labels.destination_workload.clone(),
+                &labels.destination_workload_namespace,
+                &labels.destination_workload,
             )
         };
         let mut by_pod = self.by_pod.lock().unwrap_or_else(|e| e.into_inner());
-        let sets = by_pod.entry(pod).or_default();
-        if let Some(kept) = sets.get(&labels) {
+        let known = by_pod
+            .get(namespace.as_str())
+            .and_then(|pods| pods.get(name.as_str()))
+            .and_then(|sets| sets.get(&labels));
+        if let Some(kept) = known {
             return kept.clone();
         }
+        let (namespace, name) = (namespace.clone(), name.clone());
         let kept = std::sync::Arc::new(labels);
-        sets.insert(kept.clone());
+        by_pod
+            .entry(namespace)
+            .or_default()
+            .entry(name)
+            .or_default()
+            .insert(kept.clone());
         kept
     }
 
@@ -210,11 +221,17 @@ impl Metrics {
 
     /// Drops every series of the pod `namespace/name`.
     pub fn forget(&self, namespace: &str, name: &str) {
-        let sets = self
-            .by_pod
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(namespace.to_string(), name.to_string()));
+        let sets = {
+            let mut by_pod = self.by_pod.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(pods) = by_pod.get_mut(namespace) else {
+                return;
+            };
+            let sets = pods.remove(name);
+            if pods.is_empty() {
+                by_pod.remove(namespace);
+            }
+            sets
+        };
         for labels in sets.into_iter().flatten() {
             self.opened.remove(&*labels);
             self.closed.remove(&*labels);
