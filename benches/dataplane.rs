@@ -77,6 +77,18 @@ fn children_cpu() -> f64 {
     s(ru.ru_utime) + s(ru.ru_stime)
 }
 
+/// Nanoseconds the threads of `pid` have run on a CPU, from their
+/// `schedstat` (to the nanosecond; `/proc/<pid>/stat` counts 10 ms ticks).
+fn run_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    tasks
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// A proxy to measure: Ambit at its defaults, Ambit with other settings, or
 /// another binary that reads ztunnel's settings.
 #[derive(Clone)]
@@ -574,13 +586,20 @@ fn phase(
         let per_round = (ROUND_TRIPS / rounds.max(1)).max(2_000);
         let message: usize = env_or("AMBIT_BENCH_MESSAGE", 1);
         let (mut p50s, mut p99s) = (vec![Vec::new(); n], vec![Vec::new(); n]);
+        // The proxies' CPU time over the timed rounds, warm-ups included.
+        let mut cpu_ns = vec![0u64; n];
         for _ in 0..rounds {
             for (i, p) in paths.iter().enumerate() {
+                let pids = proxy_pids(p);
+                let ran = || pids.iter().map(|&pid| run_ns(pid)).sum::<u64>();
+                let before = ran();
                 let (p50, p99) = ping_pong(p, per_round, message);
+                cpu_ns[i] += ran().saturating_sub(before);
                 p50s[i].push(p50);
                 p99s[i].push(p99);
             }
         }
+        let trips = (rounds.max(1) * (per_round + 500)) as f64;
         for (i, p) in paths.iter().enumerate() {
             let r: Vec<String> = p50s[i].iter().map(|v| format!("{v:.1}")).collect();
             println!("{:<42} rounds: {} µs p50", p.name, r.join(" "));
@@ -608,6 +627,13 @@ fn phase(
             decimals: 1,
             higher_is_better: false,
             values: p99s.into_iter().map(median).collect(),
+        });
+        measures.push(Measure {
+            title: "  proxies' CPU per round trip".into(),
+            unit: "µs",
+            decimals: 1,
+            higher_is_better: false,
+            values: cpu_ns.iter().map(|&ns| ns as f64 / 1e3 / trips).collect(),
         });
         measures.push(Measure {
             title: "  proxies' syscalls per round trip".into(),
