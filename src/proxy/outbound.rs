@@ -300,7 +300,7 @@ impl Outbound {
     /// what carrying needs for as long as the connection lives: as one
     /// future, the connection kept its route, the routing closure and the
     /// establishing stage's locals to its end (2,216 bytes,
-    /// `-Zprint-type-sizes`, dev profile).
+    /// `-Zprint-type-sizes`, dev profile); the carrying task's is 1,480.
     async fn handle(self: Arc<Self>, stream: TcpStream, peer: SocketAddr, slot: CapSlot) {
         // Read now: the TIME_WAIT this connection may leave keeps its cookie.
         let cookie = SockRef::from(&stream).cookie().ok();
@@ -675,8 +675,10 @@ struct Carried {
 }
 
 /// Carries an opened connection until both directions end, then counts and
-/// logs it. Fields are used in place: an async fn stores its argument
-/// twice (the argument, then a local).
+/// logs it. Not an async fn, which would store its argument twice (the
+/// argument, then a local). The upstream's handles (a few words each) are
+/// moved out for the copy so that each is let go as soon as it ends; the
+/// stream's reservation (104 bytes) is used in place and emptied.
 #[allow(clippy::manual_async_fn)]
 fn carry(mut c: Carried) -> impl std::future::Future<Output = ()> + Send {
     async move {

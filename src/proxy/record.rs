@@ -412,6 +412,11 @@ mod tests {
         // Under a subscriber, as every test here that logs: tracing caches
         // whether a log line is wanted when the line first runs, and a
         // first run with none would hide it from the other tests' capture.
+        // Another pod of the same namespace, whose series must stay.
+        let neighbour = ConnectionLabels {
+            source_workload: "cart".into(),
+            ..labels.clone()
+        };
         let lines = logged(|| {
             let (a, b) = (open(), open());
             assert!(Arc::ptr_eq(&a.labels, &b.labels), "one copy for both");
@@ -419,13 +424,16 @@ mod tests {
             // A failure counts its close under its own flag, and that
             // series belongs to the pod too.
             b.failed("CONNECT", "connection refused");
+            ConnectionRecord::open(metrics.clone(), neighbour, Direction::Outbound, None, dst)
+                .closed(Transferred::default(), None);
         });
-        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(lines.len(), 3, "{lines:?}");
         let text = exposed(&registry);
         let closed = "istio_tcp_connections_closed_total";
         assert_eq!(counter(&text, closed, "CONNECT"), 1, "{text}");
         metrics.forget("shop", "client");
         let left = exposed(&registry);
         assert!(!left.contains("source_workload=\"client\""), "{left}");
+        assert!(left.contains("source_workload=\"cart\""), "{left}");
     }
 }
