@@ -78,6 +78,8 @@ pub fn server_config(cert: &WorkloadCert) -> Result<ServerConfig, IdentityError>
     cfg.alpn_protocols = vec![HBONE_ALPN.to_vec()];
     cfg.send_tls13_tickets = 0;
     cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+    // The data path's record layer takes the keys after the handshake.
+    cfg.enable_secret_extraction = true;
     Ok(cfg)
 }
 
@@ -98,6 +100,8 @@ pub fn client_config(cert: &WorkloadCert) -> Result<ClientConfig, IdentityError>
     cfg.alpn_protocols = vec![HBONE_ALPN.to_vec()];
     cfg.enable_sni = false;
     cfg.resumption = rustls::client::Resumption::disabled();
+    // The data path's record layer takes the keys after the handshake.
+    cfg.enable_secret_extraction = true;
     Ok(cfg)
 }
 

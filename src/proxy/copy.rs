@@ -191,7 +191,7 @@ async fn tcp_to_h2(
 /// message through the proxy). Cleared only if no new event came since
 /// the read began (`try_io` compares readiness ticks), so data arriving
 /// meanwhile is never missed.
-fn read_some(src: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+pub(super) fn read_some(src: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
     let mut got = 0;
     let read = src.try_io(Interest::READABLE, || {
         let spare = buf.spare_capacity_mut();

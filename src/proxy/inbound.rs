@@ -26,6 +26,7 @@ use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFE
 use super::reauth::{Authorized, Denied, Tracker};
 use super::record::{ConnectionRecord, Direction};
 use super::splice::splice_bidirectional;
+use super::tls_stream;
 use super::waypoint;
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::{tls, Identity};
@@ -122,11 +123,12 @@ impl Inbound {
             Ok(a) => a.ip(),
             Err(_) => return,
         };
-        let acceptor = tokio_rustls::TlsAcceptor::from(self.pod.tls.load().server.clone());
-        let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-            Ok(Ok(mut tls)) => {
-                tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
-                tls
+        let server = self.pod.tls.load().server.clone();
+        let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls_stream::accept(server, tcp));
+        let (tls, peer_certs) = match accepted.await {
+            Ok(Ok((mut tls, certs))) => {
+                tls.set_buffer_limit(TLS_SEND_BUFFER);
+                (tls, certs)
             }
             Ok(Err(e)) => {
                 tracing::warn!(src.addr = %peer, error = %e, "HBONE TLS handshake refused");
@@ -137,13 +139,7 @@ impl Inbound {
                 return;
             }
         };
-        let Some(peer_id) = tls
-            .get_ref()
-            .1
-            .peer_certificates()
-            .and_then(|c| c.first())
-            .and_then(tls::identity_of)
-        else {
+        let Some(peer_id) = peer_certs.first().and_then(tls::identity_of) else {
             return; // unreachable: the verifier requires a SPIFFE identity
         };
         // The receive window this connection is granted, reserved for its life.

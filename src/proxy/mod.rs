@@ -28,6 +28,7 @@ mod reauth;
 mod record;
 mod splice;
 mod timewait;
+mod tls_stream;
 mod waypoint;
 
 pub use app::{run, start, ProxyHandle};

@@ -21,6 +21,7 @@ use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Pool, PoolKey, PooledConn};
 use super::record::{ConnectionRecord, Direction};
 use super::splice::splice_bidirectional;
+use super::tls_stream;
 use super::waypoint;
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
@@ -520,21 +521,20 @@ impl Outbound {
         if let Err(e) = limit_unsent(&tcp, self.h2.unsent_limit) {
             tracing::debug!(error = %e, "cannot limit the HBONE connection's unsent data");
         }
-        let connector = tokio_rustls::TlsConnector::from(self.pod.tls.load().client.clone());
-        let mut tls = connector
-            .connect(tls::hbone_server_name(), tcp)
+        let client = self.pod.tls.load().client.clone();
+        let (mut tls, peer) = tls_stream::connect(client, tls::hbone_server_name(), tcp)
             .await
             .map_err(|source| OutboundError::Tls {
                 addr: proxy,
                 source,
             })?;
-        tls.get_mut().1.set_buffer_limit(Some(TLS_SEND_BUFFER));
-        tls::verify_peer_identity(tls.get_ref().1.peer_certificates(), &identities).map_err(
-            |source| OutboundError::PeerIdentity {
+        tls.set_buffer_limit(TLS_SEND_BUFFER);
+        tls::verify_peer_identity(Some(&peer), &identities).map_err(|source| {
+            OutboundError::PeerIdentity {
                 addr: proxy,
                 source,
-            },
-        )?;
+            }
+        })?;
         let (sender, conn) =
             self.h2
                 .client()
