@@ -162,6 +162,12 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        if self.bytes == 0 {
+            // Nothing to give back, and no share entry to touch: an empty
+            // reservation never made one (`try_reserve`), and one emptied by
+            // `shrink` gave its bytes back then. No lock taken.
+            return;
+        }
         let b = self.budget;
         b.used.fetch_sub(self.bytes, Ordering::AcqRel);
         if let Some(peer) = self.peer.take() {
@@ -250,10 +256,12 @@ impl Budget {
                 used.checked_add(bytes).filter(|n| *n <= cap)
             })
             .map_err(|_| Refusal::Budget)?;
-        if let Some(p) = peer {
+        // A share entry only for bytes held, so that every entry is one a
+        // drop will take away.
+        if let (Some(p), true) = (peer, bytes > 0) {
             *peers.entry(p.clone()).or_default() += bytes;
         }
-        if let Some(p) = pod {
+        if let (Some(p), true) = (pod, bytes > 0) {
             *pods.entry(p.clone()).or_default() += bytes;
         }
         Ok(Reservation {
@@ -407,6 +415,34 @@ mod tests {
         assert_eq!(b.used(), 0);
         assert!(b.by_peer.lock().unwrap().is_empty());
         assert!(b.by_pod.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn an_empty_reservation_leaves_no_share_entry_and_drops_without_a_lock() {
+        let b = budget(400);
+        let mallory = Identity::new("td", "ns", "mallory");
+        let pod: Arc<str> = "ns/victim".into();
+        let empty = b.reserve(0, Some(&mallory), Some(&pod)).unwrap();
+        assert!(b.by_peer.lock().unwrap().is_empty(), "no entry for 0 bytes");
+        assert!(b.by_pod.lock().unwrap().is_empty());
+        let mut emptied = b.reserve(40, Some(&mallory), Some(&pod)).unwrap();
+        emptied.shrink(usize::MAX);
+        assert!(b.by_pod.lock().unwrap().is_empty(), "given back by shrink");
+        // Both drop on another thread while the share maps are held locked
+        // here: a drop that took a lock would not finish.
+        let (peers, pods) = (b.by_peer.lock().unwrap(), b.by_pod.lock().unwrap());
+        let (done, dropped) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop((empty, emptied));
+            let _ = done.send(());
+        });
+        let finished = dropped.recv_timeout(std::time::Duration::from_secs(2));
+        drop((peers, pods));
+        assert!(
+            finished.is_ok(),
+            "an empty reservation's drop waited for a lock"
+        );
+        assert_eq!(b.used(), 0);
     }
 
     #[test]
