@@ -5,7 +5,7 @@
 //!
 //! The rooms: `app` wires a proxy from its config; `pods` builds and starts
 //! one pod; `inpod` takes pods from the agent over ZDS; `outbound`,
-//! `inbound`, `hbone`, `pool`, `copy`, `splice` carry connections; `rbac` decides;
+//! `inbound`, `hbone`, `pool`, `tls_stream`, `copy`, `splice` carry connections; `rbac` decides;
 //! `dns` answers the pod's queries; `metrics` and `admin` report.
 
 mod admin;
