@@ -92,6 +92,8 @@ pub enum RecordError {
     KeyUpdate(String),
     #[error("TLS record not sealed: {0}")]
     Seal(String),
+    #[error("too many TLS {0} from the peer")]
+    Flood(&'static str),
 }
 
 impl From<RecordError> for io::Error {
@@ -122,7 +124,16 @@ struct Receiver {
     /// A client may be sent tickets; a server may not.
     client: bool,
     closed: bool,
+    /// Key updates the peer may still send before its next data, and
+    /// warning alerts for the connection's life: each costs us work and
+    /// the peer 27 bytes, so a flood of them ends the connection (the
+    /// bounds are rustls' and BoringSSL's).
+    key_updates_left: u8,
+    warnings_left: u8,
 }
+
+const KEY_UPDATES_BETWEEN_DATA: u8 = 32;
+const WARNING_ALERTS: u8 = 4;
 
 impl Receiver {
     /// Opens the record at the front of `buf`, in place: `None` if it is not
@@ -159,6 +170,7 @@ impl Receiver {
         let payload: &[u8] = plain.payload;
         let opened = match plain.typ {
             ContentType::ApplicationData if self.handshake.is_empty() => {
+                self.key_updates_left = KEY_UPDATES_BETWEEN_DATA;
                 let start = payload.as_ptr() as usize - base;
                 Opened::Data(start..start + payload.len())
             }
@@ -167,7 +179,13 @@ impl Receiver {
                     self.closed = true;
                     Opened::Closed
                 }
-                [_, ALERT_USER_CANCELED] => Opened::Nothing,
+                [_, ALERT_USER_CANCELED] => {
+                    self.warnings_left = self
+                        .warnings_left
+                        .checked_sub(1)
+                        .ok_or(RecordError::Flood("warning alerts"))?;
+                    Opened::Nothing
+                }
                 [_, description] => return Err(RecordError::Alert(*description)),
                 _ => return Err(RecordError::BadAlert),
             },
@@ -195,6 +213,10 @@ impl Receiver {
             }
             match typ {
                 HANDSHAKE_KEY_UPDATE => {
+                    self.key_updates_left = self
+                        .key_updates_left
+                        .checked_sub(1)
+                        .ok_or(RecordError::Flood("key updates"))?;
                     let requested = match rest[..len] {
                         [0] => false,
                         [1] => true,
@@ -229,6 +251,8 @@ struct Sender {
     /// Bytes of `queue`'s front already written.
     front_written: usize,
     queued: usize,
+    /// Nothing sealed under the current key since our last `KeyUpdate`.
+    fresh_key: bool,
 }
 
 impl Sender {
@@ -252,6 +276,7 @@ impl Sender {
     /// Application data, in records of at most [`MAX_PLAINTEXT`]; true
     /// when the key has sealed as many records as it may.
     fn seal_data(&mut self, mut data: OutboundChunks<'_>) -> Result<bool, RecordError> {
+        self.fresh_key = false;
         while !data.is_empty() {
             let (record, rest) = data.split_at(MAX_PLAINTEXT);
             self.seal(ContentType::ApplicationData, record)?;
@@ -421,6 +446,8 @@ impl TlsStream {
                 handshake: Vec::new(),
                 client,
                 closed: false,
+                key_updates_left: KEY_UPDATES_BETWEEN_DATA,
+                warnings_left: WARNING_ALERTS,
             },
             tx: Sender {
                 encrypter: enc,
@@ -429,6 +456,7 @@ impl TlsStream {
                 queue: VecDeque::new(),
                 front_written: 0,
                 queued: 0,
+                fresh_key: false,
             },
             keys,
             received: rest.received,
@@ -449,7 +477,10 @@ impl TlsStream {
             .map_err(|e| RecordError::KeyUpdate(e.to_string()))?;
         self.rx.decrypter = decrypter(self.keys.suite(), next)?;
         self.rx.seq = 0;
-        if requested {
+        // Requests that come while we have sent nothing since our last
+        // update are answered by that one (RFC 8446 §4.6.3), so a peer
+        // asking again and again without reading cannot grow our queue.
+        if requested && !self.tx.fresh_key {
             self.key_update()?;
         }
         Ok(())
@@ -469,6 +500,7 @@ impl TlsStream {
         self.tx.encrypter = enc;
         self.tx.rekey_at = rekey_at;
         self.tx.seq = 0;
+        self.tx.fresh_key = true;
         Ok(())
     }
 
@@ -704,49 +736,43 @@ trait Handshaking: Sized {
     fn into_keys(self) -> Result<(rustls::ExtractedSecrets, Keys), rustls::Error>;
 }
 
-impl Handshaking for UnbufferedClientConnection {
-    type Data = ClientConnectionData;
-    fn process<'c, 'i>(
-        &'c mut self,
-        incoming: &'i mut [u8],
-    ) -> UnbufferedStatus<'c, 'i, Self::Data> {
-        self.process_tls_records(incoming)
-    }
-    fn done(&self) -> bool {
-        !self.is_handshaking()
-    }
-    fn certificates(&self) -> Vec<CertificateDer<'static>> {
-        self.peer_certificates()
-            .map(<[_]>::to_vec)
-            .unwrap_or_default()
-    }
-    fn into_keys(self) -> Result<(rustls::ExtractedSecrets, Keys), rustls::Error> {
-        self.dangerous_into_kernel_connection()
-            .map(|(s, k)| (s, Keys::Client(k)))
-    }
+/// The same calls on either side's type (rustls gives them no common trait).
+macro_rules! handshaking {
+    ($conn:ty, $data:ty, $keys:path) => {
+        impl Handshaking for $conn {
+            type Data = $data;
+            fn process<'c, 'i>(
+                &'c mut self,
+                incoming: &'i mut [u8],
+            ) -> UnbufferedStatus<'c, 'i, Self::Data> {
+                self.process_tls_records(incoming)
+            }
+            fn done(&self) -> bool {
+                !self.is_handshaking()
+            }
+            fn certificates(&self) -> Vec<CertificateDer<'static>> {
+                self.peer_certificates()
+                    .map(<[_]>::to_vec)
+                    .unwrap_or_default()
+            }
+            fn into_keys(self) -> Result<(rustls::ExtractedSecrets, Keys), rustls::Error> {
+                self.dangerous_into_kernel_connection()
+                    .map(|(s, k)| (s, $keys(k)))
+            }
+        }
+    };
 }
 
-impl Handshaking for UnbufferedServerConnection {
-    type Data = ServerConnectionData;
-    fn process<'c, 'i>(
-        &'c mut self,
-        incoming: &'i mut [u8],
-    ) -> UnbufferedStatus<'c, 'i, Self::Data> {
-        self.process_tls_records(incoming)
-    }
-    fn done(&self) -> bool {
-        !self.is_handshaking()
-    }
-    fn certificates(&self) -> Vec<CertificateDer<'static>> {
-        self.peer_certificates()
-            .map(<[_]>::to_vec)
-            .unwrap_or_default()
-    }
-    fn into_keys(self) -> Result<(rustls::ExtractedSecrets, Keys), rustls::Error> {
-        self.dangerous_into_kernel_connection()
-            .map(|(s, k)| (s, Keys::Server(k)))
-    }
-}
+handshaking!(
+    UnbufferedClientConnection,
+    ClientConnectionData,
+    Keys::Client
+);
+handshaking!(
+    UnbufferedServerConnection,
+    ServerConnectionData,
+    Keys::Server
+);
 
 fn tls_io(e: rustls::Error) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, e)
@@ -1067,6 +1093,46 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_peer_asking_for_new_keys_again_and_again_gets_one_answer_then_is_cut_off() {
+        let c = configs();
+        let (a, b) = tcp_pair().await;
+        let acceptor = tokio_rustls::TlsAcceptor::from(c.server.clone());
+        let server = tokio::spawn(async move {
+            let mut s = acceptor.accept(b).await.unwrap();
+            let flood = |s: &mut tokio_rustls::server::TlsStream<TcpStream>, n| {
+                for _ in 0..n {
+                    s.get_mut().1.refresh_traffic_keys().unwrap();
+                }
+            };
+            flood(&mut s, 20);
+            s.write_all(b"after").await.unwrap();
+            s.flush().await.unwrap();
+            let mut got = [0u8; 4];
+            s.read_exact(&mut got).await.unwrap();
+            // Past the bound between data records: the connection ends.
+            flood(&mut s, 40);
+            let _ = s.flush().await;
+            got
+        });
+        let (mut ours, _) = connect(c.client.clone(), hbone_server_name(), a)
+            .await
+            .unwrap();
+        let mut got = [0u8; 5];
+        ours.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"after", "every key followed");
+        assert_eq!(ours.tx.queue.len(), 1, "one answer queued for 20 requests");
+        ours.write_all(b"back").await.unwrap();
+        ours.flush().await.unwrap();
+        assert_eq!(
+            &server.await.unwrap(),
+            b"back",
+            "our data under our one new key"
+        );
+        let e = read_error(&mut ours).await;
+        assert!(e.contains("too many TLS key updates"), "{e}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn our_keys_move_before_their_limit_and_the_peer_follows() {
         let c = configs();
         let (a, b) = tcp_pair().await;
@@ -1201,6 +1267,8 @@ mod receiver_tests {
             handshake: Vec::new(),
             client,
             closed: false,
+            key_updates_left: KEY_UPDATES_BETWEEN_DATA,
+            warnings_left: WARNING_ALERTS,
         }
     }
 
@@ -1260,6 +1328,32 @@ mod receiver_tests {
     }
 
     #[test]
+    fn key_updates_are_bounded_between_data_records() {
+        let mut rx = receiver(false);
+        let (hs, update) = (ContentType::Handshake, [24, 0, 0, 1, 1]);
+        for _ in 0..2 {
+            for _ in 0..KEY_UPDATES_BETWEEN_DATA {
+                assert!(matches!(
+                    open(&mut rx, hs, &update),
+                    Ok(Opened::KeyUpdate { .. })
+                ));
+            }
+            // Data between them starts the count again.
+            assert!(matches!(
+                open(&mut rx, ContentType::ApplicationData, b"x"),
+                Ok(Opened::Data(_))
+            ));
+        }
+        for _ in 0..KEY_UPDATES_BETWEEN_DATA {
+            open(&mut rx, hs, &update).unwrap();
+        }
+        assert_eq!(
+            open(&mut rx, hs, &update),
+            Err(RecordError::Flood("key updates"))
+        );
+    }
+
+    #[test]
     fn tickets_are_dropped_by_a_client_and_refused_by_a_server() {
         let ticket = [4, 0, 0, 3, 1, 2, 3];
         let hs = ContentType::Handshake;
@@ -1311,6 +1405,14 @@ mod receiver_tests {
         assert_eq!(
             open(&mut rx, ContentType::ApplicationData, b"late"),
             Err(RecordError::AfterClose)
+        );
+        let mut rx = receiver(true);
+        for _ in 0..WARNING_ALERTS {
+            assert_eq!(open(&mut rx, alert, &[1, 90]).unwrap(), Opened::Nothing);
+        }
+        assert_eq!(
+            open(&mut rx, alert, &[1, 90]),
+            Err(RecordError::Flood("warning alerts"))
         );
         assert_eq!(
             open(&mut receiver(true), alert, &[2, 20]),
