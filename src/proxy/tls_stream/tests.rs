@@ -1,0 +1,298 @@
+//! Each side of our record layer against rustls' own buffered
+//! connection (tokio-rustls) on the other: the peer every HBONE
+//! connection to or from ztunnel has.
+use super::*;
+use crate::identity::tls::{client_config, hbone_server_name, identity_of, server_config};
+use crate::identity::{Identity, LocalCa};
+use std::time::Duration;
+use tokio::net::TcpListener;
+
+struct Configs {
+    client: Arc<ClientConfig>,
+    server: Arc<ServerConfig>,
+}
+
+fn configs() -> Configs {
+    let ca = LocalCa::generate("cluster.local").unwrap();
+    let issue = |name: &str| {
+        ca.issue(
+            &Identity::new("cluster.local", "ns", name),
+            Duration::from_secs(600),
+        )
+        .unwrap()
+    };
+    Configs {
+        client: Arc::new(client_config(&issue("client")).unwrap()),
+        server: Arc::new(server_config(&issue("server")).unwrap()),
+    }
+}
+
+async fn tcp_pair() -> (TcpStream, TcpStream) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (a, b) = tokio::join!(TcpStream::connect(addr), listener.accept());
+    (a.unwrap(), b.unwrap().0)
+}
+
+/// Bytes no two positions of which repeat within a record, so a record
+/// out of place or a byte lost shows.
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_be_bytes()[0] ^ seed)
+        .collect()
+}
+
+const BULK: usize = 3 * 1024 * 1024 + 17;
+
+/// Writes `data` in writes of varied sizes, reads everything the peer
+/// sends until its close_notify, then closes.
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(s: S, data: Vec<u8>) -> io::Result<Vec<u8>> {
+    let (mut r, mut w) = tokio::io::split(s);
+    let writer = async move {
+        let mut sizes = [1usize, 9, 16_384, 16_385, 70_000, 300_000].iter().cycle();
+        let mut at = 0;
+        while at < data.len() {
+            let n = (*sizes.next().unwrap()).min(data.len() - at);
+            w.write_all(&data[at..at + n]).await?;
+            at += n;
+        }
+        w.shutdown().await?;
+        Ok::<_, io::Error>(w)
+    };
+    let reader = async move {
+        let mut got = Vec::new();
+        r.read_to_end(&mut got).await?;
+        Ok::<_, io::Error>((r, got))
+    };
+    let (w, r) = tokio::join!(writer, reader);
+    let (_w, (_r, got)) = (w?, r?);
+    Ok(got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn our_client_and_a_rustls_server_carry_every_byte_both_ways_and_close_cleanly() {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    // As a server that keeps rustls' defaults does, it sends tickets
+    // after the handshake, which our client drops.
+    let mut server = (*c.server).clone();
+    server.send_tls13_tickets = 2;
+    server.session_storage = rustls::server::ServerSessionMemoryCache::new(16);
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
+    let server = tokio::spawn(async move {
+        let s = acceptor.accept(b).await?;
+        exchange(s, pattern(BULK, 2)).await
+    });
+    let (ours, certs) = connect(c.client.clone(), hbone_server_name(), a)
+        .await
+        .unwrap();
+    let peer = certs.first().and_then(identity_of);
+    assert_eq!(peer, Some(Identity::new("cluster.local", "ns", "server")));
+    let got = exchange(ours, pattern(BULK, 1)).await.unwrap();
+    assert!(got == pattern(BULK, 2), "the server's bytes, in order");
+    let theirs = server.await.unwrap().unwrap();
+    assert!(theirs == pattern(BULK, 1), "our bytes, in order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn our_server_takes_a_rustls_clients_first_bytes_sent_beside_its_finished() {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let connector = tokio_rustls::TlsConnector::from(c.client.clone());
+    let client = tokio::spawn(async move {
+        let s = connector.connect(hbone_server_name(), a).await?;
+        exchange(s, pattern(BULK, 3)).await
+    });
+    let (ours, certs) = accept(c.server.clone(), b).await.unwrap();
+    let peer = certs.first().and_then(identity_of);
+    assert_eq!(peer, Some(Identity::new("cluster.local", "ns", "client")));
+    let got = exchange(ours, pattern(BULK, 4)).await.unwrap();
+    assert!(got == pattern(BULK, 3));
+    assert!(client.await.unwrap().unwrap() == pattern(BULK, 4));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_key_update_is_followed_and_answered() {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let acceptor = tokio_rustls::TlsAcceptor::from(c.server.clone());
+    let server = tokio::spawn(async move {
+        let mut s = acceptor.accept(b).await.unwrap();
+        let mut got = vec![0u8; 100_000];
+        for round in 0..3u8 {
+            s.write_all(&pattern(50_000, round)).await.unwrap();
+            // New keys for what follows, and ours asked to follow too.
+            s.get_mut().1.refresh_traffic_keys().unwrap();
+            s.write_all(&pattern(50_000, round + 10)).await.unwrap();
+            s.flush().await.unwrap();
+            // Our answer came under the old keys, our data under the new.
+            s.read_exact(&mut got).await.unwrap();
+            assert!(got == pattern(100_000, round + 20), "round {round}");
+        }
+        s.shutdown().await.unwrap();
+    });
+    let (mut ours, _) = connect(c.client.clone(), hbone_server_name(), a)
+        .await
+        .unwrap();
+    for round in 0..3u8 {
+        let mut got = vec![0u8; 100_000];
+        ours.read_exact(&mut got).await.unwrap();
+        assert!(got[..50_000] == pattern(50_000, round));
+        assert!(got[50_000..] == pattern(50_000, round + 10));
+        ours.write_all(&pattern(100_000, round + 20)).await.unwrap();
+        ours.flush().await.unwrap();
+    }
+    let mut rest = Vec::new();
+    ours.read_to_end(&mut rest).await.unwrap();
+    assert!(rest.is_empty());
+    server.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_asking_for_new_keys_again_and_again_gets_one_answer_then_is_cut_off() {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let acceptor = tokio_rustls::TlsAcceptor::from(c.server.clone());
+    let server = tokio::spawn(async move {
+        let mut s = acceptor.accept(b).await.unwrap();
+        let flood = |s: &mut tokio_rustls::server::TlsStream<TcpStream>, n| {
+            for _ in 0..n {
+                s.get_mut().1.refresh_traffic_keys().unwrap();
+            }
+        };
+        flood(&mut s, 20);
+        s.write_all(b"after").await.unwrap();
+        s.flush().await.unwrap();
+        let mut got = [0u8; 4];
+        s.read_exact(&mut got).await.unwrap();
+        // Past the bound between data records: the connection ends.
+        flood(&mut s, 40);
+        let _ = s.flush().await;
+        got
+    });
+    let (mut ours, _) = connect(c.client.clone(), hbone_server_name(), a)
+        .await
+        .unwrap();
+    let mut got = [0u8; 5];
+    ours.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"after", "every key followed");
+    assert_eq!(ours.tx.queue.len(), 1, "one answer queued for 20 requests");
+    ours.write_all(b"back").await.unwrap();
+    ours.flush().await.unwrap();
+    assert_eq!(
+        &server.await.unwrap(),
+        b"back",
+        "our data under our one new key"
+    );
+    let e = read_error(&mut ours).await;
+    assert!(e.contains("too many TLS key updates"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn our_keys_move_before_their_limit_and_the_peer_follows() {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let acceptor = tokio_rustls::TlsAcceptor::from(c.server.clone());
+    let server = tokio::spawn(async move {
+        let mut s = acceptor.accept(b).await.unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        got
+    });
+    let (mut ours, _) = connect(c.client.clone(), hbone_server_name(), a)
+        .await
+        .unwrap();
+    // As if the key had sealed all but 2 of its records before each
+    // 40 kB write (3 records): each write crosses a key change.
+    let mut changes = 0;
+    let data = pattern(1_000_000, 7);
+    for part in data.chunks(40_000) {
+        let seq = ours.tx.seq;
+        ours.tx.rekey_at = seq + 2;
+        ours.write_all(part).await.unwrap();
+        if ours.tx.seq < seq + 3 {
+            changes += 1;
+        }
+    }
+    ours.shutdown().await.unwrap();
+    assert!(changes >= 20, "keys moved {changes} times");
+    assert!(
+        server.await.unwrap() == data,
+        "the peer opened every record"
+    );
+}
+
+#[tokio::test]
+async fn a_server_of_another_ca_is_refused_by_our_client_and_told_why() {
+    let (ours, foreign) = (configs(), configs());
+    let (a, b) = tcp_pair().await;
+    let acceptor = tokio_rustls::TlsAcceptor::from(foreign.server.clone());
+    let server = tokio::spawn(async move { acceptor.accept(b).await.map(|_| ()) });
+    let e = connect(ours.client.clone(), hbone_server_name(), a)
+        .await
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("certificate"), "{e}");
+    let told = server.await.unwrap().expect_err("the peer hears an alert");
+    assert!(told.to_string().contains("alert"), "{told}");
+}
+
+/// Our client's stream, and the rustls server's raw socket after the
+/// handshake (to send what a hostile peer would).
+async fn hostile_peer() -> (TlsStream, TcpStream) {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let acceptor = tokio_rustls::TlsAcceptor::from(c.server.clone());
+    let server = tokio::spawn(async move { acceptor.accept(b).await.unwrap() });
+    let (ours, _) = connect(c.client.clone(), hbone_server_name(), a)
+        .await
+        .unwrap();
+    let (raw, _) = server.await.unwrap().into_inner();
+    (ours, raw)
+}
+
+async fn read_error(ours: &mut TlsStream) -> String {
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(5), ours.read(&mut buf))
+        .await
+        .expect("an answer, not a hang");
+    read.expect_err("the record is refused").to_string()
+}
+
+#[tokio::test]
+async fn a_record_that_does_not_open_ends_the_connection_with_an_error() {
+    let (mut ours, mut raw) = hostile_peer().await;
+    let mut record = vec![23, 3, 3, 0, 40];
+    record.extend_from_slice(&[0x5a; 40]);
+    raw.write_all(&record).await.unwrap();
+    let e = read_error(&mut ours).await;
+    assert!(e.contains("did not decrypt"), "{e}");
+}
+
+#[tokio::test]
+async fn a_record_longer_than_tls_allows_is_refused_before_it_is_read() {
+    let (mut ours, mut raw) = hostile_peer().await;
+    // 65,535 bytes announced, 5 sent: refused on the header alone.
+    raw.write_all(&[23, 3, 3, 0xff, 0xff, 1, 2, 3, 4, 5])
+        .await
+        .unwrap();
+    let e = read_error(&mut ours).await;
+    assert!(e.contains("longer than TLS 1.3 allows"), "{e}");
+    let (mut ours, mut raw) = hostile_peer().await;
+    raw.write_all(&[22, 3, 3, 0, 4, 1, 2, 3, 4]).await.unwrap();
+    let e = read_error(&mut ours).await;
+    assert!(e.contains("outer type 22"), "{e}");
+}
+
+#[tokio::test]
+async fn a_peer_gone_without_close_notify_or_inside_a_record_is_an_error() {
+    let (mut ours, raw) = hostile_peer().await;
+    drop(raw);
+    let e = read_error(&mut ours).await;
+    assert!(e.contains("without sending TLS close_notify"), "{e}");
+    let (mut ours, mut raw) = hostile_peer().await;
+    raw.write_all(&[23, 3, 3, 0, 40, 1, 2]).await.unwrap();
+    drop(raw);
+    let e = read_error(&mut ours).await;
+    assert!(e.contains("inside a TLS record"), "{e}");
+}
