@@ -26,7 +26,11 @@
 //! counts to run as more paths (e.g. `1`), `AMBIT_BENCH_VARIANTS` Ambit with
 //! other settings as more paths (`name:K=V K=V;name2:K=V`),
 //! `AMBIT_BENCH_MESSAGE` the ping-pong's message size (1), `AMBIT_BENCH_ONLY` some of
-//! `memory,throughput,streams,latency,connections` (all).
+//! `memory,throughput,streams,latency,connections` (all), `AMBIT_BENCH_CROSS`
+//! (set) paths from Ambit's client side to the peer's server side and back,
+//! with `AMBIT_BENCH_CA=cert.pem:key.pem` the root Ambit issues from (the
+//! peer's). Before any figure, 32 MB go through each proxied path's echo
+//! server and must come back intact.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -190,6 +194,58 @@ fn ping_pong(path: &Path, rounds: usize, size: usize) -> (f64, f64) {
     samples.sort();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     (us(samples[rounds / 2]), us(samples[rounds * 99 / 100]))
+}
+
+/// Sends `bytes` of a pattern to the path's echo server while reading them
+/// back, and panics, with the proxies' logs, unless every byte comes back
+/// in order: a path that mangles data has no figures worth printing.
+fn echo_intact(lab: &Lab, path: &Path, bytes: usize) {
+    let failed = |why: String| -> ! {
+        let logs: Vec<String> = path
+            .proxies
+            .iter()
+            .map(|l| {
+                let log = std::fs::read_to_string(lab.log_path(l)).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(30).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                format!("--- {l} ---\n{}", tail.join("\n"))
+            })
+            .collect();
+        panic!("{}: {why}\n{}", path.name, logs.join("\n"));
+    };
+    let mut s = connect_from(&path.client, path.echo).unwrap_or_else(|e| failed(e.to_string()));
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    let mut w = s.try_clone().unwrap();
+    let byte = |i: usize| (i.wrapping_mul(2_654_435_761) >> 13) as u8;
+    let writer = std::thread::spawn(move || {
+        let mut chunk = vec![0u8; 100_003];
+        let mut sent = 0;
+        while sent < bytes {
+            let n = chunk.len().min(bytes - sent);
+            for (j, b) in chunk[..n].iter_mut().enumerate() {
+                *b = byte(sent + j);
+            }
+            if w.write_all(&chunk[..n]).is_err() {
+                return;
+            }
+            sent += n;
+        }
+    });
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0;
+    while got < bytes {
+        let n = match s.read(&mut buf) {
+            Ok(0) => failed(format!("echo closed after {got} bytes")),
+            Ok(n) => n,
+            Err(e) => failed(format!("echo after {got} bytes: {e}")),
+        };
+        if let Some(j) = (0..n).find(|&j| buf[j] != byte(got + j)) {
+            failed(format!("byte {} came back wrong", got + j));
+        }
+        got += n;
+    }
+    writer.join().unwrap();
+    println!("{}: {bytes} bytes echoed intact", path.name);
 }
 
 /// RSS in kB of the path's proxies together.
@@ -407,13 +463,23 @@ fn phase(
         ));
     }
     set_cc(&lab, cc);
-    let (ca_cert, ca_key) = write_ca(&lab.dir, "ca", "cluster.local").unwrap();
+    // `AMBIT_BENCH_CA=cert.pem:key.pem`: Ambit's certificates from this root
+    // instead of a fresh one (the peer's test root, for the cross paths).
+    let (ca_cert, ca_key) = match std::env::var("AMBIT_BENCH_CA") {
+        Ok(v) => {
+            let (c, k) = v
+                .split_once(':')
+                .expect("AMBIT_BENCH_CA is cert.pem:key.pem");
+            (PathBuf::from(c), PathBuf::from(k))
+        }
+        Err(_) => write_ca(&lab.dir, "ca", "cluster.local").unwrap(),
+    };
     let cfg = lab.dir.join("mesh.yaml");
     let mut yaml = String::from("workloads:\n");
     for (c, s) in &pairs {
         for p in [c, s] {
             yaml += &format!(
-                "- {{uid: {0}, name: {0}, namespace: default, serviceAccount: {0}, workloadIps: [\"{1}\"], protocol: HBONE, services: {{}}}}\n",
+                "- {{uid: {0}, name: {0}, namespace: default, serviceAccount: {0}, trustDomain: cluster.local, workloadIps: [\"{1}\"], protocol: HBONE, services: {{}}}}\n",
                 p.name, p.ip
             );
         }
@@ -475,6 +541,36 @@ fn phase(
             echo: echoes[0].addr,
             short: short_out,
         });
+    }
+
+    // Across the two proxies, both ways (`AMBIT_BENCH_CROSS`): Ambit's
+    // client side against the peer's server side and back, on the peer's
+    // pods' servers. Their certificates must chain to one root.
+    let peer = kinds.iter().position(|k| !k.ambit);
+    if let (Some(z), true) = (peer, std::env::var_os("AMBIT_BENCH_CROSS").is_some()) {
+        let hbone = |paths: &[Path], k: usize| {
+            paths
+                .iter()
+                .find(|p| p.kind == Some(k) && p.name.ends_with("HBONE"))
+                .map(|p| (p.echo, p.short))
+                .unwrap()
+        };
+        for (from, to) in [(0, z), (z, 0)] {
+            let (echo, short) = hbone(&paths, to);
+            let (c, s) = (&pairs[from].0, &pairs[to].1);
+            paths.push(Path {
+                name: format!("{} → {} (cross)", kinds[from].name, kinds[to].name),
+                kind: None,
+                client: c.clone(),
+                server: s.clone(),
+                proxies: vec![format!("proxy-{}", c.name), format!("proxy-{}", s.name)],
+                echo,
+                short,
+            });
+        }
+    }
+    for p in paths.iter().skip(1) {
+        echo_intact(&lab, p, 32 << 20);
     }
 
     println!("\n=== TCP congestion control {cc} on every leg: every netns of the lab and Ambit's sockets ===");
