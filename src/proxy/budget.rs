@@ -15,11 +15,18 @@
 //!
 //! No one may take the whole budget: one peer identity may reserve at most
 //! a quarter of it, and the streams to one pod at most half, so a
-//! misbehaving workload cannot starve the rest of the node. A connection
-//! gets the configured (large) windows only while the budget is less than
-//! half reserved and its peer holds less than half its share; otherwise
-//! 1 MiB, which is still far above a cluster network's bandwidth-delay
-//! product.
+//! misbehaving workload cannot starve the rest of the node.
+//!
+//! Inbound HBONE connections share half the budget equally
+//! ([`fair_windows`]): each gets the configured (large) windows while they
+//! all fit in that half, and past it the same smaller power-of-two windows
+//! (down to 1 MiB / 256 KiB, still far above a cluster network's
+//! bandwidth-delay product), and every connection moves to the new share
+//! when a connection comes or goes across a step. Equal windows matter:
+//! on a loaded proxy a flow's rate follows its window, and when the first
+//! connections kept 16 MiB while later ones got 1 MiB, 50 flows through
+//! one shared proxy ran 5–7× apart. A connection also keeps its peer
+//! under half the peer's share, or gets the smallest windows.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,6 +37,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
+use tokio::sync::watch;
 
 use super::hbone::H2Settings;
 use crate::identity::Identity;
@@ -116,6 +124,16 @@ pub struct Budget {
     by_peer: Mutex<HashMap<Identity, usize>>,
     by_pod: Mutex<HashMap<Arc<str>, usize>>,
     refused: Family<RefusedLabels, Counter>,
+    /// Inbound HBONE connections now.
+    inbound: Mutex<usize>,
+    /// Each inbound connection's share of half the budget, as a power of
+    /// two (bytes; 0 before the first connection), between the smallest
+    /// windows and the largest configured: sent only when it moves, so a
+    /// connection coming or going wakes the others only across a step
+    /// that changes their windows.
+    share: watch::Sender<usize>,
+    /// The largest connection window configured on a connection yet.
+    ceiling: AtomicUsize,
 }
 
 /// The one budget of this process.
@@ -136,14 +154,27 @@ impl Reservation {
     /// spent (counted as a refusal); a refusal leaves the reservation as
     /// it was.
     pub fn grow(&mut self, bytes: usize) -> Result<(), Refusal> {
-        let mut more = self
+        let more = self
             .budget
             .reserve(bytes, self.peer.as_ref(), self.pod.as_ref())?;
-        // Merged into this one: `more` gives nothing back when dropped.
+        self.merge(more);
+        Ok(())
+    }
+
+    /// As [`Reservation::grow`], within `shares`; not counted when refused.
+    fn try_grow(&mut self, bytes: usize, shares: Shares) -> Result<(), Refusal> {
+        let more = self
+            .budget
+            .try_reserve(bytes, self.peer.as_ref(), self.pod.as_ref(), shares)?;
+        self.merge(more);
+        Ok(())
+    }
+
+    /// Takes `more`'s bytes into this one: `more` gives nothing back when dropped.
+    fn merge(&mut self, mut more: Reservation) {
         self.bytes += std::mem::take(&mut more.bytes);
         more.peer = None;
         more.pod = None;
-        Ok(())
     }
 
     /// Gives back `bytes` of this reservation (at most what it holds).
@@ -280,29 +311,67 @@ impl Budget {
         self.try_reserve(more, None, None, Shares::WHOLE).ok()
     }
 
-    /// The windows an inbound HBONE connection from `peer` gets, with their
-    /// reservation: the configured ones while the budget is under half
-    /// reserved, smaller ones past that, none (refused) when even those do
+    /// The windows an inbound HBONE connection from `peer` gets, reserved
+    /// for its life and moved with the share ([`ConnectionWindows`]): the
+    /// fair ones if they fit while leaving half the budget free and the
+    /// peer half its share, else the smallest; refused when even those do
     /// not fit.
     pub fn connection(
         &'static self,
         h2: H2Settings,
         peer: &Identity,
-    ) -> Result<(H2Settings, Reservation), Refusal> {
-        let full = h2.connection_window as usize;
-        // Full windows only while they leave the budget half free, and the
-        // peer half of its share for its streams.
-        let roomy = Shares { whole: 2, peer: 8 };
-        if let Ok(r) = self.try_reserve(full, Some(peer), None, roomy) {
-            return Ok((h2, r));
-        }
-        let reduced = H2Settings {
-            connection_window: h2.connection_window.min(REDUCED_CONNECTION_WINDOW),
-            stream_window: h2.stream_window.min(REDUCED_STREAM_WINDOW),
-            ..h2
+    ) -> Result<(H2Settings, ConnectionWindows), Refusal> {
+        self.ceiling
+            .fetch_max(h2.connection_window as usize, Ordering::AcqRel);
+        let share = {
+            let mut n = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+            *n += 1;
+            self.publish(*n)
         };
-        let r = self.reserve(reduced.connection_window as usize, Some(peer), None)?;
-        Ok((reduced, r))
+        // Counted in from here; its drop counts it out, refused or not.
+        let mut windows = ConnectionWindows {
+            budget: self,
+            configured: h2,
+            granted: fair_windows(h2, 0),
+            reservation: Reservation {
+                budget: self,
+                bytes: 0,
+                peer: Some(peer.clone()),
+                pod: None,
+            },
+            share: self.share.subscribe(),
+        };
+        let fair = fair_windows(h2, share);
+        let granted =
+            match self.try_reserve(fair.connection_window as usize, Some(peer), None, ROOMY) {
+                Ok(r) => {
+                    windows.reservation.merge(r);
+                    fair
+                }
+                Err(_) => {
+                    let smallest = windows.granted;
+                    let r = self.reserve(smallest.connection_window as usize, Some(peer), None)?;
+                    windows.reservation.merge(r);
+                    smallest
+                }
+            };
+        windows.granted = granted;
+        windows.share.mark_unchanged();
+        Ok((granted, windows))
+    }
+
+    /// Sends the share `n` inbound connections make, if it moved; returns it.
+    /// Called under the count's lock, so shares go out in the count's order.
+    fn publish(&self, n: usize) -> usize {
+        let share = share_of(self.limit(), n)
+            .min(self.ceiling.load(Ordering::Acquire))
+            .max(REDUCED_CONNECTION_WINDOW as usize);
+        self.share.send_if_modified(|s| {
+            let moved = *s != share;
+            *s = share;
+            moved
+        });
+        share
     }
 
     /// Registers the budget's gauges and refusal counter.
@@ -357,6 +426,115 @@ pub fn default_limit() -> usize {
     }
 }
 
+/// How much of the limit a connection's fair windows may bring the
+/// budget to (half) and its peer's share to (half of a quarter).
+const ROOMY: Shares = Shares { whole: 2, peer: 8 };
+
+/// Each of `n` inbound connections' share of half of `limit`, rounded down
+/// to a power of two, so that it moves only when `n` crosses a step;
+/// unbounded without a limit.
+fn share_of(limit: usize, n: usize) -> usize {
+    if limit == 0 {
+        return usize::MAX;
+    }
+    let each = (limit / 2) / n.max(1);
+    if each == 0 {
+        0
+    } else {
+        1 << each.ilog2()
+    }
+}
+
+/// The windows a connection gets from its `share` of the budget: the
+/// configured ones when they fit in it, else a connection window of the
+/// share (at least [`REDUCED_CONNECTION_WINDOW`]) and a stream window
+/// smaller in the same proportion (at least [`REDUCED_STREAM_WINDOW`]).
+/// A share of 0 gives the smallest.
+pub fn fair_windows(h2: H2Settings, share: usize) -> H2Settings {
+    let full = h2.connection_window as u64;
+    if share as u64 >= full {
+        return h2;
+    }
+    let floor = REDUCED_CONNECTION_WINDOW.min(h2.connection_window) as u64;
+    let connection = (share as u64).clamp(floor, full);
+    let stream_floor = REDUCED_STREAM_WINDOW.min(h2.stream_window) as u64;
+    let stream = (h2.stream_window as u64 * connection / full.max(1))
+        .clamp(stream_floor, h2.stream_window as u64);
+    H2Settings {
+        connection_window: connection as u32,
+        stream_window: stream as u32,
+        ..h2
+    }
+}
+
+/// An inbound HBONE connection's windows and their reservation, for its
+/// life: counted among the connections that share the budget until
+/// dropped.
+#[derive(Debug)]
+pub struct ConnectionWindows {
+    budget: &'static Budget,
+    configured: H2Settings,
+    granted: H2Settings,
+    reservation: Reservation,
+    share: watch::Receiver<usize>,
+}
+
+impl ConnectionWindows {
+    /// The windows granted now.
+    pub fn granted(&self) -> H2Settings {
+        self.granted
+    }
+
+    /// Waits until the share moves (a connection came or went across a step).
+    pub async fn share_moved(&mut self) {
+        if self.share.changed().await.is_err() {
+            std::future::pending::<()>().await
+        }
+    }
+
+    /// Whether the granted windows are below the fair ones (growing did not
+    /// fit yet: other connections had not given theirs back, or the peer
+    /// is past half its share).
+    pub fn behind(&self) -> bool {
+        self.granted.connection_window < self.fair().connection_window
+    }
+
+    fn fair(&self) -> H2Settings {
+        fair_windows(self.configured, *self.share.borrow())
+    }
+
+    /// Moves to the fair windows: at once when they are smaller (the
+    /// reservation shrinks), when they fit when larger. Returns the new
+    /// windows when they changed.
+    pub fn rebalance(&mut self) -> Option<H2Settings> {
+        self.share.mark_unchanged();
+        let fair = self.fair();
+        let (have, want) = (
+            self.granted.connection_window as usize,
+            fair.connection_window as usize,
+        );
+        if want < have {
+            self.reservation.shrink(have - want);
+        } else if want == have || self.reservation.try_grow(want - have, ROOMY).is_err() {
+            return None;
+        }
+        self.granted = fair;
+        Some(fair)
+    }
+}
+
+impl Drop for ConnectionWindows {
+    fn drop(&mut self) {
+        let mut n = self
+            .budget
+            .inbound
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *n = n.saturating_sub(1);
+        self.budget.publish(*n);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -365,6 +543,109 @@ mod tests {
         let b: &'static Budget = Box::leak(Box::default());
         b.set_limit(limit);
         b
+    }
+
+    const MIB: usize = 1 << 20;
+
+    fn configured() -> H2Settings {
+        H2Settings {
+            stream_window: 4 << 20,
+            connection_window: 16 << 20,
+            frame_size: 1 << 20,
+            unsent_limit: 0,
+        }
+    }
+
+    fn windows(h: H2Settings) -> (usize, usize) {
+        (
+            h.connection_window as usize / MIB,
+            h.stream_window as usize * 4 / MIB,
+        )
+    }
+
+    #[test]
+    fn connections_share_half_the_budget_in_power_of_two_windows_between_the_smallest_and_the_configured(
+    ) {
+        let gib = 1 << 30;
+        let at = |n| windows(fair_windows(configured(), share_of(gib, n)));
+        // (connection MiB, stream in quarter MiB)
+        assert_eq!(at(1), (16, 16));
+        assert_eq!(at(32), (16, 16), "32 × 16 MiB is half of 1 GiB");
+        assert_eq!(at(33), (8, 8));
+        assert_eq!(at(64), (8, 8));
+        assert_eq!(at(65), (4, 4));
+        assert_eq!(at(512), (1, 1));
+        assert_eq!(at(5000), (1, 1), "never below 1 MiB / 256 KiB");
+        assert_eq!(
+            windows(fair_windows(configured(), share_of(0, 5000))),
+            (16, 16),
+            "no budget"
+        );
+        // Configured below the floor: kept as configured.
+        let small = H2Settings {
+            stream_window: 64 << 10,
+            connection_window: 512 << 10,
+            ..configured()
+        };
+        assert_eq!(fair_windows(small, 0), small);
+    }
+
+    #[test]
+    fn a_connection_past_the_half_moves_every_connection_to_the_same_smaller_windows_and_back() {
+        // Half of 128 MiB holds four 16 MiB windows; a connection's fair
+        // windows may bring its peer to an eighth (16 MiB): one peer each.
+        let b = budget(128 * MIB);
+        let peer = |i: usize| Identity::new("td", "ns", &format!("p{i}"));
+        let mut first: Vec<ConnectionWindows> = (0..4)
+            .map(|i| b.connection(configured(), &peer(i)).unwrap().1)
+            .collect();
+        assert!(first.iter().all(|w| windows(w.granted()) == (16, 16)));
+        assert_eq!(b.used(), 64 * MIB);
+        assert!(
+            first.iter().all(|w| !w.share.has_changed().unwrap()),
+            "while all fit, others are not woken"
+        );
+
+        // A fifth: the fair share is 8 MiB, which the others hold until
+        // they move, so it starts at the smallest and is behind.
+        let (granted, mut fifth) = b.connection(configured(), &peer(4)).unwrap();
+        assert_eq!(windows(granted), (1, 1));
+        assert!(fifth.behind());
+        assert!(first.iter().all(|w| w.share.has_changed().unwrap()));
+        for w in &mut first {
+            assert_eq!(w.rebalance().map(windows), Some((8, 8)));
+            assert!(!w.behind());
+        }
+        assert_eq!(b.used(), 4 * 8 * MIB + MIB);
+        assert_eq!(fifth.rebalance().map(windows), Some((8, 8)));
+        assert!(!fifth.behind());
+        assert_eq!(b.used(), 5 * 8 * MIB, "five equal windows");
+        assert_eq!(fifth.rebalance(), None, "nothing moves twice");
+
+        // It goes: the others grow back.
+        drop(fifth);
+        for w in &mut first {
+            assert!(w.share.has_changed().unwrap());
+            assert_eq!(w.rebalance().map(windows), Some((16, 16)));
+        }
+        assert_eq!(b.used(), 64 * MIB);
+        drop(first);
+        assert_eq!(b.used(), 0);
+        assert_eq!(*b.inbound.lock().unwrap(), 0);
+        assert!(b.by_peer.lock().unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_connection_refused_even_the_smallest_windows_is_not_counted_among_them() {
+        let b = budget(4 * MIB);
+        let p = Identity::new("td", "ns", "p");
+        // Its peer may hold a quarter (1 MiB): one smallest window.
+        let (granted, kept) = b.connection(configured(), &p).unwrap();
+        assert_eq!(windows(granted), (1, 1));
+        assert_eq!(b.connection(configured(), &p).unwrap_err(), Refusal::Peer);
+        assert_eq!(*b.inbound.lock().unwrap(), 1);
+        drop(kept);
+        assert_eq!((b.used(), *b.inbound.lock().unwrap()), (0, 0));
     }
 
     #[test]

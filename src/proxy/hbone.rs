@@ -11,7 +11,7 @@ use crate::constants::PROXY_OWN_PORTS;
 
 /// HTTP/2 window and frame sizes, and how much of an HBONE connection's
 /// output the kernel may hold unsent.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct H2Settings {
     pub stream_window: u32,
     pub connection_window: u32,

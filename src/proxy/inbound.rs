@@ -142,8 +142,9 @@ impl Inbound {
         let Some(peer_id) = peer_certs.first().and_then(tls::identity_of) else {
             return; // unreachable: the verifier requires a SPIFFE identity
         };
-        // The receive window this connection is granted, reserved for its life.
-        let (h2, _window) = match BUDGET.connection(self.h2, &peer_id) {
+        // The receive windows this connection is granted, reserved for its
+        // life and moved with its share of the budget.
+        let (h2, mut windows) = match BUDGET.connection(self.h2, &peer_id) {
             Ok(granted) => granted,
             Err(refusal) => {
                 tracing::warn!(src.addr = %peer, src.principal = %peer_id, reason = refusal.reason(), "HBONE connection refused");
@@ -168,9 +169,24 @@ impl Inbound {
         let mut refused_said = false;
         let mut gone = self.pods_gone.subscribe();
         let mut gone_open = true;
+        // The windows the peer was told of; a stream window waits while an
+        // earlier SETTINGS is unacknowledged, and is tried again.
+        let mut told = h2;
+        let mut retry = tokio::time::interval(WINDOW_RETRY);
+        retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let next = tokio::select! {
                 n = conn.accept() => n,
+                _ = windows.share_moved() => {
+                    windows.rebalance();
+                    tell_windows(&mut conn, &mut told, windows.granted());
+                    continue;
+                }
+                _ = retry.tick(), if windows.behind() || told != windows.granted() => {
+                    windows.rebalance();
+                    tell_windows(&mut conn, &mut told, windows.granted());
+                    continue;
+                }
                 _ = self.pod.life.stop_accepting.signalled(), if !goaway_sent => {
                     conn.graceful_shutdown();
                     goaway_sent = true;
@@ -646,6 +662,30 @@ fn reply(respond: &mut SendResponse<Bytes>, status: StatusCode) {
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     let _ = respond.send_response(resp, true);
+}
+
+/// How often a connection below its fair windows tries again to grow, and
+/// a stream window the peer was not yet told of is sent again.
+const WINDOW_RETRY: Duration = Duration::from_secs(1);
+
+/// Tells the peer of `granted` windows where they differ from `told`: the
+/// connection window at once (a smaller one takes effect as data in flight
+/// is read), the stream window by SETTINGS unless one is still
+/// unacknowledged (then `told` keeps the old one, for the next try).
+fn tell_windows<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    conn: &mut h2::server::Connection<T, Bytes>,
+    told: &mut H2Settings,
+    granted: H2Settings,
+) {
+    if told.connection_window != granted.connection_window {
+        conn.set_target_window_size(granted.connection_window);
+        told.connection_window = granted.connection_window;
+    }
+    if told.stream_window != granted.stream_window
+        && conn.set_initial_window_size(granted.stream_window).is_ok()
+    {
+        told.stream_window = granted.stream_window;
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use ambit::lab::attacker::StreamHold;
 use ambit::lab::node::Node;
 use ambit::lab::{connect_from, echo_roundtrip, rss_kb, EchoServer};
 
-use crate::common::{counter, wait_until};
+use crate::common::{counter, wait_until, wait_until_showing};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 
@@ -117,6 +117,68 @@ fn a_peer_holding_streams_it_never_reads_cannot_grow_the_shared_proxy() {
         },
     );
     roundtrip(256 * 1024);
+}
+
+/// What the budget holds now, from the proxy's metrics.
+fn budget_used(node: &Node) -> u64 {
+    node.metrics()
+        .lines()
+        .find_map(|l| l.strip_prefix("ambit_memory_budget_used_bytes "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(u64::MAX)
+}
+
+#[test]
+fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and_grow_back() {
+    // Half of 256 MiB holds eight connections at the configured 16 MiB.
+    let mut node = Node::start_env(
+        BIN,
+        "share",
+        "namespaces:default",
+        false,
+        &[("AMBIT_MEMORY_BUDGET", "256Mi")],
+    );
+    let server = node.add_pod("server", "default").unwrap();
+    let peers = node.add_pod("peers", "attack").unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
+    let hbone: SocketAddr = (server.ip, 15008).into();
+    // Twelve peers, one connection each (a peer's fair windows may take
+    // an eighth of the budget, so none is held back by its own share),
+    // one idle stream on each.
+    let mut holds: Vec<StreamHold> = (0..12)
+        .map(|i| {
+            let id = Identity::new("cluster.local", "attack", &format!("peer{i}"));
+            let h = StreamHold::start(&peers.ns, (&ca.0, &ca.1), id, hbone, echo.addr, 1, 1, 0)
+                .unwrap();
+            assert_eq!((h.summary.connections, h.summary.opened), (1, 1));
+            h
+        })
+        .collect();
+    // Twelve connections: 8 MiB each, all of them (the first eight, taken
+    // at 16 MiB, give half back; the last four, let in at 1 MiB, grow).
+    // Before windows were shared, the first eight kept 16 MiB and the
+    // rest 1 MiB: 132 MiB.
+    const MIB: u64 = 1 << 20;
+    let streams = 12 * 16 * 1024;
+    wait_until_showing(
+        "twelve connections at 8 MiB windows each",
+        Duration::from_secs(10),
+        || budget_used(&node) == 12 * 8 * MIB + streams,
+        || format!("{} bytes reserved", budget_used(&node)),
+    );
+    // Eight go: the four left take the configured windows again.
+    holds.truncate(4);
+    wait_until_showing(
+        "four connections back at 16 MiB",
+        Duration::from_secs(10),
+        || budget_used(&node) == 4 * 16 * MIB + 4 * 16 * 1024,
+        || format!("{} bytes reserved", budget_used(&node)),
+    );
+    drop(holds);
+    wait_until("the budget empty", Duration::from_secs(10), || {
+        budget_used(&node) == 0
+    });
 }
 
 // ---------------------------------------------------------------------------
