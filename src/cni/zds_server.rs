@@ -207,6 +207,40 @@ impl ZdsServer {
         result
     }
 
+    /// Sends the snapshot: every pod held, then SnapshotSent. Returns the
+    /// pods the proxy rejected.
+    async fn snapshot(
+        &self,
+        conn: &SeqPacket,
+        source: &dyn PodSource,
+    ) -> Result<HashSet<String>, ZdsError> {
+        let pods = source.pods();
+        let mut rejected = HashSet::new();
+        for pod in &pods {
+            match exchange(conn, &pod.add_request(), Some(&pod.netns)).await {
+                Ok(()) => {}
+                // One pod the proxy cannot serve (its ports taken, no
+                // certificate) must not keep every other pod from it: the
+                // proxy stays connected, and the pod is offered again.
+                Err(ZdsError::Rejected(why)) => {
+                    tracing::warn!(pod = %pod.uid, error = %why, "the proxy rejected a pod of the snapshot; sending the rest, and offering it again later");
+                    rejected.insert(pod.uid.clone());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let sent = WorkloadRequest {
+            payload: Some(Payload::SnapshotSent(SnapshotSent {})),
+        };
+        exchange(conn, &sent, None).await?;
+        tracing::info!(
+            pods = pods.len() - rejected.len(),
+            rejected = rejected.len(),
+            "proxy connected; snapshot sent"
+        );
+        Ok(rejected)
+    }
+
     async fn serve(
         self: Arc<Self>,
         conn: SeqPacket,
@@ -222,32 +256,11 @@ impl ZdsServer {
                 "first message is not a ZdsHello".into(),
             ));
         }
-        // Snapshot: every pod we hold, then SnapshotSent.
-        let pods = source.pods();
-        let mut rejected = HashSet::new();
-        for pod in &pods {
-            match exchange(&conn, &pod.add_request(), Some(&pod.netns)).await {
-                Ok(()) => {}
-                // One pod the proxy cannot serve (its ports taken, no
-                // certificate) must not keep every other pod from it: the
-                // proxy stays connected, and the pod is offered again.
-                Err(ZdsError::Rejected(why)) => {
-                    tracing::warn!(pod = %pod.uid, error = %why, "the proxy rejected a pod of the snapshot; sending the rest, and offering it again later");
-                    rejected.insert(pod.uid.clone());
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        let sent = WorkloadRequest {
-            payload: Some(Payload::SnapshotSent(SnapshotSent {})),
-        };
-        exchange(&conn, &sent, None).await?;
-        tracing::info!(
-            pods = pods.len() - rejected.len(),
-            rejected = rejected.len(),
-            "proxy connected; snapshot sent"
-        );
-
+        // Registered before the snapshot is taken: a pod removed or added
+        // while the snapshot goes out queues its Del or Add here, sent
+        // after SnapshotSent. Registered after, a pod removed in between
+        // went out in the snapshot and its Del to no one: the proxy served
+        // it until it next reconnected.
         let (tx, mut rx) = mpsc::channel::<Job>(64);
         let id = self
             .next_id
@@ -257,6 +270,13 @@ impl ZdsServer {
             conns.retain(|c| !c.jobs.is_closed());
             conns.push(Conn { id, jobs: tx });
         }
+        let rejected = match self.snapshot(&conn, source.as_ref()).await {
+            Ok(rejected) => rejected,
+            Err(e) => {
+                self.conns.lock().await.retain(|c| c.id != id);
+                return Err(e);
+            }
+        };
         self.proxy_came.notify_waiters();
         if !rejected.is_empty() {
             tokio::spawn(self.clone().offer_again(rejected, source.clone()));
@@ -426,6 +446,60 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    /// Found by the soak: a pod removed while a reconnecting proxy took its
+    /// snapshot went out in the snapshot, and its Del went to no one (the
+    /// proxy was not yet among the connected): the proxy served it until
+    /// it next reconnected. The Del now waits and follows the snapshot.
+    #[tokio::test]
+    async fn a_pod_removed_during_the_snapshot_is_deleted_right_after_it() {
+        let dir = std::env::temp_dir().join(format!("ambit-zds-del-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("zds.sock");
+        let server = ZdsServer::start(&path, Arc::new(TwoPods)).unwrap();
+        let proxy = SeqPacket::connect(&path).unwrap();
+        let hello = ZdsHello {
+            version: crate::proto::zds::Version::V1 as i32,
+        };
+        proxy.send(&hello.encode_to_vec(), None).await.unwrap();
+        let next = || async {
+            let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
+                .await
+                .expect("the agent goes on")
+                .unwrap();
+            WorkloadRequest::decode(bytes.as_slice()).unwrap().payload
+        };
+        let first = next().await;
+        assert!(
+            matches!(&first, Some(Payload::Add(a)) if a.uid == "uid-a"),
+            "{first:?}"
+        );
+        // Removed now, with the snapshot half sent.
+        let s = server.clone();
+        let del = tokio::spawn(async move { s.del("uid-a").await });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !del.is_finished(),
+            "the Del waits for this proxy, not for no one"
+        );
+        ack(&proxy, "").await;
+        let mut got = Vec::new();
+        for _ in 0..3 {
+            got.push(next().await);
+            ack(&proxy, "").await;
+        }
+        assert!(
+            matches!(&got[0], Some(Payload::Add(a)) if a.uid == "uid-b"),
+            "{got:?}"
+        );
+        assert!(matches!(got[1], Some(Payload::SnapshotSent(_))), "{got:?}");
+        assert!(
+            matches!(&got[2], Some(Payload::Del(d)) if d.uid == "uid-a"),
+            "{got:?}"
+        );
+        del.await.unwrap().expect("the proxy acked the Del");
         std::fs::remove_dir_all(&dir).ok();
     }
 
