@@ -387,6 +387,14 @@ mod tests {
         }
     }
 
+    /// The hello a proxy opens with.
+    async fn say_hello(proxy: &SeqPacket) {
+        let hello = ZdsHello {
+            version: crate::proto::zds::Version::V1 as i32,
+        };
+        proxy.send(&hello.encode_to_vec(), None).await.unwrap();
+    }
+
     async fn ack(proxy: &SeqPacket, error: &str) {
         let resp = WorkloadResponse {
             payload: Some(workload_response::Payload::Ack(crate::proto::zds::Ack {
@@ -403,16 +411,7 @@ mod tests {
         let path = dir.join("zds.sock");
         let server = ZdsServer::start(&path, Arc::new(TwoPods)).unwrap();
         let proxy = SeqPacket::connect(&path).unwrap();
-        proxy
-            .send(
-                &ZdsHello {
-                    version: crate::proto::zds::Version::V1 as i32,
-                }
-                .encode_to_vec(),
-                None,
-            )
-            .await
-            .unwrap();
+        say_hello(&proxy).await;
         let mut got = Vec::new();
         for answer in ["the pod's port 15008 is taken", "", ""] {
             let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
@@ -460,10 +459,7 @@ mod tests {
         let path = dir.join("zds.sock");
         let server = ZdsServer::start(&path, Arc::new(TwoPods)).unwrap();
         let proxy = SeqPacket::connect(&path).unwrap();
-        let hello = ZdsHello {
-            version: crate::proto::zds::Version::V1 as i32,
-        };
-        proxy.send(&hello.encode_to_vec(), None).await.unwrap();
+        say_hello(&proxy).await;
         let next = || async {
             let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
                 .await
@@ -505,10 +501,7 @@ mod tests {
 
     /// Says hello and takes the (empty) snapshot, as a proxy does.
     async fn take_snapshot(proxy: SeqPacket) -> SeqPacket {
-        let hello = ZdsHello {
-            version: crate::proto::zds::Version::V1 as i32,
-        };
-        proxy.send(&hello.encode_to_vec(), None).await.unwrap();
+        say_hello(&proxy).await;
         let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
             .await
             .expect("the agent sends the snapshot")
@@ -587,10 +580,7 @@ mod tests {
         // The proxy comes half a second later, takes its (empty) snapshot, then the pod.
         tokio::time::sleep(Duration::from_millis(500)).await;
         let proxy = SeqPacket::connect(&path).unwrap();
-        let hello = ZdsHello {
-            version: crate::proto::zds::Version::V1 as i32,
-        };
-        proxy.send(&hello.encode_to_vec(), None).await.unwrap();
+        say_hello(&proxy).await;
         loop {
             let (bytes, _fd) = tokio::time::timeout(ZDS_TIMEOUT, proxy.recv())
                 .await
