@@ -1,11 +1,13 @@
-//! Hostile mesh peers for the tests (feature `testing`). Each has a valid
-//! mesh certificate, so it gets past mutual TLS; what it does then is what
-//! the proxy must survive.
+//! Hostile mesh peers for the tests (feature `testing`): a client that
+//! holds streams it never reads ([`StreamHold`]) and a destination that
+//! floods every stream it is sent ([`Flood`]). Each has a valid mesh
+//! certificate, so it gets past mutual TLS; what it does then is what the
+//! proxy must survive.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -14,6 +16,7 @@ use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
+use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity, LocalCa};
 use crate::netns::Netns;
 
@@ -221,5 +224,124 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Deaf<T> {
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+/// A destination that answers every CONNECT and sends on every stream as
+/// fast as the proxy's windows let it, reading nothing: what a hostile
+/// destination makes the client side's proxy hold when the applications
+/// there do not read. It sends only into the window the proxy grants, so
+/// what it counts as sent is what the proxy took.
+pub struct Flood {
+    answered: Arc<AtomicUsize>,
+    sent: Arc<AtomicU64>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Flood {
+    /// Serves HBONE on `ns`'s 15008 as `identity` (a certificate from the
+    /// CA files `ca`); every connection closes when this is dropped.
+    pub fn start(ns: &Netns, ca: (&Path, &Path), identity: Identity) -> std::io::Result<Flood> {
+        let ca = LocalCa::from_files(ca.0, ca.1).map_err(std::io::Error::other)?;
+        let cert = ca
+            .issue(&identity, Duration::from_secs(3600))
+            .map_err(std::io::Error::other)?;
+        let server = Arc::new(tls::server_config(&cert).map_err(std::io::Error::other)?);
+        let listener = ns.run(|| std::net::TcpListener::bind(("0.0.0.0", HBONE_PORT)))??;
+        listener.set_nonblocking(true)?;
+        let (answered, sent) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicU64::new(0)));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let counts = (answered.clone(), sent.clone());
+        let thread = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                    return;
+                };
+                let serve = async {
+                    loop {
+                        let Ok((tcp, _)) = listener.accept().await else {
+                            // Out of descriptors, say: not a busy loop.
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        };
+                        let (server, counts) = (server.clone(), counts.clone());
+                        tokio::spawn(flood_one(server, tcp, counts));
+                    }
+                };
+                tokio::select! {
+                    _ = serve => {}
+                    _ = stopped => {}
+                }
+            });
+            // The runtime drops here, and with it every connection.
+        });
+        Ok(Flood {
+            answered,
+            sent,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// CONNECTs answered 200 so far.
+    pub fn answered(&self) -> usize {
+        self.answered.load(Ordering::Acquire)
+    }
+
+    /// Bytes the proxy's windows took so far, all streams.
+    pub fn sent(&self) -> u64 {
+        self.sent.load(Ordering::Acquire)
+    }
+}
+
+impl Drop for Flood {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+async fn flood_one(
+    server: Arc<rustls::ServerConfig>,
+    tcp: TcpStream,
+    (answered, sent): (Arc<AtomicUsize>, Arc<AtomicU64>),
+) {
+    let Ok(tls) = tokio_rustls::TlsAcceptor::from(server).accept(tcp).await else {
+        return;
+    };
+    let Ok(mut conn) = h2::server::handshake(tls).await else {
+        return;
+    };
+    while let Some(Ok((_req, mut respond))) = conn.accept().await {
+        let Ok(mut send) = respond.send_response(http::Response::new(()), false) else {
+            continue;
+        };
+        answered.fetch_add(1, Ordering::AcqRel);
+        let sent = sent.clone();
+        tokio::spawn(async move {
+            let chunk = Bytes::from(vec![b'f'; 64 * 1024]);
+            loop {
+                send.reserve_capacity(chunk.len());
+                let n = match std::future::poll_fn(|cx| send.poll_capacity(cx)).await {
+                    Some(Ok(n)) => n.min(chunk.len()),
+                    _ => return,
+                };
+                if send.send_data(chunk.slice(..n), false).is_err() {
+                    return;
+                }
+                sent.fetch_add(n as u64, Ordering::AcqRel);
+            }
+        });
     }
 }

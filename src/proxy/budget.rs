@@ -2,8 +2,8 @@
 //! (docs/wire.md §10).
 //!
 //! What a peer can make the proxy hold is bounded by construction, not by
-//! hoping it reads: each HBONE connection the proxy accepts reserves the
-//! receive window it grants, and each stream reserves the most it may
+//! hoping it reads: each HBONE connection, accepted or dialed, reserves
+//! the receive window it grants its peer, and each stream reserves the most it may
 //! queue: its read buffer before it is served, and its HTTP/2 send buffer
 //! once it first has data to send (so the idle connections of a client's
 //! pool cost little). A reservation is given back when its stream or
@@ -17,16 +17,26 @@
 //! a quarter of it, and the streams to one pod at most half, so a
 //! misbehaving workload cannot starve the rest of the node.
 //!
-//! Inbound HBONE connections share half the budget equally
-//! ([`fair_windows`]): each gets the configured (large) windows while they
-//! all fit in that half, and past it the same smaller power-of-two windows
-//! (down to 1 MiB / 256 KiB, still far above a cluster network's
-//! bandwidth-delay product), and every connection moves to the new share
-//! when a connection comes or goes across a step. Equal windows matter:
-//! on a loaded proxy a flow's rate follows its window, and when the first
+//! HBONE connections, the ones the proxy accepts and the ones it dials,
+//! share half the budget equally ([`fair_windows`]): each reserves the
+//! receive windows it grants its peer, the configured (large) ones while
+//! they all fit in that half, and past it the same smaller power-of-two
+//! windows (down to 256 KiB / 64 KiB, at which a budget of 1 GiB holds
+//! 4,096 connections); every connection moves to the new share when it
+//! moves. Equal windows matter: on a
+//! loaded proxy a flow's rate follows its window, and when the first
 //! connections kept 16 MiB while later ones got 1 MiB, 50 flows through
 //! one shared proxy ran 5–7× apart. A connection also keeps its peer
 //! under half the peer's share, or gets the smallest windows.
+//!
+//! The share falls as soon as a connection makes it fall, so that the
+//! reservations stay within the budget, but rises only once the
+//! connections are an eighth fewer than the step ([`Budget::publish`]): a
+//! peer opening and closing one connection at a step cannot wake every
+//! other connection each time. A window that shrinks leaves the peer the
+//! credit it already had: what a connection holds can stay above its
+//! reservation, by at most its largest window, until the application
+//! reads (docs/wire.md §10).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -64,10 +74,12 @@ pub const STREAM_OPEN_COST: usize = STREAM_READ_START;
 #[cfg(test)]
 pub const STREAM_COST: usize = STREAM_SEND_BUFFER + STREAM_OPEN_COST;
 
-/// Windows an HBONE connection gets when the budget is more than half
-/// reserved: still far above a cluster network's bandwidth-delay product.
-const REDUCED_CONNECTION_WINDOW: u32 = 1 << 20;
-const REDUCED_STREAM_WINDOW: u32 = 256 * 1024;
+/// The smallest windows an HBONE connection gets, when the budget is more
+/// than half reserved or the share is smaller: 256 KiB carries 10 Gbit/s
+/// over a 200 µs round trip, and a budget of 1 GiB holds 4,096 connections
+/// at it (at 1 MiB it held 1,024, fewer than a busy node proxy may keep).
+const REDUCED_CONNECTION_WINDOW: u32 = 256 * 1024;
+const REDUCED_STREAM_WINDOW: u32 = 64 * 1024;
 
 /// Why a reservation was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -124,13 +136,13 @@ pub struct Budget {
     by_peer: Mutex<HashMap<Identity, usize>>,
     by_pod: Mutex<HashMap<Arc<str>, usize>>,
     refused: Family<RefusedLabels, Counter>,
-    /// Inbound HBONE connections now.
-    inbound: Mutex<usize>,
-    /// Each inbound connection's share of half the budget, as a power of
+    /// HBONE connections now, inbound and outbound.
+    connections: Mutex<usize>,
+    /// Each HBONE connection's share of half the budget, as a power of
     /// two (bytes; 0 before the first connection), between the smallest
-    /// windows and the largest configured: sent only when it moves, so a
-    /// connection coming or going wakes the others only across a step
-    /// that changes their windows.
+    /// windows and the largest configured: sent only when it moves
+    /// ([`Budget::publish`]), so a connection coming or going wakes the
+    /// others only when their windows change.
     share: watch::Sender<usize>,
     /// The largest connection window configured on a connection yet.
     ceiling: AtomicUsize,
@@ -311,11 +323,11 @@ impl Budget {
         self.try_reserve(more, None, None, Shares::WHOLE).ok()
     }
 
-    /// The windows an inbound HBONE connection from `peer` gets, reserved
-    /// for its life and moved with the share ([`ConnectionWindows`]): the
-    /// fair ones if they fit while leaving half the budget free and the
-    /// peer half its share, else the smallest; refused when even those do
-    /// not fit.
+    /// The receive windows an HBONE connection with `peer` (accepted from
+    /// it, or dialed to it) grants, reserved for its life and moved with
+    /// the share ([`ConnectionWindows`]): the fair ones if they fit while
+    /// leaving half the budget free and the peer half its share, else the
+    /// smallest; refused when even those do not fit.
     pub fn connection(
         &'static self,
         h2: H2Settings,
@@ -324,7 +336,7 @@ impl Budget {
         self.ceiling
             .fetch_max(h2.connection_window as usize, Ordering::AcqRel);
         let share = {
-            let mut n = self.inbound.lock().unwrap_or_else(|e| e.into_inner());
+            let mut n = self.connections.lock().unwrap_or_else(|e| e.into_inner());
             *n += 1;
             self.publish(*n)
         };
@@ -360,18 +372,31 @@ impl Budget {
         Ok((granted, windows))
     }
 
-    /// Sends the share `n` inbound connections make, if it moved; returns it.
-    /// Called under the count's lock, so shares go out in the count's order.
+    /// Moves the share for `n` connections, if it must; returns the share
+    /// now. It falls at once to what `n` connections make; it rises only
+    /// to what an eighth more (at least one more) would make, so that after
+    /// a fall at a step it rises again only once an eighth of the
+    /// connections have gone, not when the one that crossed the step goes.
+    /// A peer churning one connection at a step wakes every other
+    /// connection once, not at every turn; each rise costs it an eighth of
+    /// them. Called under the
+    /// count's lock, so shares go out in the count's order.
     fn publish(&self, n: usize) -> usize {
-        let share = share_of(self.limit(), n)
-            .min(self.ceiling.load(Ordering::Acquire))
-            .max(REDUCED_CONNECTION_WINDOW as usize);
+        let bounded = |n| {
+            share_of(self.limit(), n)
+                .min(self.ceiling.load(Ordering::Acquire))
+                .max(REDUCED_CONNECTION_WINDOW as usize)
+        };
+        let (fits, risen) = (bounded(n), bounded(n + (n / 8).max(1)));
+        let mut now = 0;
         self.share.send_if_modified(|s| {
-            let moved = *s != share;
-            *s = share;
+            let next = if fits < *s { fits } else { risen.max(*s) };
+            let moved = *s != next;
+            *s = next;
+            now = next;
             moved
         });
-        share
+        now
     }
 
     /// Registers the budget's gauges and refusal counter.
@@ -430,7 +455,7 @@ pub fn default_limit() -> usize {
 /// budget to (half) and its peer's share to (half of a quarter).
 const ROOMY: Shares = Shares { whole: 2, peer: 8 };
 
-/// Each of `n` inbound connections' share of half of `limit`, rounded down
+/// Each of `n` HBONE connections' share of half of `limit`, rounded down
 /// to a power of two, so that it moves only when `n` crosses a step;
 /// unbounded without a limit.
 fn share_of(limit: usize, n: usize) -> usize {
@@ -467,9 +492,12 @@ pub fn fair_windows(h2: H2Settings, share: usize) -> H2Settings {
     }
 }
 
-/// An inbound HBONE connection's windows and their reservation, for its
+/// An HBONE connection's receive windows and their reservation, for its
 /// life: counted among the connections that share the budget until
-/// dropped.
+/// dropped. Whoever drives the connection moves it with the share
+/// ([`ConnectionWindows::share_moved`], [`ConnectionWindows::rebalance`],
+/// [`tell_windows`]), and retries every [`WINDOW_RETRY`] while it is
+/// [`ConnectionWindows::behind`] or the peer was not told yet.
 #[derive(Debug)]
 pub struct ConnectionWindows {
     budget: &'static Budget,
@@ -485,7 +513,7 @@ impl ConnectionWindows {
         self.granted
     }
 
-    /// Waits until the share moves (a connection came or went across a step).
+    /// Waits until the share moves ([`Budget::publish`]).
     pub async fn share_moved(&mut self) {
         if self.share.changed().await.is_err() {
             std::future::pending::<()>().await
@@ -523,11 +551,70 @@ impl ConnectionWindows {
     }
 }
 
+/// How often a connection left behind its fair windows, or whose peer was
+/// not yet told of them, tries again.
+pub const WINDOW_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// An HTTP/2 connection (either end) whose receive windows can be changed
+/// while it runs.
+pub trait ReceiveWindows {
+    /// The connection window, at once (a smaller one takes effect as data
+    /// in flight is read).
+    fn set_connection_window(&mut self, size: u32);
+    /// Every stream's window, by SETTINGS; refused while an earlier
+    /// SETTINGS is unacknowledged.
+    fn set_stream_window(&mut self, size: u32) -> Result<(), h2::Error>;
+}
+
+impl<T, B> ReceiveWindows for h2::server::Connection<T, B>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    B: bytes::Buf,
+{
+    fn set_connection_window(&mut self, size: u32) {
+        self.set_target_window_size(size);
+    }
+    fn set_stream_window(&mut self, size: u32) -> Result<(), h2::Error> {
+        self.set_initial_window_size(size)
+    }
+}
+
+impl<T, B> ReceiveWindows for h2::client::Connection<T, B>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+    B: bytes::Buf,
+{
+    fn set_connection_window(&mut self, size: u32) {
+        self.set_target_window_size(size);
+    }
+    fn set_stream_window(&mut self, size: u32) -> Result<(), h2::Error> {
+        self.set_initial_window_size(size)
+    }
+}
+
+/// Tells the peer of `granted` windows where they differ from `told`: the
+/// connection window at once, the stream window unless a SETTINGS is
+/// still unacknowledged (then `told` keeps the old one, for the next try).
+pub fn tell_windows(conn: &mut impl ReceiveWindows, told: &mut H2Settings, granted: H2Settings) {
+    if told.connection_window != granted.connection_window {
+        conn.set_connection_window(granted.connection_window);
+        told.connection_window = granted.connection_window;
+    }
+    if told.stream_window != granted.stream_window
+        && conn.set_stream_window(granted.stream_window).is_ok()
+    {
+        told.stream_window = granted.stream_window;
+    }
+}
+
 impl Drop for ConnectionWindows {
     fn drop(&mut self) {
+        // Given back first, so that connections woken by a rising share
+        // find the room.
+        self.reservation.shrink(usize::MAX);
         let mut n = self
             .budget
-            .inbound
+            .connections
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         *n = n.saturating_sub(1);
@@ -575,7 +662,16 @@ mod tests {
         assert_eq!(at(64), (8, 8));
         assert_eq!(at(65), (4, 4));
         assert_eq!(at(512), (1, 1));
-        assert_eq!(at(5000), (1, 1), "never below 1 MiB / 256 KiB");
+        assert_eq!(
+            fair_windows(configured(), share_of(gib, 5000)).connection_window,
+            256 << 10,
+            "never below 256 KiB / 64 KiB"
+        );
+        assert_eq!(
+            fair_windows(configured(), 0).stream_window,
+            64 << 10,
+            "the smallest stream window"
+        );
         assert_eq!(
             windows(fair_windows(configured(), share_of(0, 5000))),
             (16, 16),
@@ -583,8 +679,8 @@ mod tests {
         );
         // Configured below the floor: kept as configured.
         let small = H2Settings {
-            stream_window: 64 << 10,
-            connection_window: 512 << 10,
+            stream_window: 32 << 10,
+            connection_window: 128 << 10,
             ..configured()
         };
         assert_eq!(fair_windows(small, 0), small);
@@ -609,43 +705,86 @@ mod tests {
         // A fifth: the fair share is 8 MiB, which the others hold until
         // they move, so it starts at the smallest and is behind.
         let (granted, mut fifth) = b.connection(configured(), &peer(4)).unwrap();
-        assert_eq!(windows(granted), (1, 1));
+        assert_eq!(granted.connection_window, 256 << 10);
         assert!(fifth.behind());
         assert!(first.iter().all(|w| w.share.has_changed().unwrap()));
         for w in &mut first {
             assert_eq!(w.rebalance().map(windows), Some((8, 8)));
             assert!(!w.behind());
         }
-        assert_eq!(b.used(), 4 * 8 * MIB + MIB);
+        assert_eq!(b.used(), 4 * 8 * MIB + (256 << 10));
         assert_eq!(fifth.rebalance().map(windows), Some((8, 8)));
         assert!(!fifth.behind());
         assert_eq!(b.used(), 5 * 8 * MIB, "five equal windows");
         assert_eq!(fifth.rebalance(), None, "nothing moves twice");
 
-        // It goes: the others grow back.
+        // It goes: the share rises only one connection below the step
+        // (hysteresis), so the four keep 8 MiB until a second goes.
         drop(fifth);
+        assert!(first.iter().all(|w| !w.share.has_changed().unwrap()));
+        drop(first.remove(0));
         for w in &mut first {
             assert!(w.share.has_changed().unwrap());
             assert_eq!(w.rebalance().map(windows), Some((16, 16)));
         }
-        assert_eq!(b.used(), 64 * MIB);
+        assert_eq!(b.used(), 48 * MIB);
         drop(first);
         assert_eq!(b.used(), 0);
-        assert_eq!(*b.inbound.lock().unwrap(), 0);
+        assert_eq!(*b.connections.lock().unwrap(), 0);
         assert!(b.by_peer.lock().unwrap().is_empty());
     }
 
     #[test]
+    fn a_connection_churning_at_a_step_wakes_no_one_and_the_share_rises_an_eighth_below_it() {
+        // Half of 1 GiB holds 32 connections at 16 MiB.
+        let b = budget(1 << 30);
+        let peer = |i: usize| Identity::new("td", "ns", &format!("p{i}"));
+        let mut held: Vec<ConnectionWindows> = (0..32)
+            .map(|i| b.connection(configured(), &peer(i)).unwrap().1)
+            .collect();
+        assert!(held.iter().all(|w| windows(w.granted()) == (16, 16)));
+        // The 33rd: every connection falls to 8 MiB at once.
+        held.push(b.connection(configured(), &peer(32)).unwrap().1);
+        for w in &mut held {
+            w.rebalance();
+        }
+        assert!(held.iter().all(|w| windows(w.granted()) == (8, 8)));
+        assert_eq!(b.used(), 33 * 8 * MIB);
+        // It goes and comes back, over and over: no one else is woken,
+        // and each newcomer gets the same 8 MiB at once.
+        for i in 0..10 {
+            drop(held.pop());
+            assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
+            let (granted, w) = b.connection(configured(), &peer(100 + i)).unwrap();
+            assert_eq!(windows(granted), (8, 8));
+            held.push(w);
+            assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
+        }
+        // Down to 30 (16 MiB would fit): still no one woken.
+        held.truncate(30);
+        assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
+        // 29, an eighth below the step: all rise to 16 MiB again.
+        held.truncate(29);
+        for w in &mut held {
+            assert!(w.share.has_changed().unwrap());
+            assert_eq!(w.rebalance().map(windows), Some((16, 16)));
+        }
+        assert_eq!(b.used(), 29 * 16 * MIB);
+        drop(held);
+        assert_eq!((b.used(), *b.connections.lock().unwrap()), (0, 0));
+    }
+
+    #[test]
     fn a_connection_refused_even_the_smallest_windows_is_not_counted_among_them() {
-        let b = budget(4 * MIB);
+        let b = budget(MIB);
         let p = Identity::new("td", "ns", "p");
-        // Its peer may hold a quarter (1 MiB): one smallest window.
+        // Its peer may hold a quarter (256 KiB): one smallest window.
         let (granted, kept) = b.connection(configured(), &p).unwrap();
-        assert_eq!(windows(granted), (1, 1));
+        assert_eq!(granted.connection_window, 256 << 10);
         assert_eq!(b.connection(configured(), &p).unwrap_err(), Refusal::Peer);
-        assert_eq!(*b.inbound.lock().unwrap(), 1);
+        assert_eq!(*b.connections.lock().unwrap(), 1);
         drop(kept);
-        assert_eq!((b.used(), *b.inbound.lock().unwrap()), (0, 0));
+        assert_eq!((b.used(), *b.connections.lock().unwrap()), (0, 0));
     }
 
     #[test]
@@ -744,15 +883,15 @@ mod tests {
             assert_eq!(granted.connection_window, 16 << 20);
             conns.push(r);
         }
-        // Half reserved: the next ones get 1 MiB windows.
+        // Half reserved: the next ones get the smallest windows.
         let (reduced, _r) = b.connection(h2, &peers[4]).unwrap();
         assert_eq!(
             (reduced.connection_window, reduced.stream_window),
-            (1 << 20, 256 << 10)
+            (256 << 10, 64 << 10)
         );
         // A peer holding half its share gets the smaller windows too.
         let (second, _r2) = b.connection(h2, &peers[0]).unwrap();
-        assert_eq!(second.connection_window, 1 << 20);
+        assert_eq!(second.connection_window, 256 << 10);
         let mut held = Vec::new();
         let refused = loop {
             match b.reserve(STREAM_COST, Some(&peers[5 + held.len() % 3]), None) {
@@ -771,7 +910,7 @@ mod tests {
             2
         );
         drop(held);
-        assert_eq!(b.used(), 66 << 20);
+        assert_eq!(b.used(), (64 << 20) + (512 << 10));
     }
 
     #[test]

@@ -17,7 +17,7 @@ use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::budget::{Reservation, BUDGET, STREAM_OPEN_COST};
+use super::budget::{tell_windows, Reservation, BUDGET, STREAM_OPEN_COST, WINDOW_RETRY};
 use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics};
@@ -662,30 +662,6 @@ fn reply(respond: &mut SendResponse<Bytes>, status: StatusCode) {
     let mut resp = Response::new(());
     *resp.status_mut() = status;
     let _ = respond.send_response(resp, true);
-}
-
-/// How often a connection below its fair windows tries again to grow, and
-/// a stream window the peer was not yet told of is sent again.
-const WINDOW_RETRY: Duration = Duration::from_secs(1);
-
-/// Tells the peer of `granted` windows where they differ from `told`: the
-/// connection window at once (a smaller one takes effect as data in flight
-/// is read), the stream window by SETTINGS unless one is still
-/// unacknowledged (then `told` keeps the old one, for the next try).
-fn tell_windows<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
-    conn: &mut h2::server::Connection<T, Bytes>,
-    told: &mut H2Settings,
-    granted: H2Settings,
-) {
-    if told.connection_window != granted.connection_window {
-        conn.set_target_window_size(granted.connection_window);
-        told.connection_window = granted.connection_window;
-    }
-    if told.stream_window != granted.stream_window
-        && conn.set_initial_window_size(granted.stream_window).is_ok()
-    {
-        told.stream_window = granted.stream_window;
-    }
 }
 
 #[cfg(test)]

@@ -12,7 +12,9 @@ use bytes::Bytes;
 use socket2::SockRef;
 use tokio::net::{TcpListener, TcpStream};
 
-use super::budget::{Refusal, Reservation, BUDGET, STREAM_OPEN_COST};
+use super::budget::{
+    tell_windows, ConnectionWindows, Refusal, Reservation, BUDGET, STREAM_OPEN_COST, WINDOW_RETRY,
+};
 use super::copy::tcp_h2_bidirectional;
 use super::hbone::{ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
@@ -529,15 +531,22 @@ impl Outbound {
                 source,
             })?;
         tls.set_buffer_limit(TLS_SEND_BUFFER);
-        tls::verify_peer_identity(Some(&peer), &identities).map_err(|source| {
+        let peer_id = tls::verify_peer_identity(Some(&peer), &identities).map_err(|source| {
             OutboundError::PeerIdentity {
                 addr: proxy,
                 source,
             }
         })?;
+        // The receive windows this connection grants the peer for its
+        // answers, reserved for its life and moved with its share of the
+        // budget, as an inbound connection's are: what a destination that
+        // sends to applications that do not read can make this proxy hold.
+        let (h2, windows) = BUDGET.connection(self.h2, &peer_id).map_err(|refusal| {
+            tracing::warn!(dst.addr = %proxy, dst.principal = %peer_id, reason = refusal.reason(), "HBONE connection not opened");
+            OutboundError::Budget(refusal)
+        })?;
         let (sender, conn) =
-            self.h2
-                .client()
+            h2.client()
                 .handshake(tls)
                 .await
                 .map_err(|source| OutboundError::H2 {
@@ -547,7 +556,7 @@ impl Outbound {
         let closed = Arc::new(AtomicBool::new(false));
         let flag = closed.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            if let Err(e) = drive(conn, h2, windows).await {
                 tracing::debug!(dst.addr = %proxy, error = %e, "HBONE connection ended");
             }
             flag.store(true, Ordering::Release);
@@ -736,6 +745,29 @@ fn ending(
 ) {
     if let (true, Some(cookie)) = (proxy_closed_first, cookie) {
         pod.sockets.forget_time_wait(stream, accepted_from, cookie);
+    }
+}
+
+/// Drives a dialed HBONE connection to its end, moving the receive windows
+/// it grants (`told`, as its handshake said) with its share of the budget.
+async fn drive<T>(
+    mut conn: h2::client::Connection<T, Bytes>,
+    mut told: H2Settings,
+    mut windows: ConnectionWindows,
+) -> Result<(), h2::Error>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut retry = tokio::time::interval(WINDOW_RETRY);
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            ended = &mut conn => return ended,
+            _ = windows.share_moved() => {}
+            _ = retry.tick(), if windows.behind() || told != windows.granted() => {}
+        }
+        windows.rebalance();
+        tell_windows(&mut conn, &mut told, windows.granted());
     }
 }
 

@@ -1,16 +1,16 @@
-//! Hostile mesh peers and slow clients: what they can make the shared
-//! proxy hold is bounded, and others are served meanwhile.
+//! Hostile mesh peers, hostile destinations and slow clients: what they
+//! can make a proxy hold is bounded, and others are served meanwhile.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use ambit::identity::Identity;
-use ambit::lab::attacker::StreamHold;
+use ambit::lab::attacker::{Flood, StreamHold};
 use ambit::lab::node::Node;
-use ambit::lab::{connect_from, echo_roundtrip, rss_kb, EchoServer};
+use ambit::lab::{connect_from, echo_roundtrip, rss_kb, EchoServer, LabPod};
 
-use crate::common::{counter, wait_until, wait_until_showing};
+use crate::common::{counter, wait_until, wait_until_showing, workload, Mesh, TD};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 
@@ -45,7 +45,7 @@ fn a_peer_holding_streams_it_never_reads_cannot_grow_the_shared_proxy() {
     roundtrip(256 * 1024);
     let before = rss_kb(pid);
 
-    // 8 connections × 100 streams, 1 MiB sent on each, nothing read back.
+    // 8 connections × 200 streams (the most a connection may open at once), 1 MiB sent on each, nothing read back.
     let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
     let hbone: SocketAddr = (server.ip, 15008).into();
     let hold = StreamHold::start(
@@ -55,14 +55,14 @@ fn a_peer_holding_streams_it_never_reads_cannot_grow_the_shared_proxy() {
         hbone,
         echo.addr,
         8,
-        100,
+        200,
         1 << 20,
     )
     .unwrap();
     let s = hold.summary;
     assert!(s.opened > 0, "the attacker is a valid peer: {s:?}");
     assert!(
-        s.refused > 0 && s.opened < 800,
+        s.refused > 0 && s.opened < 1600,
         "past its share the peer's streams are refused: {s:?}"
     );
 
@@ -103,18 +103,13 @@ fn a_peer_holding_streams_it_never_reads_cannot_grow_the_shared_proxy() {
 
     // Once it lets go, every reservation comes back.
     drop(hold);
-    wait_until(
+    // The idle client's pooled HBONE connection holds its windows at both
+    // ends (16 MiB each, both in this one shared proxy), nothing more.
+    wait_until_showing(
         "the budget back to what the idle client holds",
         Duration::from_secs(10),
-        || {
-            let m = node.metrics();
-            let used = m
-                .lines()
-                .find_map(|l| l.strip_prefix("ambit_memory_budget_used_bytes "))
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .unwrap_or(u64::MAX);
-            used < 32 << 20
-        },
+        || budget_used(&node) == 32 << 20,
+        || format!("{} bytes reserved", budget_used(&node)),
     );
     roundtrip(256 * 1024);
 }
@@ -179,6 +174,123 @@ fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and
     wait_until("the budget empty", Duration::from_secs(10), || {
         budget_used(&node) == 0
     });
+}
+
+#[test]
+fn a_destination_flooding_applications_that_do_not_read_cannot_grow_the_client_proxy() {
+    let mut m = Mesh::new("flood");
+    let (client, server, mallory) = (m.pod("client"), m.pod("server"), m.pod("mallory"));
+    m.write_config(&format!(
+        "workloads:\n{}{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE"),
+        workload(&mallory, "mallory-sa", "HBONE")
+    ));
+    // One stream per pooled connection: each application connection
+    // makes an HBONE connection of its own to the one destination.
+    m.mesh_env(
+        &client,
+        "client-sa",
+        &[
+            ("AMBIT_MEMORY_BUDGET", "128Mi"),
+            ("POOL_MAX_STREAMS_PER_CONNECTION", "1"),
+        ],
+    );
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    // Not meshed: it speaks HBONE itself, as the workload the config names.
+    let flood = Flood::start(
+        &mallory.ns,
+        (&m.ca.0, &m.ca.1),
+        Identity::new(TD, "default", "mallory-sa"),
+    )
+    .unwrap();
+    let pid = m.lab.pid("proxy-client").expect("the client's proxy runs");
+    let roundtrip = |size: usize| {
+        let payload = vec![b'k'; size];
+        let mut c = connect_from(&client, echo.addr).unwrap();
+        assert_eq!(echo_roundtrip(&mut c, &payload).unwrap(), payload);
+    };
+    roundtrip(256 * 1024);
+    let before = rss_kb(pid);
+
+    // 200 connections to the destination, none of them read. Those whose
+    // HBONE connection the budget refuses are closed by the proxy.
+    let target = SocketAddr::new(mallory.ip.into(), 8080);
+    let apps: Vec<TcpStream> = (0..200)
+        .filter_map(|_| connect_from(&client, target).ok())
+        .collect();
+    // Until the flood stops: every window it was granted is full.
+    let mut last = (0, Instant::now());
+    wait_until_showing(
+        "the flood to fill every window it was granted",
+        Duration::from_secs(30),
+        || {
+            let now = flood.sent();
+            if now != last.0 {
+                last = (now, Instant::now());
+            }
+            now > 0 && last.1.elapsed() > Duration::from_secs(1)
+        },
+        || format!("{} bytes sent, {} streams", flood.sent(), flood.answered()),
+    );
+    let (peak, held) = (rss_kb(pid), budget_used_in(&m, &client));
+    let mut slowest = Duration::ZERO;
+    for _ in 0..10 {
+        let t = Instant::now();
+        roundtrip(64 * 1024);
+        slowest = slowest.max(t.elapsed());
+    }
+    eprintln!(
+        "flood: {} streams answered, {} MiB sent; client proxy RSS {before} kB before, {peak} kB flooded; {held} bytes reserved; slowest round trip to the honest server {slowest:?}",
+        flood.answered(),
+        flood.sent() >> 20
+    );
+    // What the destination may make the proxy hold is its identity's
+    // share of the budget, a quarter (32 MiB of windows), and the credit
+    // of windows granted before they shrank (the first connections' 16,
+    // 8, 4 MiB). Before outbound windows were budgeted, each of its
+    // connections granted 16 MiB: 200 of them, 3.2 GB.
+    assert!(
+        peak < before + 96 * 1024,
+        "RSS {peak} kB flooded, {before} kB before"
+    );
+    // Its 32 MiB, the honest connection's 16 MiB at most, 16 KiB per stream.
+    assert!(held <= (16 + 32 + 4) << 20, "{held} bytes reserved");
+    assert!(
+        slowest < Duration::from_secs(1),
+        "the honest round trip took {slowest:?} during the flood"
+    );
+    assert!(
+        counter(
+            &m.metrics(&client),
+            "ambit_memory_budget_refused_total",
+            &[("reason", "peer")]
+        ) > 0,
+        "the connections past the destination's share are refused, and counted"
+    );
+    assert!(m.proxy_log(&client).contains("HBONE connection not opened"));
+
+    // Once the destination is gone, its reservations come back: only the
+    // connection to the honest server is left.
+    drop(apps);
+    drop(flood);
+    wait_until_showing(
+        "the budget back to the honest server's connection",
+        Duration::from_secs(10),
+        || budget_used_in(&m, &client) == 16 << 20,
+        || format!("{} bytes reserved", budget_used_in(&m, &client)),
+    );
+    roundtrip(256 * 1024);
+}
+
+/// What the budget of `pod`'s dedicated proxy holds now.
+fn budget_used_in(m: &Mesh, pod: &LabPod) -> u64 {
+    m.metrics(pod)
+        .lines()
+        .find_map(|l| l.strip_prefix("ambit_memory_budget_used_bytes "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(u64::MAX)
 }
 
 // ---------------------------------------------------------------------------
