@@ -315,6 +315,35 @@ impl Budget {
         })
     }
 
+    /// Whether an HBONE connection with one of `peers` would get even the
+    /// smallest windows now, checked before dialing so that a dial the
+    /// budget is going to refuse costs no handshake with the destination.
+    /// A refusal here is counted; a pass reserves nothing (the reservation
+    /// after the handshake, [`Budget::connection`], decides).
+    pub fn admits_connection(&self, h2: H2Settings, peers: &[Identity]) -> Result<(), Refusal> {
+        let limit = self.limit();
+        if limit == 0 {
+            return Ok(());
+        }
+        let smallest = fair_windows(h2, 0).connection_window as usize;
+        let refusal = if self.used() + smallest > limit {
+            Some(Refusal::Budget)
+        } else {
+            let held = self.by_peer.lock().unwrap_or_else(|e| e.into_inner());
+            let room = |p: &Identity| held.get(p).copied().unwrap_or(0) + smallest <= limit / 4;
+            (!peers.is_empty() && !peers.iter().any(room)).then_some(Refusal::Peer)
+        };
+        match refusal {
+            None => Ok(()),
+            Some(r) => {
+                self.refused
+                    .get_or_create(&RefusedLabels { reason: r.label() })
+                    .inc();
+                Err(r)
+            }
+        }
+    }
+
     /// Room for a stream's read buffer to grow from its start to
     /// [`STREAM_READ_BUFFER`] (a bulk flow); `None` keeps it small. Not
     /// counted as a refusal: the stream goes on, only slower.
@@ -911,6 +940,33 @@ mod tests {
         );
         drop(held);
         assert_eq!(b.used(), (64 << 20) + (512 << 10));
+    }
+
+    #[test]
+    fn a_dial_is_refused_before_its_handshake_once_the_destination_holds_its_quarter() {
+        // A quarter of 1 MiB: one smallest window (256 KiB).
+        let b = budget(MIB);
+        let (mallory, alice) = (
+            Identity::new("td", "ns", "mallory"),
+            Identity::new("td", "ns", "alice"),
+        );
+        assert!(b
+            .admits_connection(configured(), std::slice::from_ref(&mallory))
+            .is_ok());
+        let (_, held) = b.connection(configured(), &mallory).unwrap();
+        assert_eq!(
+            b.admits_connection(configured(), std::slice::from_ref(&mallory)),
+            Err(Refusal::Peer)
+        );
+        assert!(
+            b.admits_connection(configured(), &[mallory.clone(), alice.clone()])
+                .is_ok(),
+            "one of the identities a destination may have still has room"
+        );
+        assert_eq!(b.used(), 256 << 10, "a check reserves nothing");
+        drop(held);
+        assert!(b.admits_connection(configured(), &[mallory]).is_ok());
+        assert!(budget(0).admits_connection(configured(), &[alice]).is_ok());
     }
 
     #[test]

@@ -511,6 +511,10 @@ impl Outbound {
         proxy: SocketAddr,
         identities: Vec<Identity>,
     ) -> Result<Arc<PooledConn>, OutboundError> {
+        // A destination that holds its share is refused before any handshake.
+        BUDGET
+            .admits_connection(self.h2, &identities)
+            .map_err(OutboundError::Budget)?;
         let tcp =
             self.pod
                 .sockets

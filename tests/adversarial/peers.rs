@@ -269,7 +269,11 @@ fn a_destination_flooding_applications_that_do_not_read_cannot_grow_the_client_p
         ) > 0,
         "the connections past the destination's share are refused, and counted"
     );
-    assert!(m.proxy_log(&client).contains("HBONE connection not opened"));
+    assert!(
+        m.proxy_log(&client)
+            .contains("peer identity holds its share of the memory budget"),
+        "the refusals are logged with their reason"
+    );
 
     // Once the destination is gone, its reservations come back: only the
     // connection to the honest server is left.
