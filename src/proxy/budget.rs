@@ -440,7 +440,7 @@ impl Budget {
         registry.register_collector(Box::new(UsedCollector(self)));
         registry.register(
             "ambit_memory_budget_refused",
-            "Connections and streams refused or given smaller windows by the memory budget",
+            "Connections and streams refused by the memory budget",
             self.refused.clone(),
         );
     }

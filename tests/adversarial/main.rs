@@ -1,5 +1,6 @@
 //! Tests that play the attacker (issue #18), against the real binary in
-//! network namespaces: hostile mesh peers and slow clients (`peers`),
+//! network namespaces: hostile mesh peers, hostile destinations and slow
+//! clients (`peers`),
 //! processes on the node that try to get a netns enrolled (`enrollment`),
 //! and what the proxy refuses where ztunnel does (`fail_closed`). Each
 //! attack runs beside the honest case and asserts both that the attack is

@@ -151,7 +151,7 @@ fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and
         })
         .collect();
     // Twelve connections: 8 MiB each, all of them (the first eight, taken
-    // at 16 MiB, give half back; the last four, let in at 1 MiB, grow).
+    // at 16 MiB, give half back; the last four, let in at the smallest, 256 KiB, grow).
     // Before windows were shared, the first eight kept 16 MiB and the
     // rest 1 MiB: 132 MiB.
     const MIB: u64 = 1 << 20;
