@@ -1,0 +1,327 @@
+//! The budget's rules, one at a time, on budgets of their own.
+
+use super::*;
+
+fn budget(limit: usize) -> &'static Budget {
+    let b: &'static Budget = Box::leak(Box::default());
+    b.set_limit(limit);
+    b
+}
+
+const MIB: usize = 1 << 20;
+
+fn configured() -> H2Settings {
+    H2Settings {
+        stream_window: 4 << 20,
+        connection_window: 16 << 20,
+        frame_size: 1 << 20,
+        unsent_limit: 0,
+    }
+}
+
+fn windows(h: H2Settings) -> (usize, usize) {
+    (
+        h.connection_window as usize / MIB,
+        h.stream_window as usize * 4 / MIB,
+    )
+}
+
+#[test]
+fn connections_share_half_the_budget_in_power_of_two_windows_between_the_smallest_and_the_configured(
+) {
+    let gib = 1 << 30;
+    let at = |n| windows(fair_windows(configured(), share_of(gib, n)));
+    // (connection MiB, stream in quarter MiB)
+    assert_eq!(at(1), (16, 16));
+    assert_eq!(at(32), (16, 16), "32 × 16 MiB is half of 1 GiB");
+    assert_eq!(at(33), (8, 8));
+    assert_eq!(at(64), (8, 8));
+    assert_eq!(at(65), (4, 4));
+    assert_eq!(at(512), (1, 1));
+    assert_eq!(
+        fair_windows(configured(), share_of(gib, 5000)).connection_window,
+        256 << 10,
+        "never below 256 KiB / 64 KiB"
+    );
+    assert_eq!(
+        fair_windows(configured(), 0).stream_window,
+        64 << 10,
+        "the smallest stream window"
+    );
+    assert_eq!(
+        windows(fair_windows(configured(), share_of(0, 5000))),
+        (16, 16),
+        "no budget"
+    );
+    // Configured below the floor: kept as configured.
+    let small = H2Settings {
+        stream_window: 32 << 10,
+        connection_window: 128 << 10,
+        ..configured()
+    };
+    assert_eq!(fair_windows(small, 0), small);
+}
+
+#[test]
+fn a_connection_past_the_half_moves_every_connection_to_the_same_smaller_windows_and_back() {
+    // Half of 128 MiB holds four 16 MiB windows; a connection's fair
+    // windows may bring its peer to an eighth (16 MiB): one peer each.
+    let b = budget(128 * MIB);
+    let peer = |i: usize| Identity::new("td", "ns", &format!("p{i}"));
+    let mut first: Vec<ConnectionWindows> = (0..4)
+        .map(|i| b.connection(configured(), &peer(i)).unwrap().1)
+        .collect();
+    assert!(first.iter().all(|w| windows(w.granted()) == (16, 16)));
+    assert_eq!(b.used(), 64 * MIB);
+    assert!(
+        first.iter().all(|w| !w.share.has_changed().unwrap()),
+        "while all fit, others are not woken"
+    );
+
+    // A fifth: the fair share is 8 MiB, which the others hold until
+    // they move, so it starts at the smallest and is behind.
+    let (granted, mut fifth) = b.connection(configured(), &peer(4)).unwrap();
+    assert_eq!(granted.connection_window, 256 << 10);
+    assert!(fifth.behind());
+    assert!(first.iter().all(|w| w.share.has_changed().unwrap()));
+    for w in &mut first {
+        assert_eq!(w.rebalance().map(windows), Some((8, 8)));
+        assert!(!w.behind());
+    }
+    assert_eq!(b.used(), 4 * 8 * MIB + (256 << 10));
+    assert_eq!(fifth.rebalance().map(windows), Some((8, 8)));
+    assert!(!fifth.behind());
+    assert_eq!(b.used(), 5 * 8 * MIB, "five equal windows");
+    assert_eq!(fifth.rebalance(), None, "nothing moves twice");
+
+    // It goes: the share rises only one connection below the step
+    // (hysteresis), so the four keep 8 MiB until a second goes.
+    drop(fifth);
+    assert!(first.iter().all(|w| !w.share.has_changed().unwrap()));
+    drop(first.remove(0));
+    for w in &mut first {
+        assert!(w.share.has_changed().unwrap());
+        assert_eq!(w.rebalance().map(windows), Some((16, 16)));
+    }
+    assert_eq!(b.used(), 48 * MIB);
+    drop(first);
+    assert_eq!(b.used(), 0);
+    assert_eq!(*b.connections.lock().unwrap(), 0);
+    assert!(b.by_peer.lock().unwrap().is_empty());
+}
+
+#[test]
+fn a_connection_churning_at_a_step_wakes_no_one_and_the_share_rises_an_eighth_below_it() {
+    // Half of 1 GiB holds 32 connections at 16 MiB.
+    let b = budget(1 << 30);
+    let peer = |i: usize| Identity::new("td", "ns", &format!("p{i}"));
+    let mut held: Vec<ConnectionWindows> = (0..32)
+        .map(|i| b.connection(configured(), &peer(i)).unwrap().1)
+        .collect();
+    assert!(held.iter().all(|w| windows(w.granted()) == (16, 16)));
+    // The 33rd: every connection falls to 8 MiB at once.
+    held.push(b.connection(configured(), &peer(32)).unwrap().1);
+    for w in &mut held {
+        w.rebalance();
+    }
+    assert!(held.iter().all(|w| windows(w.granted()) == (8, 8)));
+    assert_eq!(b.used(), 33 * 8 * MIB);
+    // It goes and comes back, over and over: no one else is woken,
+    // and each newcomer gets the same 8 MiB at once.
+    for i in 0..10 {
+        drop(held.pop());
+        assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
+        let (granted, w) = b.connection(configured(), &peer(100 + i)).unwrap();
+        assert_eq!(windows(granted), (8, 8));
+        held.push(w);
+        assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
+    }
+    // Down to 30 (16 MiB would fit): still no one woken.
+    held.truncate(30);
+    assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
+    // 29, an eighth below the step: all rise to 16 MiB again.
+    held.truncate(29);
+    for w in &mut held {
+        assert!(w.share.has_changed().unwrap());
+        assert_eq!(w.rebalance().map(windows), Some((16, 16)));
+    }
+    assert_eq!(b.used(), 29 * 16 * MIB);
+    drop(held);
+    assert_eq!((b.used(), *b.connections.lock().unwrap()), (0, 0));
+}
+
+#[test]
+fn a_connection_refused_even_the_smallest_windows_is_not_counted_among_them() {
+    let b = budget(MIB);
+    let p = Identity::new("td", "ns", "p");
+    // Its peer may hold a quarter (256 KiB): one smallest window.
+    let (granted, kept) = b.connection(configured(), &p).unwrap();
+    assert_eq!(granted.connection_window, 256 << 10);
+    assert_eq!(b.connection(configured(), &p).unwrap_err(), Refusal::Peer);
+    assert_eq!(*b.connections.lock().unwrap(), 1);
+    drop(kept);
+    assert_eq!((b.used(), *b.connections.lock().unwrap()), (0, 0));
+}
+
+#[test]
+fn one_peer_gets_a_quarter_one_pod_a_half_and_everything_comes_back() {
+    let b = budget(400);
+    let (mallory, alice) = (
+        Identity::new("td", "ns", "mallory"),
+        Identity::new("td", "ns", "alice"),
+    );
+    let (victim, other): (Arc<str>, Arc<str>) = ("ns/victim".into(), "ns/other".into());
+    let m1 = b.reserve(60, Some(&mallory), Some(&victim)).unwrap();
+    let _m2 = b.reserve(40, Some(&mallory), Some(&victim)).unwrap();
+    assert_eq!(
+        b.reserve(1, Some(&mallory), Some(&other)).unwrap_err(),
+        Refusal::Peer
+    );
+    // Others still get in, to the same pod up to its half.
+    let a1 = b.reserve(100, Some(&alice), Some(&victim)).unwrap();
+    assert_eq!(
+        b.reserve(1, Some(&Identity::new("td", "ns", "bob")), Some(&victim))
+            .unwrap_err(),
+        Refusal::Pod
+    );
+    assert_eq!(b.used(), 200);
+    drop(m1);
+    assert!(b.reserve(60, Some(&mallory), Some(&other)).is_ok());
+    drop(a1);
+    assert_eq!(b.used(), 40);
+    assert!(b.by_pod.lock().unwrap().get(&victim) == Some(&40));
+}
+
+#[test]
+fn a_stream_grows_by_its_send_buffer_under_its_shares_and_gives_it_back_when_quiet() {
+    let b = budget(400);
+    let mallory = Identity::new("td", "ns", "mallory");
+    let pod: Arc<str> = "ns/victim".into();
+    // Many idle streams of one peer fit where sending ones would not.
+    let mut idle: Vec<Reservation> = (0..10)
+        .map(|_| b.reserve(5, Some(&mallory), Some(&pod)).unwrap())
+        .collect();
+    idle[0].grow(40).unwrap();
+    assert_eq!(idle[1].grow(40).unwrap_err(), Refusal::Peer);
+    assert_eq!(b.used(), 90, "a refused growth leaves the stream as it was");
+    idle[0].shrink(40);
+    idle[1].grow(40).unwrap();
+    assert_eq!(b.by_peer.lock().unwrap().get(&mallory), Some(&90));
+    idle.clear();
+    assert_eq!(b.used(), 0);
+    assert!(b.by_peer.lock().unwrap().is_empty());
+    assert!(b.by_pod.lock().unwrap().is_empty());
+}
+
+#[test]
+fn an_empty_reservation_leaves_no_share_entry_and_drops_without_a_lock() {
+    let b = budget(400);
+    let mallory = Identity::new("td", "ns", "mallory");
+    let pod: Arc<str> = "ns/victim".into();
+    let empty = b.reserve(0, Some(&mallory), Some(&pod)).unwrap();
+    assert!(b.by_peer.lock().unwrap().is_empty(), "no entry for 0 bytes");
+    assert!(b.by_pod.lock().unwrap().is_empty());
+    let mut emptied = b.reserve(40, Some(&mallory), Some(&pod)).unwrap();
+    emptied.shrink(usize::MAX);
+    assert!(b.by_pod.lock().unwrap().is_empty(), "given back by shrink");
+    // Both drop on another thread while the share maps are held locked
+    // here: a drop that took a lock would not finish.
+    let (peers, pods) = (b.by_peer.lock().unwrap(), b.by_pod.lock().unwrap());
+    let (done, dropped) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop((empty, emptied));
+        let _ = done.send(());
+    });
+    let finished = dropped.recv_timeout(std::time::Duration::from_secs(2));
+    drop((peers, pods));
+    assert!(
+        finished.is_ok(),
+        "an empty reservation's drop waited for a lock"
+    );
+    assert_eq!(b.used(), 0);
+}
+
+#[test]
+fn past_the_budget_streams_are_refused_and_connections_get_smaller_windows() {
+    let b = budget(128 << 20);
+    let h2 = H2Settings {
+        stream_window: 4 << 20,
+        connection_window: 16 << 20,
+        frame_size: 1 << 20,
+        unsent_limit: 0,
+    };
+    let peers: Vec<Identity> = (0..8)
+        .map(|i| Identity::new("td", "ns", &format!("sa{i}")))
+        .collect();
+    let mut conns = Vec::new();
+    for p in &peers[..4] {
+        let (granted, r) = b.connection(h2, p).unwrap();
+        assert_eq!(granted.connection_window, 16 << 20);
+        conns.push(r);
+    }
+    // Half reserved: the next ones get the smallest windows.
+    let (reduced, _r) = b.connection(h2, &peers[4]).unwrap();
+    assert_eq!(
+        (reduced.connection_window, reduced.stream_window),
+        (256 << 10, 64 << 10)
+    );
+    // A peer holding half its share gets the smaller windows too.
+    let (second, _r2) = b.connection(h2, &peers[0]).unwrap();
+    assert_eq!(second.connection_window, 256 << 10);
+    let mut held = Vec::new();
+    let refused = loop {
+        match b.reserve(STREAM_COST, Some(&peers[5 + held.len() % 3]), None) {
+            Ok(r) => held.push(r),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(refused, Refusal::Budget);
+    assert!(b.used() <= 128 << 20);
+    assert!(b.connection(h2, &peers[6]).is_err());
+    assert!(b.grow_read_buffer(STREAM_READ_START).is_none());
+    assert_eq!(
+        b.refused
+            .get_or_create(&RefusedLabels { reason: "budget" })
+            .get(),
+        2
+    );
+    drop(held);
+    assert_eq!(b.used(), (64 << 20) + (512 << 10));
+}
+
+#[test]
+fn a_dial_is_refused_before_its_handshake_once_the_destination_holds_its_quarter() {
+    // A quarter of 1 MiB: one smallest window (256 KiB).
+    let b = budget(MIB);
+    let (mallory, alice) = (
+        Identity::new("td", "ns", "mallory"),
+        Identity::new("td", "ns", "alice"),
+    );
+    assert!(b
+        .admits_connection(configured(), std::slice::from_ref(&mallory))
+        .is_ok());
+    let (_, held) = b.connection(configured(), &mallory).unwrap();
+    assert_eq!(
+        b.admits_connection(configured(), std::slice::from_ref(&mallory)),
+        Err(Refusal::Peer)
+    );
+    assert!(
+        b.admits_connection(configured(), &[mallory.clone(), alice.clone()])
+            .is_ok(),
+        "one of the identities a destination may have still has room"
+    );
+    assert_eq!(b.used(), 256 << 10, "a check reserves nothing");
+    drop(held);
+    assert!(b.admits_connection(configured(), &[mallory]).is_ok());
+    assert!(budget(0).admits_connection(configured(), &[alice]).is_ok());
+}
+
+#[test]
+fn no_budget_refuses_nothing() {
+    let b = budget(0);
+    let p = Identity::new("td", "ns", "p");
+    let held: Vec<_> = (0..100)
+        .map(|_| b.reserve(1 << 30, Some(&p), None).unwrap())
+        .collect();
+    assert_eq!(held.len(), 100);
+}
