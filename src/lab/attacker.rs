@@ -1,6 +1,7 @@
 //! Hostile mesh peers for the tests (feature `testing`): a client that
 //! holds streams it never reads ([`StreamHold`]) and a destination that
-//! floods every stream it is sent ([`Flood`]). Each has a valid mesh
+//! floods every stream it is sent, or stops reading once it has answered
+//! ([`Flood`]). Each has a valid mesh
 //! certificate, so it gets past mutual TLS; what it does then is what the
 //! proxy must survive.
 
@@ -227,11 +228,14 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Deaf<T> {
     }
 }
 
-/// A destination that answers every CONNECT and sends on every stream as
-/// fast as the proxy's windows let it, reading nothing: what a hostile
-/// destination makes the client side's proxy hold when the applications
-/// there do not read. It sends only into the window the proxy grants, so
-/// what it counts as sent is what the proxy took.
+/// A hostile destination that answers every CONNECT 200. As
+/// [`Flood::start`] it sends on every stream as fast as the proxy's windows
+/// let it, reading nothing: what a hostile destination makes the client
+/// side's proxy hold when the applications there do not read. It sends only
+/// into the window the proxy grants, so what it counts as sent is what the
+/// proxy took. As [`Flood::deaf`] it grants the largest windows HTTP/2
+/// allows and stops reading its socket once it has answered: what the
+/// proxy holds for applications whose destination takes nothing.
 pub struct Flood {
     answered: Arc<AtomicUsize>,
     sent: Arc<AtomicU64>,
@@ -243,6 +247,21 @@ impl Flood {
     /// Serves HBONE on `ns`'s 15008 as `identity` (a certificate from the
     /// CA files `ca`); every connection closes when this is dropped.
     pub fn start(ns: &Netns, ca: (&Path, &Path), identity: Identity) -> std::io::Result<Flood> {
+        Self::serve(ns, ca, identity, false)
+    }
+
+    /// As [`Flood::start`], but sends nothing and reads nothing once a
+    /// connection's first CONNECT is answered.
+    pub fn deaf(ns: &Netns, ca: (&Path, &Path), identity: Identity) -> std::io::Result<Flood> {
+        Self::serve(ns, ca, identity, true)
+    }
+
+    fn serve(
+        ns: &Netns,
+        ca: (&Path, &Path),
+        identity: Identity,
+        deaf: bool,
+    ) -> std::io::Result<Flood> {
         let ca = LocalCa::from_files(ca.0, ca.1).map_err(std::io::Error::other)?;
         let cert = ca
             .issue(&identity, Duration::from_secs(3600))
@@ -272,7 +291,11 @@ impl Flood {
                             continue;
                         };
                         let (server, counts) = (server.clone(), counts.clone());
-                        tokio::spawn(flood_one(server, tcp, counts));
+                        if deaf {
+                            tokio::spawn(answer_then_stop_reading(server, tcp, counts.0));
+                        } else {
+                            tokio::spawn(flood_one(server, tcp, counts));
+                        }
                     }
                 };
                 tokio::select! {
@@ -343,5 +366,37 @@ async fn flood_one(
                 sent.fetch_add(n as u64, Ordering::AcqRel);
             }
         });
+    }
+}
+
+async fn answer_then_stop_reading(
+    server: Arc<rustls::ServerConfig>,
+    tcp: TcpStream,
+    answered: Arc<AtomicUsize>,
+) {
+    let Ok(tls) = tokio_rustls::TlsAcceptor::from(server).accept(tcp).await else {
+        return;
+    };
+    let deaf = Arc::new(AtomicBool::new(false));
+    let io = Deaf {
+        io: tls,
+        deaf: deaf.clone(),
+    };
+    let Ok(mut conn) = h2::server::Builder::new()
+        .initial_window_size(i32::MAX as u32)
+        .initial_connection_window_size(i32::MAX as u32)
+        .handshake::<_, Bytes>(io)
+        .await
+    else {
+        return;
+    };
+    let mut held = Vec::new();
+    // Polled on, so that the answers go out; every read from here pends.
+    while let Some(Ok((req, mut respond))) = conn.accept().await {
+        if let Ok(send) = respond.send_response(http::Response::new(()), false) {
+            answered.fetch_add(1, Ordering::AcqRel);
+            held.push((send, req.into_body()));
+            deaf.store(true, Ordering::Release);
+        }
     }
 }

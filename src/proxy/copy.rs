@@ -163,7 +163,19 @@ async fn tcp_to_h2(
         while !chunk.is_empty() {
             dst.reserve_capacity(chunk.len());
             let cap = loop {
-                match std::future::poll_fn(|cx| dst.poll_capacity(cx)).await {
+                let capacity = tokio::select! {
+                    biased;
+                    capacity = std::future::poll_fn(|cx| dst.poll_capacity(cx)) => capacity,
+                    // The source reset while the destination takes nothing:
+                    // what it sent can never be delivered, and the stream
+                    // is not held for a connection that is gone.
+                    _ = src.as_ref().ready(Interest::ERROR) => {
+                        dst.send_reset(h2::Reason::CANCEL);
+                        let e = src.as_ref().take_error().ok().flatten();
+                        return Err(e.unwrap_or_else(|| io::ErrorKind::ConnectionReset.into()));
+                    }
+                };
+                match capacity {
                     None => {
                         return Err(io::Error::new(
                             io::ErrorKind::BrokenPipe,
@@ -276,5 +288,56 @@ pub(super) mod tests {
         let a = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
         let (b, _) = l.accept().await.unwrap();
         (a, b)
+    }
+
+    /// A destination that grants no window, then the application resets:
+    /// the copy ends at once and resets the stream, instead of waiting on
+    /// the window for ever.
+    #[tokio::test]
+    async fn a_source_reset_while_the_destination_takes_nothing_ends_the_copy() {
+        let (client_io, server_io) = tokio::io::duplex(1 << 20);
+        let server = tokio::spawn(async move {
+            let mut conn = h2::server::Builder::new()
+                .initial_window_size(0)
+                .handshake::<_, Bytes>(server_io)
+                .await
+                .unwrap();
+            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
+            let _answer = respond.send_response(http::Response::new(()), false);
+            let mut body = req.into_body();
+            let ended = tokio::spawn(async move { body.data().await.map(|d| d.map(|_| ())) });
+            tokio::spawn(async move { while conn.accept().await.is_some() {} });
+            ended.await.unwrap()
+        });
+        let (mut sender, conn) = h2::client::handshake(client_io).await.unwrap();
+        tokio::spawn(conn);
+        let (resp, send) = sender.send_request(http::Request::new(()), false).unwrap();
+        let body = resp.await.unwrap().into_body();
+
+        let (app, mut proxied) = pair().await;
+        let copy =
+            tokio::spawn(async move { tcp_h2_bidirectional(&mut proxied, send, body, None).await });
+        let mut app = app.into_std().unwrap();
+        app.set_nonblocking(false).unwrap();
+        std::io::Write::write_all(&mut app, &[7u8; 64 * 1024]).unwrap();
+        // Let the copy read it and wait on the window the server never grants.
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        assert!(!copy.is_finished(), "the copy waits on the window");
+        SockRef::from(&app)
+            .set_linger(Some(std::time::Duration::ZERO))
+            .unwrap();
+        drop(app);
+
+        let (_, ended) = tokio::time::timeout(std::time::Duration::from_secs(2), copy)
+            .await
+            .expect("the copy ends once its source resets")
+            .unwrap();
+        assert_eq!(ended.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
+        let at_server = server.await.unwrap();
+        assert_eq!(
+            at_server.and_then(|r| r.err()).and_then(|e| e.reason()),
+            Some(h2::Reason::CANCEL),
+            "the destination sees the stream reset"
+        );
     }
 }

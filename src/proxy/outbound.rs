@@ -5,7 +5,6 @@
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -20,7 +19,7 @@ use super::hbone::{ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
 use super::metrics::{ConnectionLabels, Metrics};
 use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
-use super::pool::{Lease, Pool, PoolKey, PooledConn};
+use super::pool::{Lease, Lifeline, Pool, PoolKey, PooledConn};
 use super::record::{ConnectionRecord, Direction};
 use super::splice::splice_bidirectional;
 use super::tls_stream;
@@ -524,6 +523,7 @@ impl Outbound {
                     addr: proxy,
                     source,
                 })?;
+        let socket = std::os::fd::AsRawFd::as_raw_fd(&tcp);
         if let Err(e) = limit_unsent(&tcp, self.h2.unsent_limit) {
             tracing::debug!(error = %e, "cannot limit the HBONE connection's unsent data");
         }
@@ -557,16 +557,24 @@ impl Outbound {
                     addr: proxy,
                     source,
                 })?;
-        let closed = Arc::new(AtomicBool::new(false));
-        let flag = closed.clone();
+        let lifeline = Arc::new(Lifeline::default());
+        let driver = lifeline.clone();
         tokio::spawn(async move {
-            if let Err(e) = drive(conn, h2, windows).await {
-                tracing::debug!(dst.addr = %proxy, error = %e, "HBONE connection ended");
+            match drive(conn, h2, windows, &driver, socket).await {
+                Ok(Ended::Closed) => {}
+                Ok(Ended::Abandoned) => tracing::info!(
+                    dst.addr = %proxy,
+                    "HBONE connection reset: the destination took nothing for {}s after the last stream ended",
+                    RELEASED_CLOSE_DEADLINE.as_secs()
+                ),
+                Err(e) => {
+                    tracing::debug!(dst.addr = %proxy, error = %e, "HBONE connection ended")
+                }
             }
-            flag.store(true, Ordering::Release);
+            driver.close();
         });
         tracing::debug!(dst.addr = %proxy, "HBONE connection established");
-        Ok(PooledConn::new(sender, closed))
+        Ok(PooledConn::new(sender, lifeline))
     }
 
     /// Resolves a hostname endpoint from inside the pod (counted in
@@ -752,21 +760,56 @@ fn ending(
     }
 }
 
+/// How long a connection no stream will use again (the pool let go of it:
+/// idle past its timeout, its pod gone, or the proxy draining) may take to
+/// close. One whose destination has stopped reading can never flush its
+/// last frames, and would keep its windows' reservation and its buffers for
+/// as long as the destination likes: it is reset instead.
+pub const RELEASED_CLOSE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How a driven connection ended, when it ended without an h2 error.
+#[derive(Debug, PartialEq, Eq)]
+enum Ended {
+    /// Closed by either side.
+    Closed,
+    /// Let go by the pool and not closed within [`RELEASED_CLOSE_DEADLINE`].
+    Abandoned,
+}
+
 /// Drives a dialed HBONE connection to its end, moving the receive windows
 /// it grants (`told`, as its handshake said) with its share of the budget.
+/// Once released, it has [`RELEASED_CLOSE_DEADLINE`] to close; past it the
+/// connection's `socket` (owned by `conn`) is reset as `conn` is dropped.
 async fn drive<T>(
     mut conn: h2::client::Connection<T, Bytes>,
     mut told: H2Settings,
     mut windows: ConnectionWindows,
-) -> Result<(), h2::Error>
+    lifeline: &Lifeline,
+    socket: std::os::fd::RawFd,
+) -> Result<Ended, h2::Error>
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     let mut retry = tokio::time::interval(WINDOW_RETRY);
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let released = lifeline.released();
+    tokio::pin!(released);
+    let mut deadline = None;
     loop {
         tokio::select! {
-            ended = &mut conn => return ended,
+            ended = &mut conn => return ended.map(|()| Ended::Closed),
+            _ = &mut released, if deadline.is_none() => {
+                deadline = Some(tokio::time::Instant::now() + RELEASED_CLOSE_DEADLINE);
+                continue;
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
+                // SAFETY: `conn` owns the socket and is alive until this returns.
+                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(socket) };
+                // A reset frees the unsent data the kernel would otherwise
+                // keep probing a closed window with.
+                let _ = SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO));
+                return Ok(Ended::Abandoned);
+            }
             _ = windows.share_moved() => {}
             _ = retry.tick(), if windows.behind() || told != windows.granted() => {}
         }

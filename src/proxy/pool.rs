@@ -36,23 +36,56 @@ pub struct PoolKey {
 pub struct PooledConn {
     sender: SendRequest<Bytes>,
     active: AtomicUsize,
-    closed: Arc<AtomicBool>,
+    lifeline: Arc<Lifeline>,
     idle_since: Mutex<Instant>,
 }
 
 impl PooledConn {
-    /// `closed` is set by whoever drives the connection when it ends.
-    pub fn new(sender: SendRequest<Bytes>, closed: Arc<AtomicBool>) -> Arc<Self> {
+    /// `lifeline` is shared with whoever drives the connection.
+    pub fn new(sender: SendRequest<Bytes>, lifeline: Arc<Lifeline>) -> Arc<Self> {
         Arc::new(PooledConn {
             sender,
             active: AtomicUsize::new(0),
-            closed,
+            lifeline,
             idle_since: Mutex::new(Instant::now()),
         })
     }
 
     fn usable(&self, max: usize) -> bool {
-        !self.closed.load(Ordering::Acquire) && self.active.load(Ordering::Acquire) < max
+        !self.lifeline.is_closed() && self.active.load(Ordering::Acquire) < max
+    }
+}
+
+/// The pool and every lease have let go: no stream will use the
+/// connection again.
+impl Drop for PooledConn {
+    fn drop(&mut self) {
+        self.lifeline.released.notify_one();
+    }
+}
+
+/// What a pooled connection and the task driving it tell each other: the
+/// driver that the connection ended, the pool that no one will use it again.
+#[derive(Debug, Default)]
+pub struct Lifeline {
+    closed: AtomicBool,
+    released: tokio::sync::Notify,
+}
+
+impl Lifeline {
+    /// The connection has ended (set by its driver).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the connection's last handle is dropped (at once if it
+    /// already was).
+    pub async fn released(&self) {
+        self.released.notified().await
     }
 }
 
@@ -211,7 +244,7 @@ impl Pool {
                 let idle = c.active.load(Ordering::Acquire) == 0
                     && now.duration_since(*c.idle_since.lock().unwrap_or_else(|e| e.into_inner()))
                         >= self.idle_timeout;
-                !c.closed.load(Ordering::Acquire) && !idle
+                !c.lifeline.is_closed() && !idle
             });
             !conns.is_empty()
         });
@@ -317,13 +350,13 @@ mod tests {
             }
         });
         let (sender, conn) = h2::client::handshake(a).await.unwrap();
-        let closed = Arc::new(AtomicBool::new(false));
-        let flag = closed.clone();
+        let lifeline = Arc::new(Lifeline::default());
+        let driver = lifeline.clone();
         tokio::spawn(async move {
             let _ = conn.await;
-            flag.store(true, Ordering::Release);
+            driver.close();
         });
-        (PooledConn::new(sender, closed), rx)
+        (PooledConn::new(sender, lifeline), rx)
     }
 
     #[tokio::test]

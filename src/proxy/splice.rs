@@ -284,7 +284,27 @@ async fn splice_until_eof(src: &TcpStream, dst: &TcpStream) -> io::Result<u64> {
                 r = src.readable() => r?,
                 w = dst.writable() => w?,
             },
-            (true, false) => src.readable().await?,
+            // Nothing queued: a destination that reset meanwhile will take
+            // nothing more, and the copy ends (else, once its other
+            // direction has ended, it would wait on a source that may never
+            // send again).
+            (true, false) => tokio::select! {
+                r = src.readable() => r?,
+                _ = dst.ready(Interest::ERROR) => {
+                    let e = dst.take_error().ok().flatten();
+                    return Err(e.unwrap_or_else(|| io::ErrorKind::ConnectionReset.into()));
+                }
+            },
+            // The pipe full and the destination taking nothing: a source
+            // that resets meanwhile ends the copy, which is not held for a
+            // connection that is gone.
+            (false, true) if !eof => tokio::select! {
+                w = dst.writable() => w?,
+                _ = src.ready(Interest::ERROR) => {
+                    let e = src.take_error().ok().flatten();
+                    return Err(e.unwrap_or_else(|| io::ErrorKind::ConnectionReset.into()));
+                }
+            },
             _ => dst.writable().await?,
         }
     }
@@ -602,6 +622,37 @@ mod tests {
         assert_eq!(got, b"again");
         assert_eq!(t.sent, 5);
         assert_eq!(spare(), before + 2, "taken and given back, not made anew");
+    }
+
+    /// A destination that reads nothing, a pipe full of what the source
+    /// sent, then the source resets: the copy ends, not held for it.
+    #[tokio::test]
+    async fn a_source_reset_while_the_destination_takes_nothing_ends_the_copy() {
+        let (mut app_client, proxy_in) = pair().await;
+        let (proxy_out, _deaf_server) = pair().await;
+        let relay = tokio::spawn(async move { splice_bidirectional(&proxy_in, &proxy_out).await });
+        let chunk = vec![3u8; 256 * 1024];
+        let mut written = 0;
+        while let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(500), app_client.write(&chunk)).await
+        {
+            written += n;
+        }
+        assert!(
+            written > PIPE_SIZE as usize,
+            "the path is full: {written} bytes"
+        );
+        assert!(!relay.is_finished(), "the copy waits on the destination");
+        let std_client = app_client.into_std().unwrap();
+        socket2::SockRef::from(&std_client)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(std_client);
+        let (_, res) = tokio::time::timeout(Duration::from_secs(2), relay)
+            .await
+            .expect("the copy ends once its source resets")
+            .unwrap();
+        assert_eq!(res.unwrap_err().kind(), io::ErrorKind::ConnectionReset);
     }
 
     #[tokio::test]

@@ -288,6 +288,93 @@ fn a_destination_flooding_applications_that_do_not_read_cannot_grow_the_client_p
     roundtrip(256 * 1024);
 }
 
+/// A destination that answers, then takes nothing (it stops reading its
+/// socket): once the applications give up and reset, the client's proxy
+/// ends their streams, and resets the HBONE connection whose last frames
+/// can never be flushed once the pool lets go of it. Before, each stream
+/// waited on the destination's window for ever, holding its connection's
+/// reservation and buffers.
+#[test]
+fn a_destination_that_stops_reading_is_let_go_once_its_applications_reset() {
+    let mut m = Mesh::new("deaf");
+    let (client, mallory) = (m.pod("client"), m.pod("mallory"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&mallory, "mallory-sa", "HBONE")
+    ));
+    m.mesh_env(
+        &client,
+        "client-sa",
+        &[
+            ("POOL_MAX_STREAMS_PER_CONNECTION", "1"),
+            ("POOL_UNUSED_RELEASE_TIMEOUT", "1s"),
+        ],
+    );
+    let deaf = Flood::deaf(
+        &mallory.ns,
+        (&m.ca.0, &m.ca.1),
+        Identity::new(TD, "default", "mallory-sa"),
+    )
+    .unwrap();
+    let idle = budget_used_in(&m, &client);
+    let to_mallory = |c: &LabPod| {
+        ambit::lab::established(c)
+            .unwrap()
+            .iter()
+            .filter(|e| e.proxy && e.peer.ends_with(":15008"))
+            .count()
+    };
+
+    // Each application writes until the whole path is full.
+    let target = SocketAddr::new(mallory.ip.into(), 8080);
+    let mut written = 0;
+    let apps: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut c = connect_from(&client, target).unwrap();
+            c.set_write_timeout(Some(Duration::from_secs(1))).unwrap();
+            let chunk = [b'd'; 64 * 1024];
+            while let Ok(n) = c.write(&chunk) {
+                written += n;
+            }
+            c
+        })
+        .collect();
+    assert_eq!(deaf.answered(), 4, "every stream was answered");
+    assert_eq!(to_mallory(&client), 4, "one HBONE connection per stream");
+    let held = budget_used_in(&m, &client);
+    assert!(held > idle, "the streams hold their reservations: {held}");
+
+    for app in apps {
+        socket2::SockRef::from(&app)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+    }
+    let reset = Instant::now();
+    // The pool's idle timeout (1 s), then the close deadline (10 s).
+    wait_until_showing(
+        "the client's proxy to let go of the deaf destination",
+        Duration::from_secs(25),
+        || to_mallory(&client) == 0 && budget_used_in(&m, &client) == idle,
+        || {
+            format!(
+                "{} connections to it, {} bytes reserved ({idle} idle)",
+                to_mallory(&client),
+                budget_used_in(&m, &client)
+            )
+        },
+    );
+    eprintln!(
+        "deaf destination: {written} bytes written by 4 applications, {held} bytes reserved, all let go {:?} after their resets",
+        reset.elapsed()
+    );
+    assert!(
+        m.proxy_log(&client)
+            .contains("HBONE connection reset: the destination took nothing"),
+        "the reset is logged"
+    );
+}
+
 /// What the budget of `pod`'s dedicated proxy holds now.
 fn budget_used_in(m: &Mesh, pod: &LabPod) -> u64 {
     m.metrics(pod)
