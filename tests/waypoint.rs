@@ -262,6 +262,48 @@ fn weighted_waypoints_split_a_services_traffic() {
     );
 }
 
+/// One pooled connection to a waypoint carries connection after connection:
+/// each ends with the destination's close, which the waypoint passes back as
+/// the end of its stream. An HTTP/2 peer counts empty DATA frames that do
+/// not end a stream against the connection (h2 ends one past 100 with
+/// ENHANCE_YOUR_CALM), so passing an end on as one would cut the pooled
+/// connection, and the stream in flight, every hundred connections.
+#[test]
+fn one_pooled_connection_to_a_waypoint_carries_hundreds_of_connections() {
+    let mut m = Mesh::new("wpool");
+    let (client, server, wp) = (m.pod("client"), m.pod("server"), m.pod("wp"));
+    let vip: SocketAddr = format!("{VIP}:80").parse().unwrap();
+    let server_app = SocketAddr::new(server.ip.into(), 8080);
+    let at_wp = format!(", waypoint: {{destination: \"/{}\"}}", wp.ip);
+    m.write_config(&config(&client, &server, &[&wp], None, &at_wp));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let _echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
+    let forward = HashMap::from([(vip, server_app)]);
+    let stand_in = WaypointStandIn::start(
+        &wp,
+        (&m.ca.0, &m.ca.1),
+        Identity::new(TD, "default", "wp-sa"),
+        forward,
+    )
+    .unwrap();
+    let n = 250;
+    for i in 0..n {
+        let msg = format!("m{i}");
+        assert_eq!(
+            roundtrip(&client, vip, msg.as_bytes()),
+            msg.as_bytes(),
+            "connection {i} of {n}"
+        );
+    }
+    assert_eq!(stand_in.seen().len(), n);
+    assert_eq!(
+        stand_in.connections(),
+        1,
+        "one HBONE connection carried all {n}"
+    );
+}
+
 /// The "sandwich": the waypoint's pod is itself captured by Ambit. Its
 /// proxy takes CONNECTs for the workloads it is the waypoint of (the
 /// authority is not its own address) and hands them to the waypoint's

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -33,6 +34,7 @@ pub struct ConnectSeen {
 /// A running stand-in; stops with the lab pod's netns.
 pub struct WaypointStandIn {
     seen: Arc<Mutex<Vec<ConnectSeen>>>,
+    connections: Arc<AtomicUsize>,
 }
 
 impl WaypointStandIn {
@@ -55,17 +57,23 @@ impl WaypointStandIn {
             .run(|| std::net::TcpListener::bind(("0.0.0.0", HBONE_PORT)))??;
         listener.set_nonblocking(true)?;
         let seen: Arc<Mutex<Vec<ConnectSeen>>> = Arc::default();
-        let (ns, record) = (pod.ns.clone(), seen.clone());
+        let connections: Arc<AtomicUsize> = Arc::default();
+        let (ns, record, count) = (pod.ns.clone(), seen.clone(), connections.clone());
         std::thread::spawn(move || {
             // Outbound dials must leave from the waypoint pod's netns too.
             let _ = ns.run(move || {
                 let rt = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build()?;
-                rt.block_on(serve(listener, cert, record, Arc::new(forward)))
+                rt.block_on(serve(listener, cert, record, count, Arc::new(forward)))
             });
         });
-        Ok(WaypointStandIn { seen })
+        Ok(WaypointStandIn { seen, connections })
+    }
+
+    /// How many HBONE connections (TLS and HTTP/2 handshakes done) it took.
+    pub fn connections(&self) -> usize {
+        self.connections.load(Ordering::Relaxed)
     }
 
     /// The CONNECTs received so far, oldest first.
@@ -78,6 +86,7 @@ async fn serve(
     listener: std::net::TcpListener,
     cert: WorkloadCert,
     seen: Arc<Mutex<Vec<ConnectSeen>>>,
+    connections: Arc<AtomicUsize>,
     forward: Arc<HashMap<SocketAddr, SocketAddr>>,
 ) -> std::io::Result<()> {
     let listener = TcpListener::from_std(listener)?;
@@ -85,10 +94,11 @@ async fn serve(
     let client = Arc::new(tls::client_config(&cert).map_err(std::io::Error::other)?);
     loop {
         let (tcp, _) = listener.accept().await?;
-        let (server, client, seen, forward) = (
+        let (server, client, seen, connections, forward) = (
             server.clone(),
             client.clone(),
             seen.clone(),
+            connections.clone(),
             forward.clone(),
         );
         tokio::spawn(async move {
@@ -106,6 +116,7 @@ async fn serve(
             let Ok(mut conn) = h2::server::handshake(tls).await else {
                 return;
             };
+            connections.fetch_add(1, Ordering::Relaxed);
             while let Some(Ok((req, respond))) = conn.accept().await {
                 let seen_now = ConnectSeen {
                     authority: req.uri().to_string(),
@@ -178,6 +189,12 @@ async fn carry(
 async fn pipe(mut from: h2::RecvStream, mut to: h2::SendStream<Bytes>) {
     while let Some(Ok(data)) = from.data().await {
         let _ = from.flow_control().release_capacity(data.len());
+        // The end of the stream arrives as an empty chunk: it goes on as the
+        // end below, never as an empty DATA frame of its own, which an HTTP/2
+        // peer counts against the connection (h2 ends one past 100).
+        if data.is_empty() {
+            continue;
+        }
         if to.send_data(data, false).is_err() {
             return;
         }

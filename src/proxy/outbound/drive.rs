@@ -1,0 +1,68 @@
+//! The driver of a dialed HBONE connection: it moves the connection's
+//! receive windows with its share of the memory budget, and resets a
+//! connection the pool let go of that does not close in time.
+
+use bytes::Bytes;
+use socket2::SockRef;
+
+use super::super::budget::{tell_windows, ConnectionWindows, WINDOW_RETRY};
+use super::super::hbone::H2Settings;
+use super::super::pool::Lifeline;
+
+/// How long a connection no stream will use again (the pool let go of it:
+/// idle past its timeout, its pod gone, or the proxy draining) may take to
+/// close. One whose destination has stopped reading can never flush its
+/// last frames, and would keep its windows' reservation and its buffers for
+/// as long as the destination likes: it is reset instead.
+pub const RELEASED_CLOSE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How a driven connection ended, when it ended without an h2 error.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Ended {
+    /// Closed by either side.
+    Closed,
+    /// Let go by the pool and not closed within [`RELEASED_CLOSE_DEADLINE`].
+    Abandoned,
+}
+
+/// Drives a dialed HBONE connection to its end, moving the receive windows
+/// it grants (`told`, as its handshake said) with its share of the budget.
+/// Once released, it has [`RELEASED_CLOSE_DEADLINE`] to close; past it the
+/// connection's `socket` (owned by `conn`) is reset as `conn` is dropped.
+pub(super) async fn drive<T>(
+    mut conn: h2::client::Connection<T, Bytes>,
+    mut told: H2Settings,
+    mut windows: ConnectionWindows,
+    lifeline: &Lifeline,
+    socket: std::os::fd::RawFd,
+) -> Result<Ended, h2::Error>
+where
+    T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut retry = tokio::time::interval(WINDOW_RETRY);
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let released = lifeline.released();
+    tokio::pin!(released);
+    let mut deadline = None;
+    loop {
+        tokio::select! {
+            ended = &mut conn => return ended.map(|()| Ended::Closed),
+            _ = &mut released, if deadline.is_none() => {
+                deadline = Some(tokio::time::Instant::now() + RELEASED_CLOSE_DEADLINE);
+                continue;
+            }
+            _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
+                // SAFETY: `conn` owns the socket and is alive until this returns.
+                let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(socket) };
+                // A reset frees the unsent data the kernel would otherwise
+                // keep probing a closed window with.
+                let _ = SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO));
+                return Ok(Ended::Abandoned);
+            }
+            _ = windows.share_moved() => {}
+            _ = retry.tick(), if windows.behind() || told != windows.granted() => {}
+        }
+        windows.rebalance();
+        tell_windows(&mut conn, &mut told, windows.granted());
+    }
+}
