@@ -50,6 +50,12 @@ fn identity(sa: &str) -> String {
     Identity::new(TD, "default", sa).to_string()
 }
 
+/// The waypoint stand-in in `pod`, as `<pod>-sa`, carrying `vip` to `to`.
+fn start_stand_in(m: &Mesh, pod: &LabPod, vip: SocketAddr, to: SocketAddr) -> WaypointStandIn {
+    let id = Identity::new(TD, "default", &format!("{}-sa", pod.name));
+    WaypointStandIn::start(pod, (&m.ca.0, &m.ca.1), id, HashMap::from([(vip, to)])).unwrap()
+}
+
 fn roundtrip(client: &LabPod, dst: SocketAddr, msg: &[u8]) -> Vec<u8> {
     connect_from(client, dst)
         .and_then(|mut c| echo_roundtrip(&mut c, msg))
@@ -69,14 +75,7 @@ fn traffic_with_a_waypoint_goes_through_it_and_never_around_it() {
     m.mesh(&server, "server-sa");
     let echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
     // The waypoint pod runs no Ambit: the stand-in terminates HBONE itself.
-    let forward = HashMap::from([(vip, server_app)]);
-    let stand_in = WaypointStandIn::start(
-        &wp,
-        (&m.ca.0, &m.ca.1),
-        Identity::new(TD, "default", "wp-sa"),
-        forward,
-    )
-    .unwrap();
+    let stand_in = start_stand_in(&m, &wp, vip, server_app);
 
     // Workload-addressed: the pod IP reaches the waypoint, authority = pod IP:port.
     assert_eq!(roundtrip(&client, server_app, b"to-pod"), b"to-pod");
@@ -242,12 +241,10 @@ fn weighted_waypoints_split_a_services_traffic() {
     m.mesh(&client, "client-sa");
     m.mesh(&server, "server-sa");
     let _echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
-    let start = |pod: &LabPod| {
-        let id = Identity::new(TD, "default", &format!("{}-sa", pod.name));
-        let forward = HashMap::from([(vip, server_app)]);
-        WaypointStandIn::start(pod, (&m.ca.0, &m.ca.1), id, forward).unwrap()
-    };
-    let (to_heavy, to_light) = (start(&heavy), start(&light));
+    let (to_heavy, to_light) = (
+        start_stand_in(&m, &heavy, vip, server_app),
+        start_stand_in(&m, &light, vip, server_app),
+    );
     let n = 200;
     for i in 0..n {
         let msg = format!("m{i}");
@@ -279,14 +276,7 @@ fn one_pooled_connection_to_a_waypoint_carries_hundreds_of_connections() {
     m.mesh(&client, "client-sa");
     m.mesh(&server, "server-sa");
     let _echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
-    let forward = HashMap::from([(vip, server_app)]);
-    let stand_in = WaypointStandIn::start(
-        &wp,
-        (&m.ca.0, &m.ca.1),
-        Identity::new(TD, "default", "wp-sa"),
-        forward,
-    )
-    .unwrap();
+    let stand_in = start_stand_in(&m, &wp, vip, server_app);
     let n = 250;
     for i in 0..n {
         let msg = format!("m{i}");
