@@ -20,14 +20,15 @@
 //! Run: `cargo bench --bench dataplane` (as root). Settings (env):
 //! `AMBIT_BENCH_SECS` iperf3 seconds (5), `AMBIT_BENCH_ROUNDS` interleaved
 //! rounds (3), `AMBIT_BENCH_CC` congestion controls (`default,cubic`),
-//! `AMBIT_BENCH_IDLE` idle connections (1000), `AMBIT_BENCH_PEER` a second
-//! proxy binary and `AMBIT_BENCH_PEER_ENV` its extra `K=V` settings
-//! (space-separated), `AMBIT_BENCH_WORKERS` extra Ambit worker-thread
+//! `AMBIT_BENCH_IDLE` idle connections (1000), `AMBIT_BENCH_PEER` other
+//! proxy binaries (comma-separated: ztunnel, the floor proxy of
+//! `benches/floor-proxy/`) and `AMBIT_BENCH_PEER_ENV` their extra `K=V`
+//! settings (space-separated), `AMBIT_BENCH_WORKERS` extra Ambit worker-thread
 //! counts to run as more paths (e.g. `1`), `AMBIT_BENCH_VARIANTS` Ambit with
 //! other settings as more paths (`name:K=V K=V;name2:K=V`),
 //! `AMBIT_BENCH_MESSAGE` the ping-pong's message size (1), `AMBIT_BENCH_ONLY` some of
 //! `memory,throughput,streams,latency,connections` (all), `AMBIT_BENCH_CROSS`
-//! (set) paths from Ambit's client side to the peer's server side and back,
+//! (set) paths from Ambit's client side to the first peer's server side and back,
 //! with `AMBIT_BENCH_CA=cert.pem:key.pem` the root Ambit issues from (the
 //! peer's). After the memory figures (taken on proxies that have carried
 //! no bulk flow) and before any other, 32 MB go through each proxied
@@ -177,7 +178,10 @@ fn connect_rate(path: &Path, secs: f64) -> (f64, f64) {
 
 /// p50 and p99 of `rounds` round trips of `size`-byte messages on one
 /// connection.
-fn ping_pong(path: &Path, rounds: usize, size: usize) -> (f64, f64) {
+/// The connection is returned open, so that a caller counting the proxies'
+/// threads' CPU time counts it before a proxy with a thread per connection
+/// (the floor proxy) lets its threads go.
+fn ping_pong(path: &Path, rounds: usize, size: usize) -> (f64, f64, TcpStream) {
     let mut s = connect_from(&path.client, path.echo).unwrap();
     s.set_nodelay(true).unwrap();
     let message = vec![b'x'; size];
@@ -194,7 +198,7 @@ fn ping_pong(path: &Path, rounds: usize, size: usize) -> (f64, f64) {
     let mut samples: Vec<Duration> = (0..rounds).map(|_| once(&mut s)).collect();
     samples.sort();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
-    (us(samples[rounds / 2]), us(samples[rounds * 99 / 100]))
+    (us(samples[rounds / 2]), us(samples[rounds * 99 / 100]), s)
 }
 
 /// Sends `bytes` of a pattern to the path's echo server while reading them
@@ -693,8 +697,9 @@ fn phase(
                 let pids = proxy_pids(p);
                 let ran = || pids.iter().map(|&pid| run_ns(pid)).sum::<u64>();
                 let before = ran();
-                let (p50, p99) = ping_pong(p, per_round, message);
+                let (p50, p99, open) = ping_pong(p, per_round, message);
                 cpu_ns[i] += ran().saturating_sub(before);
+                drop(open);
                 p50s[i].push(p50);
                 p99s[i].push(p99);
             }
@@ -904,16 +909,22 @@ fn main() {
             ambit: true,
         });
     }
-    if let Ok(peer) = std::env::var("AMBIT_BENCH_PEER") {
-        let env = key_values(&std::env::var("AMBIT_BENCH_PEER_ENV").unwrap_or_default());
-        let name = std::path::Path::new(&peer)
+    // Other proxy binaries, comma-separated: ztunnel, or the floor proxy
+    // (`benches/floor-proxy/`), or both.
+    let env = key_values(&std::env::var("AMBIT_BENCH_PEER_ENV").unwrap_or_default());
+    for peer in std::env::var("AMBIT_BENCH_PEER")
+        .unwrap_or_default()
+        .split(',')
+        .filter(|p| !p.trim().is_empty())
+    {
+        let name = std::path::Path::new(peer.trim())
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_else(|| "peer".into());
         kinds.push(Kind {
             name,
-            binary: peer.into(),
-            env,
+            binary: peer.trim().into(),
+            env: env.clone(),
             ambit: false,
         });
     }
@@ -929,18 +940,27 @@ fn main() {
         let (measures, paths) = phase(cc, &kinds, secs, rounds, idle);
         summary.push((cc.clone(), measures, paths));
     }
-    let Some(peer) = kinds.iter().position(|k| !k.ambit) else {
-        return;
-    };
+    // Ambit ÷ each peer, and each peer ÷ the peers after it.
+    let peers: Vec<usize> = (0..kinds.len()).filter(|&k| !kinds[k].ambit).collect();
+    for (i, &peer) in peers.iter().enumerate() {
+        let over = std::iter::once(0).chain(peers[..i].iter().copied());
+        for num in over {
+            aims(&kinds, &summary, num, peer);
+        }
+    }
+}
+
+/// Prints `kinds[num]` ÷ `kinds[den]` for each aim of issue #20.
+fn aims(kinds: &[Kind], summary: &[(String, Vec<Measure>, Vec<Path>)], num: usize, den: usize) {
     println!(
-        "\n=== Ambit ÷ {}, same run, aims of issue #20 ===",
-        kinds[peer].name
+        "\n=== {} ÷ {}, same run, aims of issue #20 ===",
+        kinds[num].name, kinds[den].name
     );
     println!(
         "{:<10} {:<42} {:<12} {:>8} {:>6}  reached",
         "cc", "measure", "path", "ratio", "aim"
     );
-    for (cc, measures, paths) in &summary {
+    for (cc, measures, paths) in summary {
         for (prefix, shape, aim) in AIMS {
             let Some(m) = measures.iter().find(|m| m.title.starts_with(prefix)) else {
                 continue;
@@ -952,7 +972,7 @@ fn main() {
                     .find(|(p, _)| p.kind == Some(k) && p.name.ends_with(shape))
                     .map(|(_, v)| *v)
             };
-            if let (Some(a), Some(z)) = (value(0), value(peer)) {
+            if let (Some(a), Some(z)) = (value(num), value(den)) {
                 let ratio = a / z;
                 let met = if m.higher_is_better {
                     ratio >= aim
