@@ -169,17 +169,21 @@ static void nonce(unsigned char iv[12], unsigned char dir, uint64_t n)
 		iv[11 - i] = (unsigned char)(n >> (8 * i));
 }
 
-static void seal_leg(struct leg *l, EVP_CIPHER_CTX *c)
+// Each leg returns 0 when `from` ended cleanly, -1 when it failed.
+static int seal_leg(struct leg *l, EVP_CIPHER_CTX *c)
 {
 	unsigned char *in = malloc(READ_AT_ONCE);
 	unsigned char *out = malloc(READ_AT_ONCE + (READ_AT_ONCE / RECORD + 1) * (HEAD + TAG));
 	uint64_t seq = 0;
-	for (;;) {
+	int ended = -1;
+	for (; in && out;) {
 		ssize_t n = recv(l->from, in, READ_AT_ONCE, 0);
 		if (n < 0 && errno == EINTR)
 			continue;
-		if (n <= 0)
+		if (n <= 0) {
+			ended = n == 0 ? 0 : -1;
 			break;
+		}
 		size_t o = 0;
 		for (ssize_t at = 0; at < n; at += RECORD) {
 			int len = (int)(n - at < RECORD ? n - at : RECORD), got;
@@ -202,21 +206,26 @@ static void seal_leg(struct leg *l, EVP_CIPHER_CTX *c)
 	}
 	free(in);
 	free(out);
+	return ended;
 }
 
-static void open_leg(struct leg *l, EVP_CIPHER_CTX *c)
+static int open_leg(struct leg *l, EVP_CIPHER_CTX *c)
 {
 	size_t cap = READ_AT_ONCE + HEAD + RECORD + TAG;
 	unsigned char *in = malloc(cap);
 	unsigned char *out = malloc(cap);
 	size_t have = 0;
 	uint64_t seq = 0;
-	for (;;) {
+	int ended = -1;
+	for (; in && out;) {
 		ssize_t n = recv(l->from, in + have, cap - have, 0);
 		if (n < 0 && errno == EINTR)
 			continue;
-		if (n <= 0)
+		if (n <= 0) {
+			// A record cut off by the end is a failure, not an end.
+			ended = n == 0 && have == 0 ? 0 : -1;
 			break;
+		}
 		have += (size_t)n;
 		size_t at = 0, o = 0;
 		int bad = 0;
@@ -253,20 +262,23 @@ static void open_leg(struct leg *l, EVP_CIPHER_CTX *c)
 	}
 	free(in);
 	free(out);
+	return ended;
 }
 
-static void splice_leg(struct leg *l)
+static int splice_leg(struct leg *l)
 {
-	int p[2];
+	int p[2], ended = -1;
 	if (pipe(p) < 0)
-		return;
+		return -1;
 	fcntl(p[1], F_SETPIPE_SZ, 1 << 20);
 	for (;;) {
 		ssize_t n = splice(l->from, NULL, p[1], NULL, 1 << 20, SPLICE_F_MOVE);
 		if (n < 0 && errno == EINTR)
 			continue;
-		if (n <= 0)
+		if (n <= 0) {
+			ended = n == 0 ? 0 : -1;
 			break;
+		}
 		while (n > 0) {
 			ssize_t w = splice(p[0], NULL, l->to, NULL, (size_t)n, SPLICE_F_MOVE);
 			if (w < 0 && errno == EINTR)
@@ -279,28 +291,35 @@ static void splice_leg(struct leg *l)
 out:
 	close(p[0]);
 	close(p[1]);
+	return ended;
 }
 
 static void *run_leg(void *arg)
 {
 	struct leg *l = arg;
+	int ended = -1;
 	if (l->seal >= 0) {
 		EVP_CIPHER_CTX *c = EVP_CIPHER_CTX_new();
-		if (l->seal)
-			EVP_EncryptInit_ex(c, EVP_aes_256_gcm(), NULL, KEY, NULL);
-		else
-			EVP_DecryptInit_ex(c, EVP_aes_256_gcm(), NULL, KEY, NULL);
-		if (l->seal)
-			seal_leg(l, c);
-		else
-			open_leg(l, c);
+		if (c && l->seal &&
+		    EVP_EncryptInit_ex(c, EVP_aes_256_gcm(), NULL, KEY, NULL) == 1)
+			ended = seal_leg(l, c);
+		else if (c && !l->seal &&
+			 EVP_DecryptInit_ex(c, EVP_aes_256_gcm(), NULL, KEY, NULL) == 1)
+			ended = open_leg(l, c);
 		EVP_CIPHER_CTX_free(c);
 	} else {
-		splice_leg(l);
+		ended = splice_leg(l);
 	}
-	// This direction ended: pass its end on, and stop the other's reads
-	// only if this one failed (a half-closed connection stays half open).
-	shutdown(l->to, SHUT_WR);
+	if (ended == 0) {
+		// A clean end is passed on; the other direction goes on (a
+		// half-closed connection stays half open).
+		shutdown(l->to, SHUT_WR);
+	} else {
+		// A failure ends both directions: the other's blocking read
+		// returns, and the connection is let go.
+		shutdown(l->from, SHUT_RDWR);
+		shutdown(l->to, SHUT_RDWR);
+	}
 	return NULL;
 }
 
