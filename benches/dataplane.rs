@@ -26,6 +26,7 @@
 //! settings (space-separated), `AMBIT_BENCH_WORKERS` extra Ambit worker-thread
 //! counts to run as more paths (e.g. `1`), `AMBIT_BENCH_VARIANTS` Ambit with
 //! other settings as more paths (`name:K=V K=V;name2:K=V`),
+//! `AMBIT_BENCH_BASELINE` another `ambit` binary (an earlier commit's) as one more path,
 //! `AMBIT_BENCH_MESSAGE` the ping-pong's message size (1), `AMBIT_BENCH_ONLY` some of
 //! `memory,throughput,streams,latency,connections` (all), `AMBIT_BENCH_CROSS`
 //! (set) paths from Ambit's client side to the first peer's server side and back,
@@ -909,6 +910,16 @@ fn main() {
             ambit: true,
         });
     }
+    // Another build of Ambit (an earlier commit's), for a change's before
+    // and after in one run.
+    if let Ok(baseline) = std::env::var("AMBIT_BENCH_BASELINE") {
+        kinds.push(Kind {
+            name: "Ambit (baseline)".into(),
+            binary: baseline.trim().into(),
+            env: vec![],
+            ambit: true,
+        });
+    }
     // Other proxy binaries, comma-separated: ztunnel, or the floor proxy
     // (`benches/floor-proxy/`), or both.
     let env = key_values(&std::env::var("AMBIT_BENCH_PEER_ENV").unwrap_or_default());
@@ -940,7 +951,11 @@ fn main() {
         let (measures, paths) = phase(cc, &kinds, secs, rounds, idle);
         summary.push((cc.clone(), measures, paths));
     }
-    // Ambit ÷ each peer, and each peer ÷ the peers after it.
+    // Ambit ÷ its other settings and builds, Ambit ÷ each peer, and each
+    // peer ÷ the peers after it.
+    for other in (1..kinds.len()).filter(|&k| kinds[k].ambit) {
+        aims(&kinds, &summary, 0, other);
+    }
     let peers: Vec<usize> = (0..kinds.len()).filter(|&k| !kinds[k].ambit).collect();
     for (i, &peer) in peers.iter().enumerate() {
         let over = std::iter::once(0).chain(peers[..i].iter().copied());

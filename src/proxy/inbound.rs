@@ -27,6 +27,7 @@ use super::reauth::{Authorized, Denied, Tracker};
 use super::record::{ConnectionRecord, Direction};
 use super::splice::splice_bidirectional;
 use super::tls_stream;
+use super::together::{self, Streams};
 use super::waypoint;
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::{tls, Identity};
@@ -100,7 +101,11 @@ impl Inbound {
             "hbone",
             caps::HBONE,
             self.pod.life.clone(),
-            |s, p| self.clone().hbone_conn(s, p),
+            |s, p| {
+                // The connection's task also carries its streams.
+                let (streams, inbox) = together::channel();
+                together::together(self.clone().hbone_conn(s, p, streams), inbox)
+            },
         )
         .await
     }
@@ -118,7 +123,9 @@ impl Inbound {
         .await
     }
 
-    async fn hbone_conn(self: Arc<Self>, tcp: TcpStream, peer: SocketAddr) {
+    /// One HBONE connection; its streams, once opened, are carried
+    /// through `streams` in the connection's task.
+    async fn hbone_conn(self: Arc<Self>, tcp: TcpStream, peer: SocketAddr, streams: Streams) {
         let local_ip = match tcp.local_addr() {
             Ok(a) => a.ip(),
             Err(_) => return,
@@ -206,7 +213,7 @@ impl Inbound {
             };
             let Some(next) = next else { break };
             match next {
-                Ok((req, mut respond)) => {
+                Ok(accepted) => {
                     let reserved = match BUDGET.reserve(
                         STREAM_OPEN_COST,
                         Some(&peer_id),
@@ -218,17 +225,18 @@ impl Inbound {
                                 refused_said = true;
                                 tracing::warn!(src.addr = %peer, src.principal = %peer_id, reason = refusal.reason(), "HBONE streams refused (REFUSED_STREAM)");
                             }
+                            let (_, mut respond) = accepted;
                             respond.send_reset(h2::Reason::REFUSED_STREAM);
                             continue;
                         }
                     };
                     let stream = self.clone().hbone_stream(
-                        req,
-                        respond,
+                        accepted,
                         peer_id.clone(),
                         peer,
                         local_ip,
                         reserved,
+                        streams.clone(),
                     );
                     self.pod.life.spawn(stream);
                 }
@@ -241,21 +249,23 @@ impl Inbound {
     }
 
     /// One CONNECT stream: checked, answered and connected here, then
-    /// carried by a task of its own ([`carry`]), which holds only what
-    /// carrying needs for as long as the stream lives. As one future, the
+    /// carried ([`carry`]) in the connection's task, apart from this
+    /// future, holding only what carrying needs for as long as the stream
+    /// lives. As one future, the
     /// stream kept the request, every argument twice and every local once
     /// borrowed to its end, 2,856 bytes (`-Zprint-type-sizes`), and a
     /// future chained after this one would still be sized for this one
     /// (2,328); the carrying task's is 1,696.
     async fn hbone_stream(
         self: Arc<Self>,
-        req: Request<h2::RecvStream>,
-        mut respond: SendResponse<Bytes>,
+        accepted: (Request<h2::RecvStream>, SendResponse<Bytes>),
         peer_id: Identity,
         peer: SocketAddr,
         local_ip: IpAddr,
         reserved: Reservation,
+        streams: Streams,
     ) {
+        let (req, mut respond) = accepted;
         let Some(opened) = self
             .open_stream(&req, &mut respond, &peer_id, peer, local_ip)
             .await
@@ -267,14 +277,17 @@ impl Inbound {
             return;
         };
         let tracked = self.tracker.track(auth);
-        self.pod.life.spawn(carry(Opened {
-            record,
-            upstream,
-            send,
-            body: req.into_body(),
-            reserved,
-            tracked,
-        }));
+        streams.spawn(
+            &self.pod.life,
+            carry(Opened {
+                record,
+                upstream,
+                send,
+                body: req.into_body(),
+                reserved,
+                tracked,
+            }),
+        );
     }
 
     /// Everything before the bytes move: the CONNECT checked, policy

@@ -5,7 +5,8 @@
 //!
 //! The rooms: `app` wires a proxy from its config; `pods` builds and starts
 //! one pod; `inpod` takes pods from the agent over ZDS; `outbound`,
-//! `inbound`, `hbone`, `pool`, `tls_stream`, `copy`, `splice` carry connections; `rbac` decides;
+//! `inbound`, `hbone`, `pool`, `tls_stream`, `copy`, `splice` carry connections (`together`: an HBONE
+//! connection and its streams in one task); `rbac` decides;
 //! `dns` answers the pod's queries; `metrics` and `admin` report.
 
 mod admin;
@@ -29,6 +30,7 @@ mod record;
 mod splice;
 mod timewait;
 mod tls_stream;
+mod together;
 mod waypoint;
 
 pub use app::{run, start, ProxyHandle};

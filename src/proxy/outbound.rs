@@ -23,6 +23,7 @@ use super::pool::{Lease, Lifeline, Pool, PoolKey, PooledConn};
 use super::record::{ConnectionRecord, Direction};
 use super::splice::splice_bidirectional;
 use super::tls_stream;
+use super::together;
 use super::waypoint;
 use crate::constants::HBONE_PORT;
 use crate::identity::{tls, Identity};
@@ -299,7 +300,8 @@ impl Outbound {
     }
 
     /// One accepted connection: routed, counted and its upstream opened
-    /// here, then carried by a task of its own ([`carry`]) that holds only
+    /// here, then carried ([`carry`]; an HBONE stream in its connection's
+    /// task, a socket in a task of its own), apart from this future, which holds only
     /// what carrying needs for as long as the connection lives: as one
     /// future, the connection kept its route, the routing closure and the
     /// establishing stage's locals to its end (2,216 bytes,
@@ -319,7 +321,12 @@ impl Outbound {
         };
         let (record, e) = match self.open(peer, dst).await {
             Ok((record, upstream)) => {
-                self.pod.life.spawn(carry(Carried {
+                // An HBONE stream is carried in its connection's task.
+                let streams = match &upstream {
+                    Upstream::Hbone { lease, .. } => Some(lease.streams().clone()),
+                    Upstream::Plain { .. } => None,
+                };
+                let carried = carry(Carried {
                     pod: self.pod.clone(),
                     stream,
                     upstream,
@@ -327,7 +334,11 @@ impl Outbound {
                     accepted_from,
                     cookie,
                     _slot: slot,
-                }));
+                });
+                match streams {
+                    Some(streams) => streams.spawn(&self.pod.life, carried),
+                    None => self.pod.life.spawn(carried),
+                }
                 return;
             }
             Err(failed) => failed,
@@ -560,7 +571,9 @@ impl Outbound {
                 })?;
         let lifeline = Arc::new(Lifeline::default());
         let driver = lifeline.clone();
-        tokio::spawn(async move {
+        // The connection's task also carries its streams (`together`).
+        let (streams, inbox) = together::channel();
+        let main = async move {
             match drive(conn, h2, windows, &driver, socket).await {
                 Ok(Ended::Closed) => {}
                 Ok(Ended::Abandoned) => tracing::info!(
@@ -573,9 +586,10 @@ impl Outbound {
                 }
             }
             driver.close();
-        });
+        };
+        tokio::spawn(together::together(main, inbox));
         tracing::debug!(dst.addr = %proxy, "HBONE connection established");
-        Ok(PooledConn::new(sender, lifeline))
+        Ok(PooledConn::new(sender, lifeline, streams))
     }
 
     /// Resolves a hostname endpoint from inside the pod (counted in

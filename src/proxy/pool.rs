@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use h2::client::SendRequest;
 
+use super::together::Streams;
 use crate::identity::Identity;
 
 /// What a pooled connection is for. Connections never cross pods: each was
@@ -38,16 +39,20 @@ pub struct PooledConn {
     active: AtomicUsize,
     lifeline: Arc<Lifeline>,
     idle_since: Mutex<Instant>,
+    /// The connection's task, where its streams' copies run.
+    streams: Streams,
 }
 
 impl PooledConn {
-    /// `lifeline` is shared with whoever drives the connection.
-    pub fn new(sender: SendRequest<Bytes>, lifeline: Arc<Lifeline>) -> Arc<Self> {
+    /// `lifeline` is shared with whoever drives the connection, `streams`
+    /// leads to that driver's task.
+    pub fn new(sender: SendRequest<Bytes>, lifeline: Arc<Lifeline>, streams: Streams) -> Arc<Self> {
         Arc::new(PooledConn {
             sender,
             active: AtomicUsize::new(0),
             lifeline,
             idle_since: Mutex::new(Instant::now()),
+            streams,
         })
     }
 
@@ -103,6 +108,11 @@ impl Lease {
 
     pub fn sender(&self) -> SendRequest<Bytes> {
         self.conn.sender.clone()
+    }
+
+    /// Where a stream on this connection is carried: the connection's task.
+    pub fn streams(&self) -> &Streams {
+        &self.conn.streams
     }
 }
 
@@ -352,11 +362,13 @@ mod tests {
         let (sender, conn) = h2::client::handshake(a).await.unwrap();
         let lifeline = Arc::new(Lifeline::default());
         let driver = lifeline.clone();
-        tokio::spawn(async move {
+        let (streams, inbox) = super::super::together::channel();
+        let main = async move {
             let _ = conn.await;
             driver.close();
-        });
-        (PooledConn::new(sender, lifeline), rx)
+        };
+        tokio::spawn(super::super::together::together(main, inbox));
+        (PooledConn::new(sender, lifeline, streams), rx)
     }
 
     #[tokio::test]
