@@ -468,7 +468,7 @@ impl Lifecycle {
     pub fn tracked<F: std::future::Future<Output = ()> + Send + 'static>(
         &self,
         fut: F,
-    ) -> super::together::StreamTask {
+    ) -> impl std::future::Future<Output = ()> + Send + 'static {
         let guard = self.active.track();
         let drain = self.drain.clone();
         // On the heap once: held by value, `fut` would be stored three times
@@ -477,10 +477,10 @@ impl Lifecycle {
         // every connection's task (an idle outbound connection's from 6.5
         // to 19.7 kB, an inbound stream's from 9 to 27 kB).
         let fut = Box::pin(fut);
-        Box::pin(async move {
+        async move {
             drain.run(fut).await;
             drop(guard);
-        })
+        }
     }
 }
 

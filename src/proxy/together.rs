@@ -49,7 +49,7 @@ impl Streams {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        let task = life.tracked(fut);
+        let task: StreamTask = Box::pin(life.tracked(fut));
         let mut inbox = lock(&self.0.inbox);
         match inbox.as_mut() {
             Some(waiting) => {
@@ -86,22 +86,30 @@ pub fn channel() -> (Streams, Inbox) {
 /// sent later runs in a task of its own.
 pub fn together<F: Future>(main: F, inbox: Inbox) -> Together<F> {
     Together {
-        main: Some(Box::pin(main)),
-        output: None,
-        streams: FuturesUnordered::new(),
         waker: Waker::from(inbox.0.clone()),
-        shared: inbox.0,
+        inside: Inside {
+            main: Some(Box::pin(main)),
+            output: None,
+            streams: FuturesUnordered::new(),
+            shared: inbox.0,
+        },
     }
 }
 
 /// What [`together`] returns.
 pub struct Together<F: Future> {
+    inside: Inside<F>,
+    /// `inside.shared` as the waker every future inside is polled with
+    /// (apart, so a poll borrows it rather than cloning it).
+    waker: Waker,
+}
+
+/// What a round polls and changes.
+struct Inside<F: Future> {
     main: Option<Pin<Box<F>>>,
     output: Option<F::Output>,
     streams: FuturesUnordered<StreamTask>,
     shared: Arc<Shared>,
-    /// `shared` as the waker every future inside is polled with.
-    waker: Waker,
 }
 
 /// Nothing in a `Together` is pinned in place: `main` is on the heap and
@@ -136,7 +144,7 @@ impl Wake for Shared {
     }
 }
 
-impl<F: Future> Together<F> {
+impl<F: Future> Inside<F> {
     /// One round: new streams taken in, every ready stream polled, then
     /// the connection. `Some` once everything has ended.
     fn round(&mut self, cx: &mut Context<'_>) -> Option<F::Output> {
@@ -181,10 +189,12 @@ impl<F: Future> Future for Together<F> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
-        let this = self.get_mut();
+        let Together {
+            inside: this,
+            waker,
+        } = self.get_mut();
         this.shared.task.register(cx.waker());
-        let waker = this.waker.clone();
-        let mut inner = Context::from_waker(&waker);
+        let mut inner = Context::from_waker(waker);
         let mut rounds = 0;
         loop {
             this.shared.polling.store(true, SeqCst);
@@ -236,6 +246,11 @@ mod tests {
         (life, trigger)
     }
 
+    /// Polls `task` once, with a waker that does nothing.
+    fn poll_once<F: Future + Unpin>(task: &mut F) -> Poll<F::Output> {
+        Pin::new(task).poll(&mut Context::from_waker(Waker::noop()))
+    }
+
     /// Streams sent in run in the connection's task, and the whole ends
     /// only once the connection and every stream have.
     #[tokio::test]
@@ -254,13 +269,15 @@ mod tests {
             });
             7
         };
-        let task = together(main, inbox);
-        let handle = tokio::spawn(task);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!handle.is_finished(), "ended before its stream did");
+        let mut task = together(main, inbox);
+        // One poll: `main` ends in it, the stream waits.
+        assert!(
+            poll_once(&mut task).is_pending(),
+            "ended before its stream did"
+        );
         assert_eq!(life.active.count(), 1);
         go.send(()).unwrap();
-        assert_eq!(handle.await.unwrap(), 7);
+        assert_eq!(task.await, 7);
         assert_eq!(ran.load(SeqCst), 1);
         assert_eq!(life.active.count(), 0);
     }
@@ -351,14 +368,11 @@ mod tests {
         let main = async move {
             streams.spawn(&l, std::future::pending());
         };
-        let task = together(main, inbox);
-        let handle = tokio::spawn(task);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        assert!(!handle.is_finished());
+        let mut task = together(main, inbox);
+        assert!(poll_once(&mut task).is_pending());
         trigger.fire();
-        tokio::time::timeout(Duration::from_secs(5), handle)
+        tokio::time::timeout(Duration::from_secs(5), task)
             .await
-            .expect("a drained stream kept its connection's task")
-            .unwrap();
+            .expect("a drained stream kept its connection's task");
     }
 }
