@@ -186,19 +186,25 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         ops: Default::default(),
     });
     agent.save();
+    // Stopped, after the pass it is in (never cut in the middle of one),
+    // before the plugin's files are removed at exit: a pass still running (a
+    // DaemonSet's deletion wakes it) would write them again.
+    let (stop_reconciling, mut stopped) = tokio::sync::watch::channel(false);
+    let mut reconciler = None;
     if let Some(cluster) = cluster {
         let agent = agent.clone();
-        tokio::spawn(async move {
+        reconciler = Some(tokio::spawn(async move {
             loop {
                 agent.reconcile().await;
                 tokio::select! {
                     _ = cluster.changed.notified() => {}
                     _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stopped.changed() => return,
                 }
                 // Let a burst of watch events settle into one pass.
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-        });
+        }));
     }
 
     events::spawn(agent.clone(), &cfg.run_dir)?;
@@ -252,6 +258,10 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         metrics
             .ztunnel_connected
             .set(agent.zds.connected().await as i64);
+    }
+    let _ = stop_reconciling.send(true);
+    if let Some(reconciler) = reconciler {
+        let _ = reconciler.await;
     }
     let upgrade = match (&agent.cluster, cfg.pod_name.is_empty()) {
         (Some(c), false) => c.daemonset_remains(&cfg.pod_namespace, &cfg.pod_name).await,
