@@ -30,6 +30,9 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
     rt.block_on(supervise())
 }
 
+/// How long the children have to exit once told to.
+const EXIT_DEADLINE: Duration = Duration::from_secs(25);
+
 async fn supervise() -> anyhow::Result<()> {
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
@@ -51,9 +54,12 @@ async fn supervise() -> anyhow::Result<()> {
             }
         }
     }
-    for child in [&mut agent.0, &mut proxy.0] {
-        let _ = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
-    }
+    // Both exit side by side within one deadline, then are killed (on
+    // drop). It is the agent's worst case, a wedged API server (6 s for a
+    // reconcile pass, then up to three 5 s requests), with room to spare,
+    // and inside the kubelet's default 30 s grace.
+    let (a, p) = (&mut agent.0, &mut proxy.0);
+    let _ = tokio::time::timeout(EXIT_DEADLINE, async { tokio::join!(a.wait(), p.wait()) }).await;
     Ok(())
 }
 

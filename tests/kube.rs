@@ -254,3 +254,76 @@ fn the_plugin_is_removed_when_the_daemonset_no_longer_selects_the_node() {
         api.requests()
     );
 }
+
+#[test]
+fn the_agent_exits_within_its_grace_when_the_api_server_stops_answering() {
+    let (mut node, api) = kube_node("kubestall", "10.115.0", "");
+    for name in ["w1", "w2"] {
+        api.put(Kind::Pod, pod("mesh", name, "node-a", "default"));
+    }
+    node.launch(true);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    for name in ["w1", "w2"] {
+        let p = node.add_pod(name, "mesh").unwrap();
+        set_running(&api, "mesh", &p);
+        wait_for("the pod annotated", &node, || {
+            annotated(&api, "mesh", name).as_deref() == Some("enabled")
+        });
+    }
+    // The API server wedges: watches still stream, requests for one object
+    // hang. The namespace leaves the mesh (one watch event), so one
+    // reconcile pass drops both pods, sending a PATCH for each in turn.
+    api.stall();
+    api.update(Kind::Namespace, "", "mesh", |o| {
+        o["metadata"]["labels"][MODE] = json!("none")
+    });
+    let patches = || {
+        let sent = |r: &&String| r.starts_with("PATCH /api/v1/namespaces/mesh/pods/");
+        api.requests().iter().filter(sent).count()
+    };
+    wait_for("the first opt-out PATCH in flight", &node, || {
+        patches() == 3
+    });
+
+    let pid = node.lab.pid("node").unwrap();
+    let asked = Instant::now();
+    // SAFETY: kill(2) on the node process the lab spawned and still holds.
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    let exited = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| {
+                s.rsplit(')')
+                    .next()
+                    .unwrap_or("")
+                    .trim_start()
+                    .starts_with('Z')
+            })
+            .unwrap_or(true)
+    };
+    // The kubelet's default grace is 30 s; after it the agent is killed
+    // mid-exit, its files and rules left as they were.
+    while !exited() && asked.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let took = asked.elapsed();
+    eprintln!("the agent exited {took:?} after SIGTERM");
+    let log = node.log();
+    assert!(exited(), "the agent still runs 30 s after SIGTERM:\n{log}");
+    assert!(took < Duration::from_secs(20), "exit took {took:?}:\n{log}");
+    assert!(
+        log.contains("outlived its grace at exit"),
+        "the second PATCH's pass is cut short:\n{log}"
+    );
+    assert!(
+        log.contains("no answer from the API server within"),
+        "the first PATCH gave up on its own:\n{log}"
+    );
+    // Whether the DaemonSet remains cannot be told: the plugin stays, as
+    // across an upgrade.
+    assert!(
+        log.contains("cannot tell whether the agent's DaemonSet remains"),
+        "{log}"
+    );
+    assert!(has_plugin(&node));
+    node.lab.stop("node");
+}

@@ -301,9 +301,7 @@ impl Cluster {
         let ns = match self.namespace(namespace) {
             Some(ns) => Some((*ns).clone()),
             None => {
-                Api::<Namespace>::all(self.client.clone())
-                    .get_opt(namespace)
-                    .await?
+                within_budget(Api::<Namespace>::all(self.client.clone()).get_opt(namespace)).await?
             }
         };
         let enroll = should_enroll(&pod, ns.as_ref(), excluded);
@@ -312,9 +310,7 @@ impl Cluster {
 
     /// The pod as the API server has it now (bypassing the watch).
     pub async fn get_pod(&self, namespace: &str, name: &str) -> Result<Option<Pod>, kube::Error> {
-        Api::<Pod>::namespaced(self.client.clone(), namespace)
-            .get_opt(name)
-            .await
+        within_budget(Api::<Pod>::namespaced(self.client.clone(), namespace).get_opt(name)).await
     }
 
     /// Sets (`Some`) or removes (`None`) the redirection annotation with a
@@ -327,8 +323,7 @@ impl Cluster {
     ) -> Result<(), kube::Error> {
         let patch = json!({"metadata": {"annotations": {REDIRECTION: value}}});
         let api = Api::<Pod>::namespaced(self.client.clone(), namespace);
-        match api
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&patch))
+        match within_budget(api.patch_status(name, &PatchParams::default(), &Patch::Merge(&patch)))
             .await
         {
             Ok(_) => Ok(()),
@@ -451,12 +446,33 @@ struct GetError {
     reason: String,
 }
 
-/// A GET with a 5 s budget: `None` when the object is not there.
+/// How long one request to the API server may take. The client sets no
+/// read timeout (it serves long-lived streams too), so a request sent to
+/// a server that never answers waits forever; a request the agent waits
+/// on (a CNI ADD's lookup, a reconcile pass, the exit) must fail well
+/// before the kubelet's grace period (30 s) ends, or the agent is killed
+/// in the middle of its exit.
+pub const API_BUDGET: Duration = Duration::from_secs(5);
+
+/// `request` if the API server answers within [`API_BUDGET`], an error
+/// that says so if not.
+async fn within_budget<T>(
+    request: impl std::future::Future<Output = Result<T, kube::Error>>,
+) -> Result<T, kube::Error> {
+    match tokio::time::timeout(API_BUDGET, request).await {
+        Ok(answer) => answer,
+        Err(_) => Err(kube::Error::Service(
+            format!("no answer from the API server within {API_BUDGET:?}").into(),
+        )),
+    }
+}
+
+/// A GET within [`API_BUDGET`]: `None` when the object is not there.
 async fn get_within<K>(api: &Api<K>, name: &str) -> Result<Option<K>, GetError>
 where
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    match tokio::time::timeout(Duration::from_secs(5), api.get_opt(name)).await {
+    match tokio::time::timeout(API_BUDGET, api.get_opt(name)).await {
         Ok(Ok(found)) => Ok(found),
         Ok(Err(e)) => Err(GetError {
             denied: matches!(&e, kube::Error::Api(s) if matches!(s.code, 401 | 403)),
@@ -464,7 +480,7 @@ where
         }),
         Err(_) => Err(GetError {
             denied: false,
-            reason: format!("{name}: no answer within 5 s"),
+            reason: format!("{name}: no answer within {API_BUDGET:?}"),
         }),
     }
 }

@@ -73,6 +73,8 @@ struct Inner {
     requests: Vec<String>,
     /// Every request gets 401 (the client's account was deleted).
     revoked: bool,
+    /// Requests for one object are held unanswered (see [`FakeApi::stall`]).
+    stalled: bool,
 }
 
 /// A running fake API server (plain HTTP on 127.0.0.1 inside a netns).
@@ -353,6 +355,14 @@ impl FakeApi {
         self.lock().revoked = true;
     }
 
+    /// From now on every request for one object (GET, PATCH) is read,
+    /// recorded and never answered, as from a wedged API server; lists and
+    /// watches, open or new, still serve, so the client sees changes and
+    /// then waits on its requests.
+    pub fn stall(&self) {
+        self.lock().stalled = true;
+    }
+
     /// Ends every open watch with 410 Gone, and refuses watches from any
     /// resourceVersion before now, so clients must list again.
     pub fn expire_watches(&self) {
@@ -467,8 +477,16 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
         Ok(b) => b.to_bytes(),
         Err(_) => Bytes::new(),
     };
+    let stalled = {
+        let mut inner = lock();
+        inner.requests.push(format!("{method} {path}"));
+        inner.stalled
+    };
+    if stalled {
+        // Held open, never answered, until the client gives up.
+        return std::future::pending().await;
+    }
     let mut inner = lock();
-    inner.requests.push(format!("{method} {path}"));
     let Some(obj) = inner.objects.get(&key).cloned() else {
         return reply(
             StatusCode::NOT_FOUND,

@@ -44,6 +44,12 @@ use store::{load_state, PodStore, StateFile};
 /// File name of the plugin event socket inside the run dir.
 pub const PLUGIN_SOCKET: &str = "pluginevent.sock";
 
+/// How long the exit waits for a reconcile pass in progress. With the
+/// DaemonSet check after it (up to three API requests, each within
+/// [`kube::API_BUDGET`]), the exit stays inside the kubelet's default
+/// 30 s grace even when the API server stops answering.
+const RECONCILE_GRACE: Duration = Duration::from_secs(6);
+
 /// Everything an event handler needs.
 pub struct Agent {
     metrics: Arc<AgentMetrics>,
@@ -260,8 +266,18 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
             .set(agent.zds.connected().await as i64);
     }
     let _ = stop_reconciling.send(true);
-    if let Some(reconciler) = reconciler {
-        let _ = reconciler.await;
+    if let Some(mut reconciler) = reconciler {
+        // A pass waits on the API server (each request within its budget)
+        // and on the proxy; past this grace it is cut at what it awaits, and
+        // the next agent's first pass, level-triggered, finishes its work.
+        if tokio::time::timeout(RECONCILE_GRACE, &mut reconciler)
+            .await
+            .is_err()
+        {
+            tracing::warn!(grace = ?RECONCILE_GRACE, "the reconcile pass in progress outlived its grace at exit; cut short");
+            reconciler.abort();
+            let _ = reconciler.await;
+        }
     }
     let upgrade = match (&agent.cluster, cfg.pod_name.is_empty()) {
         (Some(c), false) => c.daemonset_remains(&cfg.pod_namespace, &cfg.pod_name).await,
