@@ -28,7 +28,9 @@
 //! other settings as more paths (`name:K=V K=V;name2:K=V`),
 //! `AMBIT_BENCH_BASELINE` another `ambit` binary (an earlier commit's) as one more path,
 //! `AMBIT_BENCH_MESSAGE` the ping-pong's message size (1), `AMBIT_BENCH_ONLY` some of
-//! `memory,throughput,streams,latency,connections` (all), `AMBIT_BENCH_CROSS`
+//! `memory,throughput,streams,latency,connections` (all), `AMBIT_BENCH_PROFILE`
+//! a directory where each proxied path's proxies are sampled by `perf record`
+//! over one more ping-pong run (and the report printed), `AMBIT_BENCH_CROSS`
 //! (set) paths from Ambit's client side to the first peer's server side and back,
 //! with `AMBIT_BENCH_CA=cert.pem:key.pem` the root Ambit issues from (the
 //! peer's). After the memory figures (taken on proxies that have carried
@@ -364,6 +366,91 @@ fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
     };
     let counts = count("raw_syscalls:sys_enter").zip(count("context-switches"));
     (value, counts)
+}
+
+/// Runs `f` while `perf record` samples `pids` (all their threads, user
+/// and kernel, 4,999 Hz, and `AMBIT_BENCH_PROFILE_ARGS`, e.g.
+/// `--call-graph dwarf`) into `out`; then prints where their time went, by
+/// binary and by function, from `perf report`. Without perf, only runs `f`.
+fn profiled<T>(pids: &[u32], out: &std::path::Path, f: impl FnOnce() -> T) -> T {
+    let list: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
+    let extra = std::env::var("AMBIT_BENCH_PROFILE_ARGS").unwrap_or_default();
+    let perf = std::process::Command::new("perf")
+        .args(["record", "-F", "4999"])
+        .args(extra.split_whitespace())
+        .arg("-o")
+        .arg(out)
+        .arg("-p")
+        .arg(list.join(","))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn();
+    let Ok(perf) = perf else {
+        return f();
+    };
+    std::thread::sleep(Duration::from_millis(300)); // perf attaches
+    let value = f();
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    unsafe { libc::kill(perf.id() as libc::pid_t, libc::SIGINT) };
+    let _ = perf.wait_with_output();
+    for (sort, limit) in [("dso", "0.5"), ("dso,sym", "0.7")] {
+        let report = std::process::Command::new("perf")
+            .args(["report", "--stdio", "--no-children", "--sort", sort])
+            .args(["--percent-limit", limit, "-i"])
+            .arg(out)
+            .output();
+        let text = report
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default();
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        {
+            println!("    {line}");
+        }
+    }
+    value
+}
+
+/// Runs `f` while `perf trace -s` counts the system calls of `pids` by
+/// name; then prints the counts, summed over threads.
+fn traced<T>(pids: &[u32], f: impl FnOnce() -> T) -> T {
+    let list: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
+    let perf = std::process::Command::new("perf")
+        .args(["trace", "-s", "-p"])
+        .arg(list.join(","))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn();
+    let Ok(perf) = perf else {
+        return f();
+    };
+    std::thread::sleep(Duration::from_millis(500)); // perf attaches
+    let value = f();
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    unsafe { libc::kill(perf.id() as libc::pid_t, libc::SIGINT) };
+    let text = perf
+        .wait_with_output()
+        .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+        .unwrap_or_default();
+    // Lines "   name   calls  errors  total ..." under each thread.
+    let mut calls: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+    for line in text.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let [name, n, errors, ..] = f.as_slice() {
+            if let (Ok(n), Ok(e)) = (n.parse::<u64>(), errors.parse::<u64>()) {
+                let c = calls.entry(name.to_string()).or_default();
+                c.0 += n;
+                c.1 += e;
+            }
+        }
+    }
+    let mut sorted: Vec<_> = calls.into_iter().collect();
+    sorted.sort_by_key(|c| std::cmp::Reverse(c.1 .0));
+    for (name, (n, e)) in sorted {
+        println!("    {name:<20} {n:>9} calls {e:>7} errors");
+    }
+    value
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -709,6 +796,24 @@ fn phase(
         for (i, p) in paths.iter().enumerate() {
             let r: Vec<String> = p50s[i].iter().map(|v| format!("{v:.1}")).collect();
             println!("{:<42} rounds: {} µs p50", p.name, r.join(" "));
+        }
+        if let Ok(dir) = std::env::var("AMBIT_BENCH_PROFILE") {
+            for p in paths.iter().filter(|p| p.kind.is_some()) {
+                let slug: String = p
+                    .name
+                    .chars()
+                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+                    .collect();
+                let out = PathBuf::from(&dir).join(format!("{cc}-{slug}.data"));
+                println!("{} under perf record ({}):", p.name, out.display());
+                profiled(&proxy_pids(p), &out, || ping_pong(p, per_round, message));
+                println!(
+                    "{} under perf trace -s, per {} round trips:",
+                    p.name,
+                    per_round + 500
+                );
+                traced(&proxy_pids(p), || ping_pong(p, per_round, message));
+            }
         }
         let costs: Vec<Option<(f64, f64)>> = paths
             .iter()

@@ -49,6 +49,44 @@ use handshake::Handshaken;
 pub use handshake::{accept, connect};
 use records::*;
 
+/// Empty receive buffers of one record's room kept per worker thread. A
+/// connection gives its buffer back whenever it has read all there was
+/// (so an idle connection holds none) and takes one for the next message:
+/// a request/response flow otherwise pays a 16 KiB malloc and free per
+/// message. Few, and a bulk flow's larger buffer is never kept.
+const SPARE_RECEIVE_KEPT: usize = 4;
+
+thread_local! {
+    static SPARE_RECEIVE: std::cell::RefCell<Vec<BytesMut>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A spare receive buffer of this thread (empty, a record's room), or an
+/// empty one with no room yet.
+fn spare_receive() -> BytesMut {
+    SPARE_RECEIVE
+        .try_with(|s| s.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Keeps an emptied receive buffer for this thread's next reader, if it
+/// is a record's room (not a bulk flow's), whole and not shared.
+fn give_back_receive(mut buf: BytesMut) {
+    buf.clear();
+    if buf.capacity() > 2 * RECORD_ROOM || !buf.try_reclaim(RECORD_ROOM) {
+        return;
+    }
+    // `try_with`: a thread being torn down just frees it.
+    let _ = SPARE_RECEIVE.try_with(|s| {
+        let mut s = s.borrow_mut();
+        if s.len() < SPARE_RECEIVE_KEPT {
+            s.push(buf);
+        }
+    });
+}
+
 /// An HBONE TLS connection after its handshake.
 pub struct TlsStream {
     tcp: TcpStream,
@@ -161,6 +199,9 @@ impl TlsStream {
         } else {
             (RECORD_ROOM, RECORD_ROOM)
         };
+        if self.received.capacity() == 0 && !self.bulk {
+            self.received = spare_receive();
+        }
         let len = self.received.len();
         if self.received.capacity() - len < least {
             self.received
@@ -183,7 +224,7 @@ impl TlsStream {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if self.received.is_empty() && self.received.capacity() > 0 {
                         // Idle: no buffer held while nothing arrives.
-                        self.received = BytesMut::new();
+                        give_back_receive(std::mem::take(&mut self.received));
                         self.bulk = false;
                     }
                     ready!(self.tcp.poll_read_ready(cx))?;

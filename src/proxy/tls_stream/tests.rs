@@ -296,3 +296,71 @@ async fn a_peer_gone_without_close_notify_or_inside_a_record_is_an_error() {
     let e = read_error(&mut ours).await;
     assert!(e.contains("inside a TLS record"), "{e}");
 }
+
+fn spare_count() -> usize {
+    SPARE_RECEIVE.with(|s| s.borrow().len())
+}
+
+#[test]
+fn an_emptied_records_buffer_is_kept_for_the_threads_next_reader_and_a_bulk_one_is_not() {
+    let mut buf = BytesMut::with_capacity(RECORD_ROOM);
+    buf.extend_from_slice(&[7; 100]);
+    buf.advance(100);
+    let at = buf.as_ptr() as usize - 100;
+    give_back_receive(buf);
+    let again = spare_receive();
+    assert_eq!(
+        again.as_ptr() as usize,
+        at,
+        "the same allocation, from its start"
+    );
+    assert!(again.is_empty() && again.capacity() >= RECORD_ROOM);
+    // A bulk flow's buffer and a shared one go back to the allocator.
+    give_back_receive(BytesMut::with_capacity(RECEIVE_BUFFER));
+    let mut shared = BytesMut::with_capacity(RECORD_ROOM);
+    shared.extend_from_slice(b"x");
+    let _held = shared.split_to(1).freeze();
+    give_back_receive(shared);
+    assert_eq!(spare_count(), 0);
+    // At most a few per thread.
+    for _ in 0..SPARE_RECEIVE_KEPT + 3 {
+        give_back_receive(BytesMut::with_capacity(RECORD_ROOM));
+    }
+    assert_eq!(spare_count(), SPARE_RECEIVE_KEPT);
+    assert_eq!(spare_receive().capacity(), RECORD_ROOM);
+}
+
+#[tokio::test]
+async fn a_reader_waiting_between_messages_holds_no_buffer_and_reuses_the_threads() {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let connector = tokio_rustls::TlsConnector::from(c.client.clone());
+    let (peer, ours) = tokio::join!(
+        connector.connect(hbone_server_name(), a),
+        accept(c.server.clone(), b)
+    );
+    let (mut peer, (mut ours, _)) = (peer.unwrap(), ours.unwrap());
+    let mut got = [0u8; 5];
+    for round in 0..3u8 {
+        peer.write_all(&[round; 5]).await.unwrap();
+        peer.flush().await.unwrap();
+        ours.read_exact(&mut got).await.unwrap();
+        assert_eq!(got, [round; 5]);
+        // Nothing more has come: the next read waits, buffer given back.
+        let waiting = std::future::poll_fn(|cx| {
+            Poll::Ready(Pin::new(&mut ours).poll_read(cx, &mut ReadBuf::new(&mut got)))
+        })
+        .await;
+        assert!(waiting.is_pending(), "no message yet");
+        assert_eq!(
+            ours.received.capacity(),
+            0,
+            "round {round}: a waiting reader holds none"
+        );
+        assert_eq!(
+            spare_count(),
+            1,
+            "round {round}: one buffer, kept and reused"
+        );
+    }
+}
