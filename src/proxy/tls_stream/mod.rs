@@ -75,7 +75,9 @@ fn spare_receive() -> BytesMut {
 /// is a record's room (not a bulk flow's), whole and not shared.
 fn give_back_receive(mut buf: BytesMut) {
     buf.clear();
-    if buf.capacity() > 2 * RECORD_ROOM || !buf.try_reclaim(RECORD_ROOM) {
+    // Reclaimed first: until then `capacity` counts only what lies past the
+    // bytes read, which for a bulk flow's buffer read to its end is little.
+    if !buf.try_reclaim(RECORD_ROOM) || buf.capacity() > 2 * RECORD_ROOM {
         return;
     }
     // `try_with`: a thread being torn down just frees it.

@@ -315,8 +315,13 @@ fn an_emptied_records_buffer_is_kept_for_the_threads_next_reader_and_a_bulk_one_
         "the same allocation, from its start"
     );
     assert!(again.is_empty() && again.capacity() >= RECORD_ROOM);
-    // A bulk flow's buffer and a shared one go back to the allocator.
+    // A bulk flow's buffer, read to its end or not, and a shared one go
+    // back to the allocator.
     give_back_receive(BytesMut::with_capacity(RECEIVE_BUFFER));
+    let mut bulk = BytesMut::with_capacity(RECEIVE_BUFFER);
+    bulk.extend_from_slice(&vec![1; RECEIVE_BUFFER - 10]);
+    bulk.advance(RECEIVE_BUFFER - 10);
+    give_back_receive(bulk);
     let mut shared = BytesMut::with_capacity(RECORD_ROOM);
     shared.extend_from_slice(b"x");
     let _held = shared.split_to(1).freeze();
