@@ -23,7 +23,6 @@ use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H
 use super::metrics::{ConnectionLabels, Metrics};
 use super::outbound::original_dst;
 use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFER};
-use super::quiet::Gate;
 use super::reauth::{Authorized, Denied, Tracker};
 use super::record::{ConnectionRecord, Direction};
 use super::splice::splice_bidirectional;
@@ -182,13 +181,10 @@ impl Inbound {
         let mut told = h2;
         let mut retry = tokio::time::interval(WINDOW_RETRY);
         retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The rare branches, polled only when they wake, not on every
-        // frame the connection moves (super::quiet).
-        let (share_gate, stop_gate, gone_gate) = (Gate::new(), Gate::new(), Gate::new());
         loop {
             let next = tokio::select! {
                 n = conn.accept() => n,
-                _ = share_gate.quiet(windows.share_moved()) => {
+                _ = windows.share_moved() => {
                     windows.rebalance();
                     tell_windows(&mut conn, &mut told, windows.granted());
                     continue;
@@ -198,12 +194,12 @@ impl Inbound {
                     tell_windows(&mut conn, &mut told, windows.granted());
                     continue;
                 }
-                _ = stop_gate.quiet(self.pod.life.stop_accepting.signalled()), if !goaway_sent => {
+                _ = self.pod.life.stop_accepting.signalled(), if !goaway_sent => {
                     conn.graceful_shutdown();
                     goaway_sent = true;
                     continue;
                 }
-                ips = gone_gate.quiet(gone.recv()), if gone_open => {
+                ips = gone.recv(), if gone_open => {
                     match ips {
                         Ok(ips) if ips.iter().any(|ip| canonical(*ip) == peer.ip()) => {
                             tracing::debug!(src.addr = %peer, "HBONE connection from a pod no longer served closed");

@@ -24,7 +24,6 @@ mod outbound;
 pub mod pod;
 mod pods;
 mod pool;
-mod quiet;
 pub mod rbac;
 mod reauth;
 mod record;

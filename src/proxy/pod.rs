@@ -398,11 +398,9 @@ impl Drain {
     /// boxed or pinned future): a large future passed by value would be
     /// stored twice in this one.
     pub async fn run<F: std::future::Future<Output = ()> + Unpin>(&self, fut: F) {
-        // Polled on every wake of `fut` otherwise (super::quiet).
-        let gate = super::quiet::Gate::new();
         tokio::select! {
             _ = fut => {}
-            _ = gate.quiet(self.signalled()) => {}
+            _ = self.signalled() => {}
         }
     }
 }

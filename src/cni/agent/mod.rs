@@ -68,6 +68,8 @@ pub struct Agent {
     retry: Mutex<BTreeMap<String, (std::time::Instant, Backoff)>>,
     /// Serialises enrollments so rules, ZDS and state change in one order.
     ops: tokio::sync::Mutex<()>,
+    /// Set at exit: a reconcile pass starts no work on another pod.
+    stopping: std::sync::atomic::AtomicBool,
 }
 
 /// Runs the agent until SIGTERM/SIGINT.
@@ -190,11 +192,12 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         zds,
         rules,
         ops: Default::default(),
+        stopping: Default::default(),
     });
     agent.save();
-    // Stopped, after the pass it is in (never cut in the middle of one),
-    // before the plugin's files are removed at exit: a pass still running (a
-    // DaemonSet's deletion wakes it) would write them again.
+    // Stopped before the plugin's files are removed at exit: a pass still
+    // running (a DaemonSet's deletion wakes it) would write them again. A
+    // pass in progress ends after the pod it is working on (see the exit).
     let (stop_reconciling, mut stopped) = tokio::sync::watch::channel(false);
     let mut reconciler = None;
     if let Some(cluster) = cluster {
@@ -265,11 +268,14 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
             .ztunnel_connected
             .set(agent.zds.connected().await as i64);
     }
+    agent.stopping.store(true, Ordering::Release);
     let _ = stop_reconciling.send(true);
     if let Some(mut reconciler) = reconciler {
-        // A pass waits on the API server (each request within its budget)
-        // and on the proxy; past this grace it is cut at what it awaits, and
-        // the next agent's first pass, level-triggered, finishes its work.
+        // The pass in progress finishes the pod it is working on (its API
+        // requests each within their budget, then the proxy's answer) and
+        // starts no other; the next agent's first pass, level-triggered,
+        // does the rest. Only a pod's work that outlives this grace is cut
+        // at what it awaits.
         if tokio::time::timeout(RECONCILE_GRACE, &mut reconciler)
             .await
             .is_err()

@@ -35,6 +35,11 @@ impl Agent {
         delay
     }
 
+    /// Whether the agent is exiting: a pass then starts no other pod's work.
+    fn stopping(&self) -> bool {
+        self.stopping.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Brings the held pods in line with the API (label flips, deletions,
     /// pods that started without a CNI ADD) and the redirection annotations
     /// in line with the held pods. Level-triggered: run after every watch
@@ -46,6 +51,9 @@ impl Agent {
         let watched = cluster.pods();
         // Held pods the API no longer wants: relabelled, finished or deleted.
         for rec in self.store.records() {
+            if self.stopping() {
+                return;
+            }
             let pod = watched
                 .iter()
                 .find(|p| p.metadata.uid.as_deref() == Some(rec.uid.as_str()));
@@ -78,8 +86,11 @@ impl Agent {
             let alive = Netns::open(&rec.netns_path)
                 .and_then(|n| n.id())
                 .is_ok_and(|id| id == rec.netns_id);
-            let _guard = self.ops.lock().await;
-            self.remove(&rec.uid, alive).await;
+            {
+                let _guard = self.ops.lock().await;
+                self.remove(&rec.uid, alive).await;
+            }
+            // Not under `ops`: an ADD or the reaper need not wait on the API.
             if pod.is_some() {
                 if let Err(e) = cluster.annotate(&rec.namespace, &rec.name, None).await {
                     tracing::warn!(uid = %rec.uid, error = %e, "redirection annotation not removed yet; will retry");
@@ -118,6 +129,9 @@ impl Agent {
                 tracing::debug!(pod = %format!("{}/{}", w.namespace, w.name), ?delay, "netns not found on this host yet");
             }
             for (record, netns) in found {
+                if self.stopping() {
+                    return;
+                }
                 let _guard = self.ops.lock().await;
                 if self.store.held_for(&record.uid).is_some() {
                     continue;
@@ -138,6 +152,9 @@ impl Agent {
         // Annotations follow what the agent holds.
         let held = self.store.records();
         for p in &watched {
+            if self.stopping() {
+                return;
+            }
             let uid = p.metadata.uid.as_deref().unwrap_or_default();
             let is_held = held.iter().any(|h| h.uid == uid);
             let want = is_held.then_some("enabled");

@@ -8,7 +8,6 @@ use socket2::SockRef;
 use super::super::budget::{tell_windows, ConnectionWindows, WINDOW_RETRY};
 use super::super::hbone::H2Settings;
 use super::super::pool::Lifeline;
-use super::super::quiet::Gate;
 
 /// How long a connection no stream will use again (the pool let go of it:
 /// idle past its timeout, its pod gone, or the proxy draining) may take to
@@ -42,10 +41,7 @@ where
 {
     let mut retry = tokio::time::interval(WINDOW_RETRY);
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // The rare branches, polled only when they wake, not on every frame
-    // the connection moves (super::quiet).
-    let (released_gate, share_gate) = (Gate::new(), Gate::new());
-    let released = released_gate.quiet(lifeline.released());
+    let released = lifeline.released();
     tokio::pin!(released);
     let mut deadline = None;
     loop {
@@ -63,7 +59,7 @@ where
                 let _ = SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO));
                 return Ok(Ended::Abandoned);
             }
-            _ = share_gate.quiet(windows.share_moved()) => {}
+            _ = windows.share_moved() => {}
             _ = retry.tick(), if windows.behind() || told != windows.granted() => {}
         }
         windows.rebalance();
