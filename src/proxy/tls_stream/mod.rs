@@ -75,8 +75,10 @@ fn spare_receive() -> BytesMut {
 /// is a record's room (not a bulk flow's), whole and not shared.
 fn give_back_receive(mut buf: BytesMut) {
     buf.clear();
-    // Reclaimed first: until then `capacity` counts only what lies past the
-    // bytes read, which for a bulk flow's buffer read to its end is little.
+    // `try_reclaim` first: until it moves the start back, `capacity` counts
+    // only what lies past the bytes read. It moves nothing when that is
+    // already a record's room, so a larger buffer can still pass here: the
+    // reader gives back none of a bulk flow's.
     if !buf.try_reclaim(RECORD_ROOM) || buf.capacity() > 2 * RECORD_ROOM {
         return;
     }
@@ -226,7 +228,12 @@ impl TlsStream {
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     if self.received.is_empty() && self.received.capacity() > 0 {
                         // Idle: no buffer held while nothing arrives.
-                        give_back_receive(std::mem::take(&mut self.received));
+                        // A record's room goes to the thread's next
+                        // reader; a bulk flow's buffer to the allocator.
+                        let buf = std::mem::take(&mut self.received);
+                        if !self.bulk {
+                            give_back_receive(buf);
+                        }
                         self.bulk = false;
                     }
                     ready!(self.tcp.poll_read_ready(cx))?;

@@ -369,3 +369,34 @@ async fn a_reader_waiting_between_messages_holds_no_buffer_and_reuses_the_thread
         );
     }
 }
+
+#[tokio::test]
+async fn a_bulk_readers_buffer_goes_back_to_the_allocator_when_it_waits() {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let connector = tokio_rustls::TlsConnector::from(c.client.clone());
+    let (peer, ours) = tokio::join!(
+        connector.connect(hbone_server_name(), a),
+        accept(c.server.clone(), b)
+    );
+    let (mut peer, (mut ours, _)) = (peer.unwrap(), ours.unwrap());
+    let data = pattern(BULK, 5);
+    let writer = async {
+        peer.write_all(&data).await.unwrap();
+        peer.flush().await.unwrap();
+        peer
+    };
+    let mut got = vec![0u8; BULK];
+    let (_peer, read) = tokio::join!(writer, ours.read_exact(&mut got));
+    read.unwrap();
+    assert!(got == data);
+    assert!(ours.bulk, "a flow this large reads in bulk");
+    let mut more = [0u8; 1];
+    let waiting = std::future::poll_fn(|cx| {
+        Poll::Ready(Pin::new(&mut ours).poll_read(cx, &mut ReadBuf::new(&mut more)))
+    })
+    .await;
+    assert!(waiting.is_pending());
+    assert_eq!(ours.received.capacity(), 0, "a waiting reader holds none");
+    assert_eq!(spare_count(), 0, "a bulk buffer is not kept");
+}
