@@ -327,23 +327,17 @@ fn idle_connections(lab: &Lab, path: &Path, n: usize) -> (f64, f64) {
     )
 }
 
-/// Runs `f` while `perf stat` counts the system calls and context switches
-/// of `pids` (all their threads); returns `f`'s value and the two counts,
-/// or none when there is no proxy or no perf.
-fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
+/// Runs `f` while `perf <args> -p <pids>` watches `pids` (all their
+/// threads), stopped with SIGINT after `f`; returns `f`'s value and what
+/// perf wrote to stderr, or none when there is no proxy or no perf.
+fn under_perf<T>(args: &[&str], pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<String>) {
     if pids.is_empty() {
         return (f(), None);
     }
     let list: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
     let perf = std::process::Command::new("perf")
-        .args([
-            "stat",
-            "-x",
-            ",",
-            "-e",
-            "raw_syscalls:sys_enter,context-switches",
-            "-p",
-        ])
+        .args(args)
+        .arg("-p")
         .arg(list.join(","))
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
@@ -351,14 +345,24 @@ fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
     let Ok(perf) = perf else {
         return (f(), None);
     };
-    std::thread::sleep(Duration::from_millis(300)); // perf attaches
+    std::thread::sleep(Duration::from_millis(500)); // perf attaches
     let value = f();
     // SAFETY: kill(2) on the child we spawned and have not reaped.
     unsafe { libc::kill(perf.id() as libc::pid_t, libc::SIGINT) };
-    let out = perf.wait_with_output().ok();
-    let text = out
-        .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
-        .unwrap_or_default();
+    let text = perf
+        .wait_with_output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stderr).into_owned());
+    (value, text)
+}
+
+/// Runs `f` while `perf stat` counts the system calls and context switches
+/// of `pids`; returns `f`'s value and the two counts, or none when there
+/// is no proxy or no perf.
+fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
+    let events = "raw_syscalls:sys_enter,context-switches";
+    let (value, text) = under_perf(&["stat", "-x", ",", "-e", events], pids, f);
+    let text = text.unwrap_or_default();
     let count = |event: &str| {
         text.lines()
             .find(|l| l.contains(event))
@@ -368,31 +372,16 @@ fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
     (value, counts)
 }
 
-/// Runs `f` while `perf record` samples `pids` (all their threads, user
-/// and kernel, 4,999 Hz, and `AMBIT_BENCH_PROFILE_ARGS`, e.g.
-/// `--call-graph dwarf`) into `out`; then prints where their time went, by
-/// binary and by function, from `perf report`. Without perf, only runs `f`.
+/// Runs `f` while `perf record` samples `pids` (user and kernel, 4,999 Hz,
+/// and `AMBIT_BENCH_PROFILE_ARGS`, e.g. `--call-graph dwarf`) into `out`;
+/// then prints where their time went, by binary and by function, from
+/// `perf report`.
 fn profiled<T>(pids: &[u32], out: &std::path::Path, f: impl FnOnce() -> T) -> T {
-    let list: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
     let extra = std::env::var("AMBIT_BENCH_PROFILE_ARGS").unwrap_or_default();
-    let perf = std::process::Command::new("perf")
-        .args(["record", "-F", "4999"])
-        .args(extra.split_whitespace())
-        .arg("-o")
-        .arg(out)
-        .arg("-p")
-        .arg(list.join(","))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn();
-    let Ok(perf) = perf else {
-        return f();
-    };
-    std::thread::sleep(Duration::from_millis(300)); // perf attaches
-    let value = f();
-    // SAFETY: kill(2) on the child we spawned and have not reaped.
-    unsafe { libc::kill(perf.id() as libc::pid_t, libc::SIGINT) };
-    let _ = perf.wait_with_output();
+    let out_arg = out.display().to_string();
+    let mut args = vec!["record", "-F", "4999", "-o", &out_arg];
+    args.extend(extra.split_whitespace());
+    let (value, _) = under_perf(&args, pids, f);
     for (sort, limit) in [("dso", "0.5"), ("dso,sym", "0.7")] {
         let report = std::process::Command::new("perf")
             .args(["report", "--stdio", "--no-children", "--sort", sort])
@@ -415,27 +404,10 @@ fn profiled<T>(pids: &[u32], out: &std::path::Path, f: impl FnOnce() -> T) -> T 
 /// Runs `f` while `perf trace -s` counts the system calls of `pids` by
 /// name; then prints the counts, summed over threads.
 fn traced<T>(pids: &[u32], f: impl FnOnce() -> T) -> T {
-    let list: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
-    let perf = std::process::Command::new("perf")
-        .args(["trace", "-s", "-p"])
-        .arg(list.join(","))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn();
-    let Ok(perf) = perf else {
-        return f();
-    };
-    std::thread::sleep(Duration::from_millis(500)); // perf attaches
-    let value = f();
-    // SAFETY: kill(2) on the child we spawned and have not reaped.
-    unsafe { libc::kill(perf.id() as libc::pid_t, libc::SIGINT) };
-    let text = perf
-        .wait_with_output()
-        .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
-        .unwrap_or_default();
+    let (value, text) = under_perf(&["trace", "-s"], pids, f);
     // Lines "   name   calls  errors  total ..." under each thread.
     let mut calls: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
-    for line in text.lines() {
+    for line in text.unwrap_or_default().lines() {
         let f: Vec<&str> = line.split_whitespace().collect();
         if let [name, n, errors, ..] = f.as_slice() {
             if let (Ok(n), Ok(e)) = (n.parse::<u64>(), errors.parse::<u64>()) {

@@ -472,17 +472,12 @@ async fn get_within<K>(api: &Api<K>, name: &str) -> Result<Option<K>, GetError>
 where
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    match tokio::time::timeout(API_BUDGET, api.get_opt(name)).await {
-        Ok(Ok(found)) => Ok(found),
-        Ok(Err(e)) => Err(GetError {
+    within_budget(api.get_opt(name))
+        .await
+        .map_err(|e| GetError {
             denied: matches!(&e, kube::Error::Api(s) if matches!(s.code, 401 | 403)),
             reason: format!("{name}: {e}"),
-        }),
-        Err(_) => Err(GetError {
-            denied: false,
-            reason: format!("{name}: no answer within {API_BUDGET:?}"),
-        }),
-    }
+        })
 }
 
 /// For objects the agent's own account reads: a denied GET means that

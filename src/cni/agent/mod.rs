@@ -68,8 +68,9 @@ pub struct Agent {
     retry: Mutex<BTreeMap<String, (std::time::Instant, Backoff)>>,
     /// Serialises enrollments so rules, ZDS and state change in one order.
     ops: tokio::sync::Mutex<()>,
-    /// Set at exit: a reconcile pass starts no work on another pod.
-    stopping: std::sync::atomic::AtomicBool,
+    /// Set at exit: the reconcile loop ends, and a pass in progress
+    /// starts no work on another pod.
+    stopping: tokio::sync::watch::Sender<bool>,
 }
 
 /// Runs the agent until SIGTERM/SIGINT.
@@ -192,13 +193,13 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         zds,
         rules,
         ops: Default::default(),
-        stopping: Default::default(),
+        stopping: tokio::sync::watch::Sender::new(false),
     });
     agent.save();
     // Stopped before the plugin's files are removed at exit: a pass still
     // running (a DaemonSet's deletion wakes it) would write them again. A
     // pass in progress ends after the pod it is working on (see the exit).
-    let (stop_reconciling, mut stopped) = tokio::sync::watch::channel(false);
+    let mut stopped = agent.stopping.subscribe();
     let mut reconciler = None;
     if let Some(cluster) = cluster {
         let agent = agent.clone();
@@ -268,8 +269,7 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
             .ztunnel_connected
             .set(agent.zds.connected().await as i64);
     }
-    agent.stopping.store(true, Ordering::Release);
-    let _ = stop_reconciling.send(true);
+    agent.stopping.send_replace(true);
     if let Some(mut reconciler) = reconciler {
         // The pass in progress finishes the pod it is working on (its API
         // requests each within their budget, then the proxy's answer) and

@@ -37,7 +37,7 @@ impl Agent {
 
     /// Whether the agent is exiting: a pass then starts no other pod's work.
     fn stopping(&self) -> bool {
-        self.stopping.load(std::sync::atomic::Ordering::Acquire)
+        *self.stopping.borrow()
     }
 
     /// Brings the held pods in line with the API (label flips, deletions,

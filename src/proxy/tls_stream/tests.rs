@@ -297,6 +297,26 @@ async fn a_peer_gone_without_close_notify_or_inside_a_record_is_an_error() {
     assert!(e.contains("inside a TLS record"), "{e}");
 }
 
+/// A rustls client connected to our server, both past the handshake.
+async fn rustls_client_and_our_server() -> (tokio_rustls::client::TlsStream<TcpStream>, TlsStream) {
+    let c = configs();
+    let (a, b) = tcp_pair().await;
+    let connector = tokio_rustls::TlsConnector::from(c.client.clone());
+    let (peer, ours) = tokio::join!(
+        connector.connect(hbone_server_name(), a),
+        accept(c.server.clone(), b)
+    );
+    (peer.unwrap(), ours.unwrap().0)
+}
+
+/// One poll of a read into `buf`: pending when nothing is there to read.
+async fn read_once(ours: &mut TlsStream, buf: &mut [u8]) -> Poll<io::Result<()>> {
+    std::future::poll_fn(|cx| {
+        Poll::Ready(Pin::new(&mut *ours).poll_read(cx, &mut ReadBuf::new(buf)))
+    })
+    .await
+}
+
 fn spare_count() -> usize {
     SPARE_RECEIVE.with(|s| s.borrow().len())
 }
@@ -337,14 +357,7 @@ fn an_emptied_records_buffer_is_kept_for_the_threads_next_reader_and_a_bulk_one_
 
 #[tokio::test]
 async fn a_reader_waiting_between_messages_holds_no_buffer_and_reuses_the_threads() {
-    let c = configs();
-    let (a, b) = tcp_pair().await;
-    let connector = tokio_rustls::TlsConnector::from(c.client.clone());
-    let (peer, ours) = tokio::join!(
-        connector.connect(hbone_server_name(), a),
-        accept(c.server.clone(), b)
-    );
-    let (mut peer, (mut ours, _)) = (peer.unwrap(), ours.unwrap());
+    let (mut peer, mut ours) = rustls_client_and_our_server().await;
     let mut got = [0u8; 5];
     for round in 0..3u8 {
         peer.write_all(&[round; 5]).await.unwrap();
@@ -352,11 +365,10 @@ async fn a_reader_waiting_between_messages_holds_no_buffer_and_reuses_the_thread
         ours.read_exact(&mut got).await.unwrap();
         assert_eq!(got, [round; 5]);
         // Nothing more has come: the next read waits, buffer given back.
-        let waiting = std::future::poll_fn(|cx| {
-            Poll::Ready(Pin::new(&mut ours).poll_read(cx, &mut ReadBuf::new(&mut got)))
-        })
-        .await;
-        assert!(waiting.is_pending(), "no message yet");
+        assert!(
+            read_once(&mut ours, &mut got).await.is_pending(),
+            "no message yet"
+        );
         assert_eq!(
             ours.received.capacity(),
             0,
@@ -372,14 +384,7 @@ async fn a_reader_waiting_between_messages_holds_no_buffer_and_reuses_the_thread
 
 #[tokio::test]
 async fn a_bulk_readers_buffer_goes_back_to_the_allocator_when_it_waits() {
-    let c = configs();
-    let (a, b) = tcp_pair().await;
-    let connector = tokio_rustls::TlsConnector::from(c.client.clone());
-    let (peer, ours) = tokio::join!(
-        connector.connect(hbone_server_name(), a),
-        accept(c.server.clone(), b)
-    );
-    let (mut peer, (mut ours, _)) = (peer.unwrap(), ours.unwrap());
+    let (mut peer, mut ours) = rustls_client_and_our_server().await;
     let data = pattern(BULK, 5);
     let writer = async {
         peer.write_all(&data).await.unwrap();
@@ -392,11 +397,7 @@ async fn a_bulk_readers_buffer_goes_back_to_the_allocator_when_it_waits() {
     assert!(got == data);
     assert!(ours.bulk, "a flow this large reads in bulk");
     let mut more = [0u8; 1];
-    let waiting = std::future::poll_fn(|cx| {
-        Poll::Ready(Pin::new(&mut ours).poll_read(cx, &mut ReadBuf::new(&mut more)))
-    })
-    .await;
-    assert!(waiting.is_pending());
+    assert!(read_once(&mut ours, &mut more).await.is_pending());
     assert_eq!(ours.received.capacity(), 0, "a waiting reader holds none");
     assert_eq!(spare_count(), 0, "a bulk buffer is not kept");
 }
