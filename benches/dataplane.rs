@@ -33,7 +33,9 @@
 //! over one more ping-pong run (and the report printed), `AMBIT_BENCH_CROSS`
 //! (set) paths from Ambit's client side to the first peer's server side and back,
 //! with `AMBIT_BENCH_CA=cert.pem:key.pem` the root Ambit issues from (the
-//! peer's). After the memory figures (taken on proxies that have carried
+//! peer's), `AMBIT_BENCH_LOAD` busy loops at nice 19 kept running through
+//! the run (0). The direct path's rounds warn (`UNSTEADY`) when they spread
+//! past 1.5×. After the memory figures (taken on proxies that have carried
 //! no bulk flow) and before any other, 32 MB go through each proxied
 //! path's echo server and must come back intact.
 
@@ -425,6 +427,91 @@ fn traced<T>(pids: &[u32], f: impl FnOnce() -> T) -> T {
     value
 }
 
+/// Threads that keep the CPUs busy at the lowest priority, as other pods
+/// keep a node's: on an idle VM a round trip waits mostly for halted
+/// vCPUs to wake (direct's p50 fell from ~83 to 11 µs with two of these,
+/// 2026-12-01), which hides the proxies' own costs.
+struct BusyLoops {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl BusyLoops {
+    fn start(n: usize) -> Self {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let threads = (0..n)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    // SAFETY: sets this thread's own nice value (Linux keeps
+                    // it per thread).
+                    unsafe {
+                        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+                        libc::setpriority(libc::PRIO_PROCESS, tid, 19);
+                    }
+                    while !stop.load(Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        BusyLoops { stop, threads }
+    }
+}
+
+impl Drop for BusyLoops {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Above this spread (largest ÷ smallest round) of the direct path, whose
+/// code no change touches, the machine itself moved during the run: one
+/// run's unchanged passthrough path once read 1.9× apart between its two
+/// halves. Ratios from such a run are not a change's before and after.
+const UNSTEADY_SPREAD: f64 = 1.5;
+
+/// Warnings for the end of the run, where the ratios are printed.
+static UNSTEADY: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Prints one path's rounds and their spread; for the direct path, warns
+/// (there and again at the end) when the spread says the machine was not
+/// steady.
+fn print_rounds(
+    cc: &str,
+    what: &str,
+    name: &str,
+    values: &[f64],
+    decimals: usize,
+    unit: &str,
+    direct: bool,
+) {
+    let r: Vec<String> = values.iter().map(|v| format!("{v:.decimals$}")).collect();
+    let (lo, hi) = values
+        .iter()
+        .fold((f64::MAX, 0f64), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+    let spread = if lo > 0.0 { hi / lo } else { 0.0 };
+    println!(
+        "{name:<42} rounds: {} {unit} (spread {spread:.2}×)",
+        r.join(" ")
+    );
+    if direct && spread > UNSTEADY_SPREAD {
+        let warning = format!(
+            "UNSTEADY: {cc} {what}: the direct path's rounds spread {spread:.2}× (above {UNSTEADY_SPREAD}×); \
+             the machine moved during the run, so its ratios move with it"
+        );
+        println!("{warning}");
+        UNSTEADY
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(warning);
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -686,8 +773,7 @@ fn phase(
             .map(|p| iperf_counted(&lab, p, secs).unwrap_or_default())
             .collect();
         for (i, p) in paths.iter().enumerate() {
-            let r: Vec<String> = gbps[i].iter().map(|g| format!("{g:.2}")).collect();
-            println!("{:<42} rounds: {} Gbit/s", p.name, r.join(" "));
+            print_rounds(cc, "throughput", &p.name, &gbps[i], 2, "Gbit/s", i == 0);
         }
         measures.push(Measure {
             title: "throughput (iperf3, 1 stream, median)".into(),
@@ -766,8 +852,7 @@ fn phase(
         }
         let trips = (rounds.max(1) * (per_round + 500)) as f64;
         for (i, p) in paths.iter().enumerate() {
-            let r: Vec<String> = p50s[i].iter().map(|v| format!("{v:.1}")).collect();
-            println!("{:<42} rounds: {} µs p50", p.name, r.join(" "));
+            print_rounds(cc, "p50", &p.name, &p50s[i], 1, "µs p50", i == 0);
         }
         if let Ok(dir) = std::env::var("AMBIT_BENCH_PROFILE") {
             for p in paths.iter().filter(|p| p.kind.is_some()) {
@@ -1022,11 +1107,19 @@ fn main() {
          proxies: {}",
         kinds.iter().map(|k| k.name.as_str()).collect::<Vec<_>>().join(", ")
     );
+    let load: usize = env_or("AMBIT_BENCH_LOAD", 0);
+    if load > 0 {
+        println!("background load: {load} busy loop(s) at nice 19 for the whole run (a node whose CPUs are never idle)");
+    }
+    let _load = BusyLoops::start(load);
     let _allowed = AllowedCc::allow(&ccs);
     let mut summary = Vec::new();
     for cc in &ccs {
         let (measures, paths) = phase(cc, &kinds, secs, rounds, idle);
         summary.push((cc.clone(), measures, paths));
+    }
+    for warning in UNSTEADY.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        println!("\n{warning}");
     }
     // Ambit ÷ its other settings and builds, Ambit ÷ each peer, and each
     // peer ÷ the peers after it.
