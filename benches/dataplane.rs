@@ -146,6 +146,26 @@ fn iperf(lab: &Lab, path: &Path, secs: u64, streams: u32) -> (f64, f64) {
 /// in one more single-stream iperf3 run, counted by `perf stat` (none
 /// without a proxy or `perf`). Apart from the timed rounds: counting slows
 /// every system call a little.
+/// `rounds` interleaved rounds of [`iperf`] over every path: each path's
+/// Gbit/s and CPU per byte, a value per round.
+fn iperf_rounds(
+    lab: &Lab,
+    paths: &[Path],
+    rounds: usize,
+    secs: u64,
+    streams: u32,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let (mut gbps, mut cost) = (vec![Vec::new(); paths.len()], vec![Vec::new(); paths.len()]);
+    for _ in 0..rounds {
+        for (i, p) in paths.iter().enumerate() {
+            let (g, c) = iperf(lab, p, secs, streams);
+            gbps[i].push(g);
+            cost[i].push(c);
+        }
+    }
+    (gbps, cost)
+}
+
 fn iperf_counted(lab: &Lab, path: &Path, secs: u64) -> Option<(f64, f64)> {
     let (run, counts) = counted(&proxy_pids(lab, path), || {
         iperf3(&path.client, path.server.ip, secs, &[])
@@ -760,14 +780,7 @@ fn phase(
         echo_intact(&lab, p, 32 << 20);
     }
     if wanted("throughput") {
-        let (mut gbps, mut cost) = (vec![Vec::new(); n], vec![Vec::new(); n]);
-        for _ in 0..rounds {
-            for (i, p) in paths.iter().enumerate() {
-                let (g, c) = iperf(&lab, p, secs, 1);
-                gbps[i].push(g);
-                cost[i].push(c);
-            }
-        }
+        let (gbps, cost) = iperf_rounds(&lab, &paths, rounds, secs, 1);
         let per_mb: Vec<(f64, f64)> = paths
             .iter()
             .map(|p| iperf_counted(&lab, p, secs).unwrap_or_default())
@@ -808,16 +821,9 @@ fn phase(
         for streams in [8, 64] {
             // Interleaved rounds, as for one stream: one sample per path
             // read 0.32x and 1.11x of ztunnel in two runs the same hour.
-            let (mut gbps, mut cost) = (vec![Vec::new(); n], vec![Vec::new(); n]);
-            for _ in 0..rounds {
-                for (i, p) in paths.iter().enumerate() {
-                    let (g, c) = iperf(&lab, p, secs, streams);
-                    gbps[i].push(g);
-                    cost[i].push(c);
-                }
-            }
+            let (gbps, cost) = iperf_rounds(&lab, &paths, rounds, secs, streams);
+            let what = format!("{streams} streams");
             for (i, p) in paths.iter().enumerate() {
-                let what = format!("{streams} streams");
                 print_rounds(cc, &what, &p.name, &gbps[i], 2, "Gbit/s", i == 0);
             }
             measures.push(Measure {
