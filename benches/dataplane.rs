@@ -142,10 +142,6 @@ fn iperf(lab: &Lab, path: &Path, secs: u64, streams: u32) -> (f64, f64) {
     (run.gbps, (cpu() - before).max(0.0) / run.gbit.max(1e-9))
 }
 
-/// The path's proxies' system calls and context switches per MB received
-/// in one more single-stream iperf3 run, counted by `perf stat` (none
-/// without a proxy or `perf`). Apart from the timed rounds: counting slows
-/// every system call a little.
 /// `rounds` interleaved rounds of [`iperf`] over every path: each path's
 /// Gbit/s and CPU per byte, a value per round.
 fn iperf_rounds(
@@ -166,6 +162,10 @@ fn iperf_rounds(
     (gbps, cost)
 }
 
+/// The path's proxies' system calls and context switches per MB received
+/// in one more single-stream iperf3 run, counted by `perf stat` (none
+/// without a proxy or `perf`). Apart from the timed rounds: counting slows
+/// every system call a little.
 fn iperf_counted(lab: &Lab, path: &Path, secs: u64) -> Option<(f64, f64)> {
     let (run, counts) = counted(&proxy_pids(lab, path), || {
         iperf3(&path.client, path.server.ip, secs, &[])
@@ -392,6 +392,13 @@ fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
     };
     let counts = count("raw_syscalls:sys_enter").zip(count("context-switches"));
     (value, counts)
+}
+
+/// `name` as a file name: every character but ASCII letters and digits a `-`.
+fn slug(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect()
 }
 
 /// Runs `f` while `perf record` samples `pids` (user and kernel, 4,999 Hz,
@@ -826,6 +833,17 @@ fn phase(
             for (i, p) in paths.iter().enumerate() {
                 print_rounds(cc, &what, &p.name, &gbps[i], 2, "Gbit/s", i == 0);
             }
+            if let Ok(dir) = std::env::var("AMBIT_BENCH_PROFILE") {
+                for p in paths.iter().filter(|p| p.kind.is_some()) {
+                    let out =
+                        PathBuf::from(&dir).join(format!("{cc}-{}-{streams}.data", slug(&p.name)));
+                    let run = || iperf(&lab, p, secs, streams);
+                    println!("{} ({what}) under perf record ({}):", p.name, out.display());
+                    profiled(&proxy_pids(p), &out, run);
+                    println!("{} ({what}) under perf trace -s, per {secs} s:", p.name);
+                    traced(&proxy_pids(p), run);
+                }
+            }
             measures.push(Measure {
                 title: format!("throughput (iperf3, {streams} streams)"),
                 unit: "Gbit/s",
@@ -872,12 +890,7 @@ fn phase(
         }
         if let Ok(dir) = std::env::var("AMBIT_BENCH_PROFILE") {
             for p in paths.iter().filter(|p| p.kind.is_some()) {
-                let slug: String = p
-                    .name
-                    .chars()
-                    .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
-                    .collect();
-                let out = PathBuf::from(&dir).join(format!("{cc}-{slug}.data"));
+                let out = PathBuf::from(&dir).join(format!("{cc}-{}.data", slug(&p.name)));
                 println!("{} under perf record ({}):", p.name, out.display());
                 profiled(&proxy_pids(p), &out, || ping_pong(p, per_round, message));
                 println!(

@@ -216,6 +216,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "HBONE streams per pooled HTTP/2 connection",
     },
     Key {
+        name: "pool_spread",
+        env: &["AMBIT_POOL_SPREAD"],
+        default: "auto",
+        help: "HBONE connections a pod opens to one destination before two streams share one (each is served by one task); auto: the worker threads",
+    },
+    Key {
         name: "pool_unused_release_timeout",
         env: &["POOL_UNUSED_RELEASE_TIMEOUT"],
         default: "5m",
@@ -342,6 +348,9 @@ pub struct ProxyConfig {
     pub metrics_addr: SocketAddr,
     pub readiness_addr: SocketAddr,
     pub pool_max_streams: usize,
+    /// Connections per destination before streams share one; `None`: the
+    /// worker threads.
+    pub pool_spread: Option<usize>,
     pub pool_idle_timeout: Duration,
     pub stream_window: u32,
     pub connection_window: u32,
@@ -537,6 +546,12 @@ impl ProxyConfig {
                 "a number from 1 to 10000",
                 |s| s.parse().ok().filter(|n| (1..=10_000).contains(n)),
             )?,
+            pool_spread: l.require("pool_spread", "auto or a number from 1 to 256", |s| {
+                match s {
+                    "auto" => Some(None),
+                    n => n.parse().ok().filter(|n| (1..=256).contains(n)).map(Some),
+                }
+            })?,
             pool_idle_timeout: l.require(
                 "pool_unused_release_timeout",
                 "a duration like 5m",

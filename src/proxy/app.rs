@@ -192,7 +192,8 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     certs.register_metrics(&mut registry);
     let metrics = Arc::new(metrics::Metrics::default());
     metrics.register(&mut registry);
-    let pool = pool::Pool::new(cfg.pool_max_streams, cfg.pool_idle_timeout);
+    let spread = cfg.pool_spread.unwrap_or(cfg.worker_threads);
+    let pool = pool::Pool::new(cfg.pool_max_streams, spread, cfg.pool_idle_timeout);
     pool.spawn_evictor();
     let (stop_trigger, stop_accepting) = Drain::new();
     // The node's resolvers: for the DNS proxy and for workloads reached by hostname.

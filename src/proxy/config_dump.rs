@@ -549,7 +549,7 @@ policies:
         );
         let id = Identity::new("cluster.local", "shop", "api");
         certs.get(&id).await.unwrap();
-        let pool = pool::Pool::new(100, std::time::Duration::from_secs(60));
+        let pool = pool::Pool::new(100, 1, std::time::Duration::from_secs(60));
         let text = config_dump(
             &state(),
             &certs,

@@ -1,12 +1,16 @@
 //! The outbound HBONE connection pool: HTTP/2 connections keyed by (source
 //! identity, destination identities, destination address), many streams each.
 //!
-//! A burst of connections to one destination makes one TLS handshake, not a
-//! hundred: callers that find a dial under way for their key wait for it,
+//! A burst of connections to one destination makes few TLS handshakes, not a
+//! hundred: callers that find a dial under way for their key may wait for it,
 //! but only for [`JOIN_WAIT`], and then dial on their own, so one stalled
 //! handshake never holds every caller to that destination (no lock is held
-//! across a handshake). A connection serves at most
-//! `max_streams` streams at once; past that a second one is dialed. Idle
+//! across a handshake). A key gets up to `spread` connections (the worker
+//! threads) before two streams share one: each connection is served by one
+//! task at each end, so streams on one connection share one thread's time
+//! (eight bulk streams on one connection carried less than one alone). Past
+//! that, a stream goes to the connection (or dial under way) with the fewest.
+//! A connection serves at most `max_streams` streams at once. Idle
 //! connections are closed after `idle_timeout`, dead ones are dropped.
 
 use std::collections::HashMap;
@@ -133,40 +137,131 @@ impl Drop for Lease {
 /// 10 s a stalled one takes to fail.
 pub const JOIN_WAIT: Duration = Duration::from_millis(500);
 
-#[derive(Debug, Default)]
-struct Entry {
-    /// Dials under way for this key.
-    dialing: AtomicUsize,
-    /// Woken whenever a dial for this key ends, well or not.
-    dial_ended: tokio::sync::Notify,
-    conns: Mutex<Vec<Arc<PooledConn>>>,
+/// A dial under way for a key, and the callers waiting for it.
+#[derive(Debug)]
+struct Dial {
+    /// The streams that will use it: its dialer and those waiting.
+    load: AtomicUsize,
+    /// Its connection once dialed; dropped unsent if the dial fails or is
+    /// given up.
+    done: tokio::sync::watch::Receiver<Option<Arc<PooledConn>>>,
 }
 
-/// Counts one dial under way; on drop (done, failed or cancelled) wakes
-/// those waiting for it.
-struct Dialing<'a>(&'a Entry);
+#[derive(Debug, Default)]
+struct Entry {
+    state: Mutex<State>,
+}
 
-impl<'a> Dialing<'a> {
-    fn start(entry: &'a Entry) -> Self {
-        entry.dialing.fetch_add(1, Ordering::AcqRel);
-        Dialing(entry)
+#[derive(Debug, Default)]
+struct State {
+    conns: Vec<Arc<PooledConn>>,
+    dials: Vec<Arc<Dial>>,
+}
+
+/// Where [`Entry::pick`] puts a stream.
+enum Pick {
+    Lease(Lease),
+    /// Waits for this dial under way.
+    Join(Arc<Dial>),
+    /// Dials a connection of its own.
+    Dial(Dialing),
+}
+
+/// A dial this caller makes. Until it is published, on drop (failed or
+/// cancelled) it leaves the entry and wakes those waiting for it.
+struct Dialing {
+    entry: Arc<Entry>,
+    dial: Arc<Dial>,
+    done: tokio::sync::watch::Sender<Option<Arc<PooledConn>>>,
+}
+
+impl Dialing {
+    fn start(entry: &Arc<Entry>, state: &mut State) -> Self {
+        let (done, rx) = tokio::sync::watch::channel(None);
+        let dial = Arc::new(Dial {
+            load: AtomicUsize::new(1),
+            done: rx,
+        });
+        state.dials.push(dial.clone());
+        Dialing {
+            entry: entry.clone(),
+            dial,
+            done,
+        }
+    }
+
+    /// The dialed connection joins the pool, and those waiting get it.
+    fn publish(self, conn: &Arc<PooledConn>) {
+        let mut state = self.entry.lock();
+        state.dials.retain(|d| !Arc::ptr_eq(d, &self.dial));
+        state.conns.push(conn.clone());
+        drop(state);
+        let _ = self.done.send(Some(conn.clone()));
     }
 }
 
-impl Drop for Dialing<'_> {
+impl Drop for Dialing {
     fn drop(&mut self) {
-        self.0.dialing.fetch_sub(1, Ordering::AcqRel);
-        self.0.dial_ended.notify_waiters();
+        // After `publish` this finds nothing left to remove.
+        let mut state = self.entry.lock();
+        state.dials.retain(|d| !Arc::ptr_eq(d, &self.dial));
     }
 }
 
 impl Entry {
-    fn pick(&self, max: usize) -> Option<Lease> {
-        let conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
-        conns
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where the next stream goes. A connection with no stream first; then,
+    /// while the key has fewer than `spread` connections (open or being
+    /// dialed), a new one, so that a few bulk streams each get a connection
+    /// (and with it a task, a worker thread, at both ends) instead of
+    /// sharing one; past that, whichever of the open connections with room
+    /// and the dials under way has the fewest streams (an open one on a
+    /// tie), so a burst is shared evenly among the dials it set off.
+    /// `join`: false, only an open connection or a dial of its own.
+    fn pick(self: &Arc<Self>, max: usize, spread: usize, join: bool) -> Pick {
+        let mut state = self.lock();
+        let alive = state
+            .conns
             .iter()
-            .find(|c| c.usable(max))
-            .map(|c| Lease::new(c.clone()))
+            .filter(|c| !c.lifeline.is_closed())
+            .count();
+        let least = state
+            .conns
+            .iter()
+            .filter(|c| c.usable(max))
+            .map(|c| (c.active.load(Ordering::Acquire), c))
+            .min_by_key(|(active, _)| *active)
+            .map(|(active, c)| (active, c.clone()));
+        if let Some((0, c)) = least {
+            return Pick::Lease(Lease::new(c));
+        }
+        if alive + state.dials.len() < spread {
+            return Pick::Dial(Dialing::start(self, &mut state));
+        }
+        let pending = state
+            .dials
+            .iter()
+            .filter(|_| join)
+            .map(|d| (d.load.load(Ordering::Acquire), d))
+            .min_by_key(|(load, _)| *load)
+            .map(|(load, d)| (load, d.clone()));
+        match (least, pending) {
+            (Some((active, _)), Some((load, d))) if load < active => Pick::Join(d.joined()),
+            (Some((_, c)), _) => Pick::Lease(Lease::new(c)),
+            (None, Some((_, d))) => Pick::Join(d.joined()),
+            (None, None) => Pick::Dial(Dialing::start(self, &mut state)),
+        }
+    }
+}
+
+impl Dial {
+    /// Counts one more caller waiting for this dial.
+    fn joined(self: Arc<Self>) -> Arc<Self> {
+        self.load.fetch_add(1, Ordering::AcqRel);
+        self
     }
 }
 
@@ -175,21 +270,28 @@ impl Entry {
 pub struct Pool {
     entries: Mutex<HashMap<PoolKey, Arc<Entry>>>,
     max_streams: usize,
+    spread: usize,
     idle_timeout: Duration,
     dials: AtomicUsize,
 }
 
 impl Pool {
-    pub fn new(max_streams: usize, idle_timeout: Duration) -> Arc<Self> {
+    /// Connections carry up to `max_streams` streams each; a key gets up
+    /// to `spread` of them before two streams share one.
+    pub fn new(max_streams: usize, spread: usize, idle_timeout: Duration) -> Arc<Self> {
         Arc::new(Pool {
             entries: Mutex::default(),
             max_streams,
+            spread,
             idle_timeout,
             dials: AtomicUsize::new(0),
         })
     }
 
-    /// A stream slot for `key`, dialing with `dial` only if no connection has room.
+    /// A stream slot for `key`, dialing with `dial` if [`Entry::pick`]
+    /// says so. A caller that waits for another's dial waits at most
+    /// [`JOIN_WAIT`], and if that dial fails or is late, takes an open
+    /// connection with room or dials on its own.
     pub async fn get<F, Fut, E>(&self, key: PoolKey, dial: F) -> Result<Lease, E>
     where
         F: FnOnce() -> Fut,
@@ -202,30 +304,30 @@ impl Pool {
             .entry(key)
             .or_default()
             .clone();
-        if let Some(lease) = entry.pick(self.max_streams) {
-            return Ok(lease);
-        }
-        if entry.dialing.load(Ordering::Acquire) > 0 {
-            // Registered before the second look, so an end in between is not missed.
-            let ended = entry.dial_ended.notified();
-            if let Some(lease) = entry.pick(self.max_streams) {
-                return Ok(lease);
+        let mut pick = entry.pick(self.max_streams, self.spread, true);
+        if let Pick::Join(joined) = pick {
+            let mut done = joined.done.clone();
+            let dialed = match tokio::time::timeout(JOIN_WAIT, done.wait_for(Option::is_some)).await
+            {
+                Ok(Ok(conn)) => conn.clone(),
+                // Failed, given up, or late.
+                _ => None,
+            };
+            joined.load.fetch_sub(1, Ordering::AcqRel);
+            if let Some(conn) = dialed.filter(|c| c.usable(self.max_streams)) {
+                return Ok(Lease::new(conn));
             }
-            let _ = tokio::time::timeout(JOIN_WAIT, ended).await;
-            if let Some(lease) = entry.pick(self.max_streams) {
-                return Ok(lease);
-            }
+            pick = entry.pick(self.max_streams, self.spread, false);
         }
-        let dialing = Dialing::start(&entry);
+        let dialing = match pick {
+            Pick::Lease(lease) => return Ok(lease),
+            Pick::Dial(dialing) => dialing,
+            Pick::Join(_) => unreachable!("picked without joining"),
+        };
         let conn = dial().await?;
         self.dials.fetch_add(1, Ordering::Relaxed);
         let lease = Lease::new(conn.clone());
-        entry
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(conn);
-        drop(dialing);
+        dialing.publish(&conn);
         Ok(lease)
     }
 
@@ -237,10 +339,7 @@ impl Pool {
     /// Open connections now.
     pub fn open(&self) -> usize {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        entries
-            .values()
-            .map(|e| e.conns.lock().unwrap_or_else(|e| e.into_inner()).len())
-            .sum()
+        entries.values().map(|e| e.lock().conns.len()).sum()
     }
 
     /// Drops dead connections and those idle past the timeout (dropping the
@@ -249,14 +348,14 @@ impl Pool {
         let now = Instant::now();
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.retain(|_, entry| {
-            let mut conns = entry.conns.lock().unwrap_or_else(|e| e.into_inner());
-            conns.retain(|c| {
+            let mut state = entry.lock();
+            state.conns.retain(|c| {
                 let idle = c.active.load(Ordering::Acquire) == 0
                     && now.duration_since(*c.idle_since.lock().unwrap_or_else(|e| e.into_inner()))
                         >= self.idle_timeout;
                 !c.lifeline.is_closed() && !idle
             });
-            !conns.is_empty()
+            !state.conns.is_empty() || !state.dials.is_empty()
         });
     }
 
@@ -276,10 +375,7 @@ impl Pool {
     /// one keeping an idle connection open).
     pub fn drain(&self) {
         let entries = std::mem::take(&mut *self.entries.lock().unwrap_or_else(|e| e.into_inner()));
-        let n: usize = entries
-            .values()
-            .map(|e| e.conns.lock().unwrap_or_else(|e| e.into_inner()).len())
-            .sum();
+        let n: usize = entries.values().map(|e| e.lock().conns.len()).sum();
         tracing::debug!(connections = n, "HBONE client pool drained");
     }
 
@@ -373,7 +469,7 @@ mod tests {
 
     #[tokio::test]
     async fn drain_closes_idle_connections_and_busy_ones_after_their_streams() {
-        let pool = Pool::new(100, Duration::from_secs(60));
+        let pool = Pool::new(100, 1, Duration::from_secs(60));
         let (idle, idle_end) = h2_conn_watched().await;
         drop(
             pool.get(key(), || async { Ok::<_, ()>(idle) })
@@ -429,7 +525,7 @@ mod tests {
 
     #[tokio::test]
     async fn burst_dials_once_and_reuses() {
-        let pool = Pool::new(100, Duration::from_secs(60));
+        let pool = Pool::new(100, 1, Duration::from_secs(60));
         let mut leases = Vec::new();
         let futs: Vec<_> = (0..50)
             .map(|_| {
@@ -453,7 +549,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_stalled_dial_holds_later_callers_only_for_the_join_wait() {
-        let pool = Pool::new(100, Duration::from_secs(60));
+        let pool = Pool::new(100, 1, Duration::from_secs(60));
         let stalled = {
             let pool = pool.clone();
             tokio::spawn(async move {
@@ -489,7 +585,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_removed_pods_connections_are_let_go_and_close() {
-        let pool = Pool::new(100, Duration::from_secs(300));
+        let pool = Pool::new(100, 1, Duration::from_secs(300));
         let (conn, ended) = h2_conn_watched().await;
         drop(
             pool.get(key(), || async { Ok::<_, ()>(conn) })
@@ -516,9 +612,99 @@ mod tests {
         );
     }
 
+    /// How many of `leases` each connection carries, largest first.
+    fn shares(leases: &[Lease]) -> Vec<usize> {
+        let mut by_conn: HashMap<*const PooledConn, usize> = HashMap::new();
+        for l in leases {
+            *by_conn.entry(Arc::as_ptr(&l.conn)).or_default() += 1;
+        }
+        let mut n: Vec<usize> = by_conn.into_values().collect();
+        n.sort_unstable_by(|a, b| b.cmp(a));
+        n
+    }
+
+    /// A dial that takes `ms` milliseconds, as a handshake does.
+    async fn slow_conn(ms: u64) -> Result<Arc<PooledConn>, ()> {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        Ok(h2_conn().await)
+    }
+
+    #[tokio::test]
+    async fn streams_at_once_get_connections_of_their_own_up_to_the_spread_then_share_evenly() {
+        let pool = Pool::new(100, 2, Duration::from_secs(60));
+        // One at a time: one connection, however many streams.
+        for _ in 0..5 {
+            drop(pool.get(key(), || slow_conn(0)).await.unwrap());
+        }
+        assert_eq!(
+            pool.dials(),
+            1,
+            "streams one after another share a connection"
+        );
+        // Two at once: a second connection; more share the two evenly.
+        let mut leases = Vec::new();
+        for _ in 0..6 {
+            leases.push(pool.get(key(), || slow_conn(0)).await.unwrap());
+        }
+        assert_eq!(pool.dials(), 2);
+        assert_eq!(shares(&leases), vec![3, 3]);
+        // As streams end, new ones go where there is least.
+        let first = leases[0].conn.clone();
+        leases.retain(|l| !Arc::ptr_eq(&l.conn, &first));
+        assert_eq!(shares(&leases), vec![3]);
+        for _ in 0..3 {
+            leases.push(pool.get(key(), || slow_conn(0)).await.unwrap());
+        }
+        assert_eq!(shares(&leases), vec![3, 3]);
+        assert_eq!(pool.dials(), 2, "no dial past the spread");
+    }
+
+    #[tokio::test]
+    async fn a_burst_is_shared_evenly_among_the_dials_it_sets_off() {
+        let pool = Pool::new(100, 2, Duration::from_secs(60));
+        let futs: Vec<_> = (0..8)
+            .map(|_| {
+                let pool = pool.clone();
+                tokio::spawn(async move { pool.get(key(), || slow_conn(30)).await.unwrap() })
+            })
+            .collect();
+        let mut leases = Vec::new();
+        for f in futs {
+            leases.push(f.await.unwrap());
+        }
+        assert_eq!(pool.dials(), 2);
+        assert_eq!(shares(&leases), vec![4, 4]);
+    }
+
+    #[tokio::test]
+    async fn callers_waiting_for_a_dial_that_fails_dial_on_their_own() {
+        let pool = Pool::new(100, 1, Duration::from_secs(60));
+        let failing = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                pool.get(key(), || async {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    Err::<Arc<PooledConn>, ()>(())
+                })
+                .await
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        let start = Instant::now();
+        let lease = pool.get(key(), || slow_conn(0)).await;
+        assert!(failing.await.unwrap().is_err());
+        assert!(lease.is_ok(), "the waiting caller got no connection");
+        assert!(
+            start.elapsed() < JOIN_WAIT,
+            "waited {:?}: the failure should end the wait at once",
+            start.elapsed()
+        );
+        assert_eq!(pool.dials(), 1);
+    }
+
     #[tokio::test]
     async fn full_connection_gets_a_sibling_and_idle_ones_are_evicted() {
-        let pool = Pool::new(2, Duration::from_millis(50));
+        let pool = Pool::new(2, 1, Duration::from_millis(50));
         let mut leases = Vec::new();
         for _ in 0..3 {
             leases.push(

@@ -29,8 +29,25 @@ fn defaults_match_istio() {
     assert_eq!(c.connection_window, 16 << 20);
     assert_eq!(c.frame_size, 1 << 20);
     assert_eq!(c.pool_max_streams, 100);
+    assert_eq!(c.pool_spread, None, "auto: the worker threads");
     assert_eq!(c.hbone_unsent_limit, 128 * 1024);
     assert_eq!(c.workload_info.unwrap().service_account, "web-sa");
+}
+
+#[test]
+fn the_pool_spread_is_auto_or_a_count_of_connections() {
+    let spread = |v: &str| {
+        let mut env = BASE.to_vec();
+        env.push(("AMBIT_POOL_SPREAD", v));
+        layers(&env, &[]).map(|c| c.pool_spread)
+    };
+    assert_eq!(spread("auto").unwrap(), None);
+    assert_eq!(spread("1").unwrap(), Some(1));
+    assert_eq!(spread("8").unwrap(), Some(8));
+    for bad in ["0", "257", "-1", "two"] {
+        let err = spread(bad).unwrap_err().to_string();
+        assert!(err.contains("pool_spread"), "{bad:?}: {err}");
+    }
 }
 
 #[test]
