@@ -259,14 +259,14 @@ fn weighted_waypoints_split_a_services_traffic() {
     );
 }
 
-/// One pooled connection to a waypoint carries connection after connection:
+/// A pooled connection to a waypoint carries connection after connection:
 /// each ends with the destination's close, which the waypoint passes back as
 /// the end of its stream. An HTTP/2 peer counts empty DATA frames that do
 /// not end a stream against the connection (h2 ends one past 100 with
 /// ENHANCE_YOUR_CALM), so passing an end on as one would cut the pooled
 /// connection, and the stream in flight, every hundred connections.
 #[test]
-fn one_pooled_connection_to_a_waypoint_carries_hundreds_of_connections() {
+fn pooled_connections_to_a_waypoint_carry_hundreds_of_connections_uncut() {
     let mut m = Mesh::new("wpool");
     let (client, server, wp) = (m.pod("client"), m.pod("server"), m.pod("wp"));
     let vip: SocketAddr = format!("{VIP}:80").parse().unwrap();
@@ -287,10 +287,13 @@ fn one_pooled_connection_to_a_waypoint_carries_hundreds_of_connections() {
         );
     }
     assert_eq!(stand_in.seen().len(), n);
-    assert_eq!(
-        stand_in.connections(),
-        1,
-        "one HBONE connection carried all {n}"
+    // One connection, or two when a connection came before the last one's
+    // stream had ended (the pool's spread, the worker threads); a
+    // connection cut every hundred streams would make three or more.
+    let carried = stand_in.connections();
+    assert!(
+        (1..=2).contains(&carried),
+        "{carried} HBONE connections carried {n} one after another"
     );
 }
 

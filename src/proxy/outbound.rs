@@ -475,7 +475,10 @@ impl Outbound {
         // On the heap while it runs: the dial (TCP, TLS and HTTP/2
         // handshakes) is the largest stage.
         let established = Box::pin(tokio::time::timeout(HBONE_DEADLINE, async {
-            let lease: Lease = self.pool.get(key, || self.dial(proxy, identities)).await?;
+            let lease: Lease = self
+                .pool
+                .get(key, || self.dial(proxy, identities.clone()))
+                .await?;
             let mut sender = lease.sender();
             let req = ConnectRequest {
                 target,

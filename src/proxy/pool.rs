@@ -156,6 +156,9 @@ struct Entry {
 struct State {
     conns: Vec<Arc<PooledConn>>,
     dials: Vec<Arc<Dial>>,
+    /// No dial only to spread streams before this: the last one failed or
+    /// was late.
+    spread_held_until: Option<Instant>,
 }
 
 /// Where [`Entry::pick`] puts a stream.
@@ -163,9 +166,26 @@ enum Pick {
     Lease(Lease),
     /// Waits for this dial under way.
     Join(Arc<Dial>),
-    /// Dials a connection of its own.
-    Dial(Dialing),
+    /// Dials a connection of its own; `spare`: only to spread streams, an
+    /// open connection has room for this one.
+    Dial {
+        dialing: Dialing,
+        spare: bool,
+    },
 }
+
+/// A caller counted in a dial's load while it waits for it.
+struct Waiting(Arc<Dial>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.load.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// How long a key's streams share its open connections after a dial only
+/// to spread them failed or was late.
+const SPREAD_HOLD: Duration = Duration::from_secs(30);
 
 /// A dial this caller makes. Until it is published, on drop (failed or
 /// cancelled) it leaves the entry and wakes those waiting for it.
@@ -221,6 +241,7 @@ impl Entry {
     /// and the dials under way has the fewest streams (an open one on a
     /// tie), so a burst is shared evenly among the dials it set off.
     /// `join`: false, only an open connection or a dial of its own.
+    /// `spread` 1: no dial while a connection has room.
     fn pick(self: &Arc<Self>, max: usize, spread: usize, join: bool) -> Pick {
         let mut state = self.lock();
         let alive = state
@@ -238,8 +259,11 @@ impl Entry {
         if let Some((0, c)) = least {
             return Pick::Lease(Lease::new(c));
         }
-        if alive + state.dials.len() < spread {
-            return Pick::Dial(Dialing::start(self, &mut state));
+        let held = state.spread_held_until.is_some_and(|t| Instant::now() < t);
+        if alive + state.dials.len() < spread && !held {
+            let spare = least.is_some();
+            let dialing = Dialing::start(self, &mut state);
+            return Pick::Dial { dialing, spare };
         }
         let pending = state
             .dials
@@ -252,8 +276,16 @@ impl Entry {
             (Some((active, _)), Some((load, d))) if load < active => Pick::Join(d.joined()),
             (Some((_, c)), _) => Pick::Lease(Lease::new(c)),
             (None, Some((_, d))) => Pick::Join(d.joined()),
-            (None, None) => Pick::Dial(Dialing::start(self, &mut state)),
+            (None, None) => Pick::Dial {
+                dialing: Dialing::start(self, &mut state),
+                spare: false,
+            },
         }
+    }
+
+    /// No dial only to spread streams for a while.
+    fn hold_spreading(&self) {
+        self.lock().spread_held_until = Some(Instant::now() + SPREAD_HOLD);
     }
 }
 
@@ -291,11 +323,15 @@ impl Pool {
     /// A stream slot for `key`, dialing with `dial` if [`Entry::pick`]
     /// says so. A caller that waits for another's dial waits at most
     /// [`JOIN_WAIT`], and if that dial fails or is late, takes an open
-    /// connection with room or dials on its own.
+    /// connection with room or dials on its own. A dial only to spread
+    /// streams (an open connection has room) is given [`JOIN_WAIT`] too:
+    /// if it fails or is late, the stream takes the open connection, and
+    /// the key's streams share what is open for [`SPREAD_HOLD`].
     pub async fn get<F, Fut, E>(&self, key: PoolKey, dial: F) -> Result<Lease, E>
     where
-        F: FnOnce() -> Fut,
+        F: Fn() -> Fut,
         Fut: Future<Output = Result<Arc<PooledConn>, E>>,
+        E: std::fmt::Display,
     {
         let entry = self
             .entries
@@ -306,29 +342,53 @@ impl Pool {
             .clone();
         let mut pick = entry.pick(self.max_streams, self.spread, true);
         if let Pick::Join(joined) = pick {
-            let mut done = joined.done.clone();
+            let waiting = Waiting(joined);
+            let mut done = waiting.0.done.clone();
             let dialed = match tokio::time::timeout(JOIN_WAIT, done.wait_for(Option::is_some)).await
             {
                 Ok(Ok(conn)) => conn.clone(),
                 // Failed, given up, or late.
                 _ => None,
             };
-            joined.load.fetch_sub(1, Ordering::AcqRel);
+            drop(waiting);
             if let Some(conn) = dialed.filter(|c| c.usable(self.max_streams)) {
                 return Ok(Lease::new(conn));
             }
-            pick = entry.pick(self.max_streams, self.spread, false);
+            pick = entry.pick(self.max_streams, 1, false);
         }
         let dialing = match pick {
             Pick::Lease(lease) => return Ok(lease),
-            Pick::Dial(dialing) => dialing,
+            Pick::Dial { dialing, spare } if spare => {
+                match tokio::time::timeout(JOIN_WAIT, dial()).await {
+                    Ok(Ok(conn)) => return Ok(self.dialed(dialing, conn)),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "no second HBONE connection to spread streams over; they share the open one")
+                    }
+                    Err(_) => tracing::debug!(
+                        "a second HBONE connection to spread streams over was late; they share the open one"
+                    ),
+                }
+                drop(dialing);
+                entry.hold_spreading();
+                match entry.pick(self.max_streams, 1, false) {
+                    Pick::Lease(lease) => return Ok(lease),
+                    Pick::Dial { dialing, .. } => dialing,
+                    Pick::Join(_) => unreachable!("picked without joining"),
+                }
+            }
+            Pick::Dial { dialing, .. } => dialing,
             Pick::Join(_) => unreachable!("picked without joining"),
         };
         let conn = dial().await?;
+        Ok(self.dialed(dialing, conn))
+    }
+
+    /// A dialed connection joins the pool, with a stream for its dialer.
+    fn dialed(&self, dialing: Dialing, conn: Arc<PooledConn>) -> Lease {
         self.dials.fetch_add(1, Ordering::Relaxed);
         let lease = Lease::new(conn.clone());
         dialing.publish(&conn);
-        Ok(lease)
+        lease
     }
 
     /// Connections dialed so far (for tests and the admin dump).
@@ -471,18 +531,11 @@ mod tests {
     async fn drain_closes_idle_connections_and_busy_ones_after_their_streams() {
         let pool = Pool::new(100, 1, Duration::from_secs(60));
         let (idle, idle_end) = h2_conn_watched().await;
-        drop(
-            pool.get(key(), || async { Ok::<_, ()>(idle) })
-                .await
-                .unwrap(),
-        );
+        drop(pool.get(key(), given(idle)).await.unwrap());
         let mut other = key();
         other.addr = "10.0.0.4:15008".parse().unwrap();
         let (busy, mut busy_end) = h2_conn_watched().await;
-        let lease = pool
-            .get(other, || async { Ok::<_, ()>(busy) })
-            .await
-            .unwrap();
+        let lease = pool.get(other, given(busy)).await.unwrap();
         let req = http::Request::builder()
             .method("CONNECT")
             .uri("10.0.0.4:8080")
@@ -533,7 +586,7 @@ mod tests {
                 tokio::spawn(async move {
                     pool.get(key(), || async {
                         tokio::time::sleep(Duration::from_millis(20)).await;
-                        Ok::<_, ()>(h2_conn().await)
+                        Ok::<_, &str>(h2_conn().await)
                     })
                     .await
                     .unwrap()
@@ -555,7 +608,7 @@ mod tests {
             tokio::spawn(async move {
                 pool.get(key(), || async {
                     std::future::pending::<()>().await;
-                    Ok::<_, ()>(h2_conn().await)
+                    Ok::<_, &str>(h2_conn().await)
                 })
                 .await
             })
@@ -563,7 +616,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(20)).await;
         let start = Instant::now();
         let lease = pool
-            .get(key(), || async { Ok::<_, ()>(h2_conn().await) })
+            .get(key(), || async { Ok::<_, &str>(h2_conn().await) })
             .await
             .unwrap();
         let waited = start.elapsed();
@@ -575,7 +628,7 @@ mod tests {
         // A caller that comes now finds the connection, not the stall.
         let start = Instant::now();
         let _lease = pool
-            .get(key(), || async { Ok::<_, ()>(h2_conn().await) })
+            .get(key(), || async { Ok::<_, &str>(h2_conn().await) })
             .await
             .unwrap();
         assert!(start.elapsed() < Duration::from_millis(100));
@@ -587,15 +640,11 @@ mod tests {
     async fn a_removed_pods_connections_are_let_go_and_close() {
         let pool = Pool::new(100, 1, Duration::from_secs(300));
         let (conn, ended) = h2_conn_watched().await;
-        drop(
-            pool.get(key(), || async { Ok::<_, ()>(conn) })
-                .await
-                .unwrap(),
-        );
+        drop(pool.get(key(), given(conn)).await.unwrap());
         let mut other = key();
         other.pod = "default/b".into();
         drop(
-            pool.get(other, || async { Ok::<_, ()>(h2_conn().await) })
+            pool.get(other, || async { Ok::<_, &str>(h2_conn().await) })
                 .await
                 .unwrap(),
         );
@@ -623,8 +672,15 @@ mod tests {
         n
     }
 
+    /// A dial that hands over `conn`.
+    fn given(
+        conn: Arc<PooledConn>,
+    ) -> impl Fn() -> std::future::Ready<Result<Arc<PooledConn>, &'static str>> {
+        move || std::future::ready(Ok(conn.clone()))
+    }
+
     /// A dial that takes `ms` milliseconds, as a handshake does.
-    async fn slow_conn(ms: u64) -> Result<Arc<PooledConn>, ()> {
+    async fn slow_conn(ms: u64) -> Result<Arc<PooledConn>, &'static str> {
         tokio::time::sleep(Duration::from_millis(ms)).await;
         Ok(h2_conn().await)
     }
@@ -668,12 +724,59 @@ mod tests {
                 tokio::spawn(async move { pool.get(key(), || slow_conn(30)).await.unwrap() })
             })
             .collect();
+        let start = Instant::now();
         let mut leases = Vec::new();
         for f in futs {
             leases.push(f.await.unwrap());
         }
         assert_eq!(pool.dials(), 2);
         assert_eq!(shares(&leases), vec![4, 4]);
+        assert!(
+            start.elapsed() < JOIN_WAIT,
+            "took {:?}: those waiting were not woken by the dials they waited for",
+            start.elapsed()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_dial_to_spread_that_fails_or_stalls_leaves_its_stream_on_the_open_connection() {
+        let tried = Arc::new(AtomicUsize::new(0));
+        let counted = |tried: &Arc<AtomicUsize>| {
+            let tried = tried.clone();
+            move || {
+                tried.fetch_add(1, Ordering::Relaxed);
+                slow_conn(0)
+            }
+        };
+        for stalls in [false, true] {
+            let pool = Pool::new(100, 2, Duration::from_secs(60));
+            let first = pool.get(key(), || slow_conn(0)).await.unwrap();
+            let start = Instant::now();
+            let second = if stalls {
+                pool.get(key(), || async {
+                    std::future::pending::<()>().await;
+                    slow_conn(0).await
+                })
+                .await
+            } else {
+                pool.get(key(), || async { Err::<Arc<PooledConn>, _>("refused") })
+                    .await
+            };
+            let second = second.expect("the stream failed although a connection had room");
+            let waited = start.elapsed();
+            assert!(Arc::ptr_eq(&first.conn, &second.conn));
+            let bound = if stalls {
+                JOIN_WAIT + Duration::from_millis(400)
+            } else {
+                Duration::from_millis(100)
+            };
+            assert!(waited < bound, "stalls: {stalls}; waited {waited:?}");
+            // Held for a while: the next streams share without trying again.
+            let third = pool.get(key(), counted(&tried)).await.unwrap();
+            assert!(Arc::ptr_eq(&first.conn, &third.conn));
+            assert_eq!(tried.load(Ordering::Relaxed), 0, "stalls: {stalls}");
+            assert_eq!(pool.dials(), 1);
+        }
     }
 
     #[tokio::test]
@@ -684,7 +787,7 @@ mod tests {
             tokio::spawn(async move {
                 pool.get(key(), || async {
                     tokio::time::sleep(Duration::from_millis(30)).await;
-                    Err::<Arc<PooledConn>, ()>(())
+                    Err::<Arc<PooledConn>, _>("refused")
                 })
                 .await
             })
@@ -708,7 +811,7 @@ mod tests {
         let mut leases = Vec::new();
         for _ in 0..3 {
             leases.push(
-                pool.get(key(), || async { Ok::<_, ()>(h2_conn().await) })
+                pool.get(key(), || async { Ok::<_, &str>(h2_conn().await) })
                     .await
                     .unwrap(),
             );
