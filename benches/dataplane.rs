@@ -30,7 +30,8 @@
 //! `AMBIT_BENCH_MESSAGE` the ping-pong's message size (1), `AMBIT_BENCH_ONLY` some of
 //! `memory,throughput,streams,latency,connections` (all), `AMBIT_BENCH_PROFILE`
 //! a directory where each proxied path's proxies are sampled by `perf record`
-//! over one more ping-pong run (and the report printed), `AMBIT_BENCH_CROSS`
+//! over one more ping-pong run and one more 8- and 64-stream run (and the
+//! report printed), `AMBIT_BENCH_CROSS`
 //! (set) paths from Ambit's client side to the first peer's server side and back,
 //! with `AMBIT_BENCH_CA=cert.pem:key.pem` the root Ambit issues from (the
 //! peer's), `AMBIT_BENCH_LOAD` busy loops at nice 19 kept running through
