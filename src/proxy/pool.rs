@@ -239,7 +239,8 @@ impl Entry {
     /// (and with it a task, a worker thread, at both ends) instead of
     /// sharing one; past that, whichever of the open connections with room
     /// and the dials under way has the fewest streams (an open one on a
-    /// tie), so a burst is shared evenly among the dials it set off.
+    /// tie), so a burst is shared evenly among the dials it set off. A dial
+    /// already promised to `max` streams takes no more.
     /// `join`: false, only an open connection or a dial of its own.
     /// `spread` 1: no dial while a connection has room.
     fn pick(self: &Arc<Self>, max: usize, spread: usize, join: bool) -> Pick {
@@ -270,6 +271,7 @@ impl Entry {
             .iter()
             .filter(|_| join)
             .map(|d| (d.load.load(Ordering::Acquire), d))
+            .filter(|(load, _)| *load < max)
             .min_by_key(|(load, _)| *load)
             .map(|(load, d)| (load, d.clone()));
         match (least, pending) {
@@ -351,8 +353,14 @@ impl Pool {
                 _ => None,
             };
             drop(waiting);
-            if let Some(conn) = dialed.filter(|c| c.usable(self.max_streams)) {
-                return Ok(Lease::new(conn));
+            if let Some(conn) = dialed {
+                // Under the entry's lock, as every slot on a published
+                // connection is taken: callers woken together by one dial
+                // cannot all see its last slot free and take it.
+                let _state = entry.lock();
+                if conn.usable(self.max_streams) {
+                    return Ok(Lease::new(conn));
+                }
             }
             pick = entry.pick(self.max_streams, 1, false);
         }

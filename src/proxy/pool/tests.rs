@@ -348,3 +348,24 @@ async fn full_connection_gets_a_sibling_and_idle_ones_are_evicted() {
     pool.evict();
     assert_eq!(pool.open(), 0, "idle connections must be released");
 }
+
+#[tokio::test]
+async fn callers_woken_by_one_dial_never_put_more_than_max_streams_on_it() {
+    let pool = Pool::new(2, 1, Duration::from_secs(60));
+    let futs: Vec<_> = (0..6)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.get(key(), || slow_conn(30)).await.unwrap() })
+        })
+        .collect();
+    let mut leases = Vec::new();
+    for f in futs {
+        leases.push(f.await.unwrap());
+    }
+    assert_eq!(
+        shares(&leases),
+        vec![2, 2, 2],
+        "six streams at once, two per connection at most"
+    );
+    assert_eq!(pool.dials(), 3);
+}
