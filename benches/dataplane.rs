@@ -30,7 +30,7 @@
 //! `AMBIT_BENCH_MESSAGE` the ping-pong's message size (1), `AMBIT_BENCH_ONLY` some of
 //! `memory,throughput,streams,latency,connections` (all), `AMBIT_BENCH_PROFILE`
 //! a directory where each proxied path's proxies are sampled by `perf record`
-//! over one more ping-pong run and one more 8- and 64-stream run (and the
+//! over one more ping-pong run and one more 1-, 8- and 64-stream run (and the
 //! report printed), `AMBIT_BENCH_CROSS`
 //! (set) paths from Ambit's client side to the first peer's server side and back,
 //! with `AMBIT_BENCH_CA=cert.pem:key.pem` the root Ambit issues from (the
@@ -455,6 +455,30 @@ fn traced<T>(pids: &[u32], f: impl FnOnce() -> T) -> T {
     value
 }
 
+/// With `AMBIT_BENCH_PROFILE` set: one more iperf3 run of `streams` on
+/// each proxied path under `perf record` of its proxies, and one under
+/// `perf trace -s`.
+fn profile_iperf(lab: &Lab, paths: &[Path], cc: &str, secs: u64, streams: u32) {
+    let Ok(dir) = std::env::var("AMBIT_BENCH_PROFILE") else {
+        return;
+    };
+    for p in paths.iter().filter(|p| p.kind.is_some()) {
+        let out = PathBuf::from(&dir).join(format!("{cc}-{}-{streams}.data", slug(&p.name)));
+        let run = || iperf(lab, p, secs, streams);
+        println!(
+            "{} ({streams} streams) under perf record ({}):",
+            p.name,
+            out.display()
+        );
+        profiled(&proxy_pids(lab, p), &out, run);
+        println!(
+            "{} ({streams} streams) under perf trace -s, per {secs} s:",
+            p.name
+        );
+        traced(&proxy_pids(lab, p), run);
+    }
+}
+
 /// Threads that keep the CPUs busy at the lowest priority, as other pods
 /// keep a node's: on an idle VM a round trip waits mostly for halted
 /// vCPUs to wake (direct's p50 fell from ~83 to 11 µs with two of these,
@@ -796,6 +820,7 @@ fn phase(
         for (i, p) in paths.iter().enumerate() {
             print_rounds(cc, "throughput", &p.name, &gbps[i], 2, "Gbit/s", i == 0);
         }
+        profile_iperf(&lab, &paths, cc, secs, 1);
         measures.push(Measure {
             title: "throughput (iperf3, 1 stream, median)".into(),
             unit: "Gbit/s",
@@ -834,17 +859,7 @@ fn phase(
             for (i, p) in paths.iter().enumerate() {
                 print_rounds(cc, &what, &p.name, &gbps[i], 2, "Gbit/s", i == 0);
             }
-            if let Ok(dir) = std::env::var("AMBIT_BENCH_PROFILE") {
-                for p in paths.iter().filter(|p| p.kind.is_some()) {
-                    let out =
-                        PathBuf::from(&dir).join(format!("{cc}-{}-{streams}.data", slug(&p.name)));
-                    let run = || iperf(&lab, p, secs, streams);
-                    println!("{} ({what}) under perf record ({}):", p.name, out.display());
-                    profiled(&proxy_pids(p), &out, run);
-                    println!("{} ({what}) under perf trace -s, per {secs} s:", p.name);
-                    traced(&proxy_pids(p), run);
-                }
-            }
+            profile_iperf(&lab, &paths, cc, secs, streams);
             measures.push(Measure {
                 title: format!("throughput (iperf3, {streams} streams)"),
                 unit: "Gbit/s",
