@@ -462,20 +462,18 @@ fn profile_iperf(lab: &Lab, paths: &[Path], cc: &str, secs: u64, streams: u32) {
     let Ok(dir) = std::env::var("AMBIT_BENCH_PROFILE") else {
         return;
     };
+    let what = match streams {
+        1 => "1 stream".to_string(),
+        n => format!("{n} streams"),
+    };
     for p in paths.iter().filter(|p| p.kind.is_some()) {
         let out = PathBuf::from(&dir).join(format!("{cc}-{}-{streams}.data", slug(&p.name)));
         let run = || iperf(lab, p, secs, streams);
-        println!(
-            "{} ({streams} streams) under perf record ({}):",
-            p.name,
-            out.display()
-        );
-        profiled(&proxy_pids(lab, p), &out, run);
-        println!(
-            "{} ({streams} streams) under perf trace -s, per {secs} s:",
-            p.name
-        );
-        traced(&proxy_pids(lab, p), run);
+        let pids = proxy_pids(lab, p);
+        println!("{} ({what}) under perf record ({}):", p.name, out.display());
+        profiled(&pids, &out, run);
+        println!("{} ({what}) under perf trace -s, per {secs} s:", p.name);
+        traced(&pids, run);
     }
 }
 

@@ -105,23 +105,7 @@ fn key() -> PoolKey {
 #[tokio::test]
 async fn burst_dials_once_and_reuses() {
     let pool = Pool::new(100, 1, Duration::from_secs(60));
-    let mut leases = Vec::new();
-    let futs: Vec<_> = (0..50)
-        .map(|_| {
-            let pool = pool.clone();
-            tokio::spawn(async move {
-                pool.get(key(), || async {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                    Ok::<_, &str>(h2_conn().await)
-                })
-                .await
-                .unwrap()
-            })
-        })
-        .collect();
-    for f in futs {
-        leases.push(f.await.unwrap());
-    }
+    let _leases = burst(&pool, 50, 20).await;
     assert_eq!(pool.dials(), 1, "a burst must share one dial");
     assert_eq!(pool.open(), 1);
 }
@@ -205,6 +189,22 @@ fn given(
     move || std::future::ready(Ok(conn.clone()))
 }
 
+/// `n` streams asked for at once, each dialing (when it must) with a dial
+/// of `dial_ms` milliseconds; their leases once all have one.
+async fn burst(pool: &Arc<Pool>, n: usize, dial_ms: u64) -> Vec<Lease> {
+    let asks: Vec<_> = (0..n)
+        .map(|_| {
+            let pool = pool.clone();
+            tokio::spawn(async move { pool.get(key(), || slow_conn(dial_ms)).await.unwrap() })
+        })
+        .collect();
+    let mut leases = Vec::new();
+    for ask in asks {
+        leases.push(ask.await.unwrap());
+    }
+    leases
+}
+
 /// A dial that takes `ms` milliseconds, as a handshake does.
 async fn slow_conn(ms: u64) -> Result<Arc<PooledConn>, &'static str> {
     tokio::time::sleep(Duration::from_millis(ms)).await;
@@ -244,17 +244,8 @@ async fn streams_at_once_get_connections_of_their_own_up_to_the_spread_then_shar
 #[tokio::test]
 async fn a_burst_is_shared_evenly_among_the_dials_it_sets_off() {
     let pool = Pool::new(100, 2, Duration::from_secs(60));
-    let futs: Vec<_> = (0..8)
-        .map(|_| {
-            let pool = pool.clone();
-            tokio::spawn(async move { pool.get(key(), || slow_conn(30)).await.unwrap() })
-        })
-        .collect();
     let start = Instant::now();
-    let mut leases = Vec::new();
-    for f in futs {
-        leases.push(f.await.unwrap());
-    }
+    let leases = burst(&pool, 8, 30).await;
     assert_eq!(pool.dials(), 2);
     assert_eq!(shares(&leases), vec![4, 4]);
     assert!(
@@ -352,16 +343,7 @@ async fn full_connection_gets_a_sibling_and_idle_ones_are_evicted() {
 #[tokio::test]
 async fn callers_woken_by_one_dial_never_put_more_than_max_streams_on_it() {
     let pool = Pool::new(2, 1, Duration::from_secs(60));
-    let futs: Vec<_> = (0..6)
-        .map(|_| {
-            let pool = pool.clone();
-            tokio::spawn(async move { pool.get(key(), || slow_conn(30)).await.unwrap() })
-        })
-        .collect();
-    let mut leases = Vec::new();
-    for f in futs {
-        leases.push(f.await.unwrap());
-    }
+    let leases = burst(&pool, 6, 30).await;
     assert_eq!(
         shares(&leases),
         vec![2, 2, 2],
