@@ -6,7 +6,8 @@
 //! The rooms: `app` wires a proxy from its config; `pods` builds and starts
 //! one pod; `inpod` takes pods from the agent over ZDS; `outbound`,
 //! `inbound`, `hbone`, `pool`, `tls_stream`, `copy`, `splice` carry connections (`together`: an HBONE
-//! connection and its streams in one task); `rbac` decides;
+//! connection and its streams in one task); `route` decides where a
+//! connection goes (pure, over a state snapshot); `rbac` decides whether;
 //! `dns` answers the pod's queries; `metrics` and `admin` report.
 
 mod admin;
@@ -27,11 +28,11 @@ mod pool;
 pub mod rbac;
 mod reauth;
 mod record;
+mod route;
 mod splice;
 mod timewait;
 mod tls_stream;
 mod together;
-mod waypoint;
 
 pub use app::{run, start, ProxyHandle};
 // Pure wire-protocol pieces (no I/O), public so fuzz/ can drive them.
