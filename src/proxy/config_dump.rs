@@ -2,7 +2,8 @@
 //! `istioctl ztunnel-config workloads|services|policies|certificates` reads
 //! it: `workloads`, `services` and `policies` as arrays (sorted by uid,
 //! hostname and key), `certificates` with their chains, `workloadState`
-//! keyed by pod uid; plus Ambit's own `pods` and `pool`. Read-only, built
+//! keyed by pod uid; plus Ambit's own `pods`, `pool` and `refused` (the
+//! addresses and names of refused resources, with the reasons). Read-only, built
 //! per request from snapshots; never on the data path.
 
 use std::collections::BTreeMap;
@@ -15,8 +16,8 @@ use serde_json::{json, Map, Value};
 use super::{inpod, pool};
 use crate::identity::CertManager;
 use crate::xds::types::{
-    Authorization, GatewayAddress, HealthStatus, NetworkMode, PolicyAction, PolicyScope, Protocol,
-    RbacMatch, Service, StringMatch, Visibility, Workload,
+    Authorization, GatewayAddress, HealthStatus, IpFamilies, NetworkMode, PolicyAction,
+    PolicyScope, Protocol, RbacMatch, Service, StringMatch, Visibility, Workload,
 };
 use crate::xds::{State, StateHandle};
 
@@ -38,6 +39,13 @@ pub(super) fn config_dump(
     });
     let mut policies: Vec<_> = st.policies().collect();
     policies.sort_by_key(|p| p.key());
+    // Ambit's own: what a refused resource claimed (refused to every
+    // connection, never passed through), with the resource and its reason.
+    let mut refused: Vec<_> = st
+        .refusals()
+        .map(|(claim, r)| json!({"address": claim, "resource": r.resource, "reason": r.reason}))
+        .collect();
+    refused.sort_by(|a, b| a["address"].as_str().cmp(&b["address"].as_str()));
     let held = certs.certificates();
     let views = pods.views();
     let served: Vec<Value> = views
@@ -69,6 +77,7 @@ pub(super) fn config_dump(
         "workloadState": workload_state,
         "pool": {"open": pool.open(), "dials": pool.dials()},
         "pods": served,
+        "refused": refused,
     })
     .to_string()
 }
@@ -191,6 +200,16 @@ fn service(st: &State, s: &Service) -> Value {
         "vips".into(),
         json!(s.vips.iter().map(|v| v.to_string()).collect::<Vec<_>>()),
     );
+    if !s.cidr_vips.is_empty() {
+        m.insert(
+            "cidrVips".into(),
+            json!(s
+                .cidr_vips
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()),
+        );
+    }
     m.insert("ports".into(), ports(&s.ports));
     let endpoints: Map<String, Value> = st
         .endpoints(s)
@@ -217,10 +236,25 @@ fn service(st: &State, s: &Service) -> Value {
         &mut m,
         "loadBalancer",
         s.load_balancing.as_ref().map(|lb| {
-            json!({"mode": lb.mode, "routingPreferences": lb.routing_preference, "healthPolicy": lb.health_policy})
+            // ztunnel's spelling: its enums' variant names.
+            let scopes: Vec<String> = lb
+                .routing_preferences
+                .iter()
+                .map(|p| format!("{p:?}"))
+                .collect();
+            json!({"mode": format!("{:?}", lb.mode), "routingPreferences": scopes,
+                "healthPolicy": format!("{:?}", lb.health_policy)})
         }),
     );
-    put(&mut m, "ipFamilies", s.ip_families.clone());
+    put(
+        &mut m,
+        "ipFamilies",
+        s.ip_families.map(|f| match f {
+            IpFamilies::Dual => "Dual",
+            IpFamilies::V4 => "IPv4",
+            IpFamilies::V6 => "IPv6",
+        }),
+    );
     if s.canonical {
         m.insert("canonical".into(), json!(true));
     }
@@ -629,5 +663,49 @@ policies:
             assert!(parse(&cert.valid_from) <= now && now <= parse(&cert.expiration_time));
         }
         assert!(dump.workload_state.is_empty(), "no pods served here");
+    }
+
+    #[tokio::test]
+    async fn the_dump_shows_load_balancing_vip_ranges_and_each_refused_address_with_its_reason() {
+        let cfg: crate::xds::local::LocalConfig = serde_yaml::from_str(
+            r#"
+workloads:
+- {name: gated, namespace: shop, workloadIps: [10.0.0.5], networkGateway: {destination: "/192.0.2.1"}}
+services:
+- {name: wp, namespace: shop, hostname: wp.shop, vips: ["/10.96.0.9"], cidrVips: ["/10.97.0.0/16"],
+   ports: {15008: 15008}, ipFamilies: Dual,
+   loadBalancer: {routingPreferences: [NETWORK, REGION, ZONE, SUBZONE], mode: FAILOVER}}
+"#,
+        )
+        .unwrap();
+        let (st, _) = State::build_lenient(cfg.workloads, cfg.services, cfg.policies);
+        let certs = CertManager::new(
+            CertSource::Local(Box::new(LocalCa::generate("cluster.local").unwrap())),
+            std::time::Duration::from_secs(3600),
+        );
+        let pool = pool::Pool::new(100, 1, std::time::Duration::from_secs(60));
+        let text = config_dump(
+            &StateHandle::new(st),
+            &certs,
+            &pool,
+            &inpod::PodTable::default(),
+            "cluster.local",
+        );
+        let dump: Value = serde_json::from_str(&text).unwrap();
+        let wp = &dump["services"][0];
+        assert_eq!(
+            wp["loadBalancer"],
+            json!({"mode": "Failover", "routingPreferences": ["Network", "Region", "Zone", "Subzone"],
+                "healthPolicy": "OnlyHealthy"})
+        );
+        assert_eq!(wp["ipFamilies"], "Dual");
+        assert_eq!(wp["cidrVips"], json!(["/10.97.0.0/16"]));
+        let refused = dump["refused"].as_array().unwrap();
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0]["address"], "/10.0.0.5");
+        assert!(refused[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("network gateway"));
     }
 }

@@ -468,9 +468,9 @@ impl Inbound {
                 .into_iter()
                 .collect(),
         };
-        gateways.iter().any(|gw| {
-            waypoint::resolve(&st, gw).is_ok_and(|r| waypoint::is_from(&r.workloads, &self.pod.ips))
-        })
+        gateways
+            .iter()
+            .any(|gw| waypoint::resolve(&st, gw).is_ok_and(|r| r.is_from(&st, &self.pod.ips)))
     }
 
     /// What this connection is authorized as (for the check and re-checks).

@@ -66,8 +66,12 @@ pub enum OutboundError {
         target: SocketAddr,
         status: http::StatusCode,
     },
-    #[error("service {0} has no healthy endpoint for this port")]
+    #[error("{0}")]
     NoEndpoint(String),
+    #[error(
+        "the destination's resource {0} was refused ({1}); refused rather than passed through"
+    )]
+    RefusedResource(String, String),
     #[error("{0}; refused rather than sent around the waypoint")]
     NoWaypoint(String),
     #[error("on-demand DNS: {0}")]
@@ -188,6 +192,7 @@ impl Outbound {
             let state = self.state.load();
             let client = Client {
                 namespace: &self.pod.namespace,
+                name: &self.pod.name,
                 ips: &self.pod.ips,
             };
             route(&state, &self.pod.network, client, dst, &self.trust_domain)
@@ -215,6 +220,7 @@ impl Outbound {
             Route::Passthrough { .. } => "passthrough",
             Route::NoEndpoint { .. } => "no-endpoint",
             Route::NoWaypoint { .. } => "no-waypoint",
+            Route::Refused { .. } => "refused",
             Route::Unresolved { .. } => "unresolved",
             Route::Hostname { .. } => "hostname",
         };
@@ -243,8 +249,11 @@ impl Outbound {
                 self.hbone(peer, proxy, target, identities, host).await
             }
             Route::Tcp { target, .. } | Route::Passthrough { target } => self.plain(target).await,
-            Route::NoEndpoint { service } => Err(OutboundError::NoEndpoint(service.key())),
+            Route::NoEndpoint { reason, .. } => Err(OutboundError::NoEndpoint(reason)),
             Route::NoWaypoint { reason } => Err(OutboundError::NoWaypoint(reason)),
+            Route::Refused { resource, reason } => {
+                Err(OutboundError::RefusedResource(resource, reason))
+            }
             Route::Unresolved { reason, .. } => Err(OutboundError::Unresolved(reason)),
             Route::Hostname { workload, .. } => {
                 Err(OutboundError::Unresolved(workload.hostname.clone()))
@@ -471,8 +480,10 @@ impl Outbound {
             Route::Tcp {
                 workload, service, ..
             } => (Some(workload), service.as_ref()),
-            Route::NoEndpoint { service } => (None, Some(service)),
-            Route::Passthrough { .. } | Route::NoWaypoint { .. } => (None, None),
+            Route::NoEndpoint { service, .. } => (None, Some(service)),
+            Route::Passthrough { .. } | Route::NoWaypoint { .. } | Route::Refused { .. } => {
+                (None, None)
+            }
             Route::Hostname {
                 workload, service, ..
             } => (Some(workload), Some(service)),

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use super::convert::{self, AddressResource, ADDRESS_TYPE, AUTHORIZATION_TYPE};
 pub use super::metrics::XdsMetrics;
-use super::store::{State, StateHandle};
+use super::store::{Claims, ResourceError, State, StateHandle};
 use super::types::Authorization;
 use crate::backoff::Backoff;
 use crate::proto::core::Node;
@@ -168,6 +168,9 @@ impl Demand {
 pub struct Held {
     addresses: HashMap<String, (String, AddressResource, u64)>,
     policies: HashMap<String, (String, Authorization, u64)>,
+    /// Addresses refused (NACKed) as they stand now, by resource name, with
+    /// what each claimed: refused in the state, never passed through.
+    refused: HashMap<String, (Claims, String)>,
     /// Next arrival number.
     arrivals: u64,
 }
@@ -228,6 +231,7 @@ impl Held {
         for name in &resp.removed_resources {
             if resp.type_url == ADDRESS_TYPE {
                 self.addresses.remove(name);
+                self.refused.remove(name);
             } else {
                 self.policies.remove(name);
             }
@@ -239,10 +243,22 @@ impl Held {
             };
             // The type is one of the two (checked above).
             let outcome = if resp.type_url == ADDRESS_TYPE {
-                crate::proto::workload::Address::decode(any.value.as_slice())
+                let decoded = crate::proto::workload::Address::decode(any.value.as_slice());
+                let claims = match &decoded {
+                    Ok(a) => convert::claims_of(a),
+                    Err(_) => convert::claims_of_name(&r.name),
+                };
+                let held = decoded
                     .map_err(|e| e.to_string())
                     .and_then(convert::address_from_proto)
-                    .map(|a| hold(&mut self.addresses, &mut self.arrivals, r, a))
+                    .map(|a| hold(&mut self.addresses, &mut self.arrivals, r, a));
+                match &held {
+                    Ok(()) => self.refused.remove(&r.name),
+                    Err(reason) => self
+                        .refused
+                        .insert(r.name.clone(), (claims, reason.clone())),
+                };
+                held
             } else {
                 crate::proto::security::Authorization::decode(any.value.as_slice())
                     .map_err(|e| e.to_string())
@@ -270,7 +286,14 @@ impl Held {
             .into_iter()
             .cloned()
             .collect();
-        let (st, errors) = State::build_lenient(workloads, services, policies);
+        let (mut st, errors) = State::build_lenient(workloads, services, policies);
+        for (name, (claims, reason)) in &self.refused {
+            let refusal = ResourceError {
+                resource: name.clone(),
+                reason: reason.clone(),
+            };
+            st.refuse(claims.clone(), &refusal);
+        }
         (
             st,
             errors.into_iter().map(|e| (e.resource, e.reason)).collect(),
@@ -602,6 +625,79 @@ mod tests {
             .0
             .workload_by_addr("", "10.0.0.1".parse().unwrap())
             .is_none());
+    }
+
+    #[test]
+    fn a_refused_address_is_refused_until_it_is_served_or_removed() {
+        let mut held = Held::default();
+        let ip: std::net::IpAddr = "10.0.0.7".parse().unwrap();
+        let vip: std::net::IpAddr = "10.96.0.7".parse().unwrap();
+        let send = |held: &mut Held, resources: Vec<Resource>, removed: Vec<String>| {
+            held.apply(&DeltaDiscoveryResponse {
+                type_url: ADDRESS_TYPE.into(),
+                resources,
+                removed_resources: removed,
+                ..Default::default()
+            })
+        };
+        // Refused for a tunnel protocol Ambit does not speak; and a service
+        // whose ip families are not known to this build.
+        let mut legacy = wl("w", [10, 0, 0, 7]);
+        if let Some(pb::address::Type::Workload(w)) = &mut legacy.r#type {
+            w.tunnel_protocol = pb::TunnelProtocol::LegacyIstioMtls as i32;
+        }
+        let svc = |families: i32| pb::Address {
+            r#type: Some(pb::address::Type::Service(pb::Service {
+                name: "s".into(),
+                namespace: "ns".into(),
+                hostname: "s.ns".into(),
+                addresses: vec![pb::NetworkAddress {
+                    network: String::new(),
+                    address: vec![10, 96, 0, 7],
+                    length: None,
+                }],
+                ip_families: families,
+                ..Default::default()
+            })),
+        };
+        let rejected = send(
+            &mut held,
+            vec![res("w", legacy), res("ns/s.ns", svc(42))],
+            vec![],
+        );
+        assert_eq!(rejected.len(), 2, "{rejected:?}");
+        let st = held.state().0;
+        assert!(st.workload_by_addr("", ip).is_none());
+        assert!(st.refused_at("", ip).unwrap().reason.contains("LEGACY"));
+        assert!(st
+            .refused_at("", vip)
+            .unwrap()
+            .reason
+            .contains("IP families 42"));
+        assert!(st.refused_host("ns/s.ns").is_some());
+        // Undecodable bytes: refused by the name they came under.
+        let garbage = Resource {
+            name: "ns/junk.ns".into(),
+            version: "1".into(),
+            resource: Some(prost_types::Any {
+                type_url: ADDRESS_TYPE.into(),
+                value: vec![0xff, 0xff, 0xff],
+            }),
+            aliases: vec![],
+        };
+        assert_eq!(send(&mut held, vec![garbage], vec![]).len(), 1);
+        assert!(held.state().0.refused_host("ns/junk.ns").is_some());
+
+        // Valid now: served, no longer refused.
+        assert!(send(&mut held, vec![res("w", wl("w", [10, 0, 0, 7]))], vec![]).is_empty());
+        let st = held.state().0;
+        assert!(st.workload_by_addr("", ip).is_some());
+        assert!(st.refused_at("", ip).is_none());
+        // Removed: unknown again, neither served nor refused.
+        send(&mut held, vec![], vec!["w".into(), "ns/s.ns".into()]);
+        let st = held.state().0;
+        assert!(st.workload_by_addr("", ip).is_none() && st.refused_at("", ip).is_none());
+        assert!(st.refused_at("", vip).is_none());
     }
 
     #[test]

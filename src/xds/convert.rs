@@ -9,10 +9,11 @@ use crate::proto::security as pb_sec;
 use crate::proto::workload as pb;
 use crate::xds::types::{
     ApplicationTunnel, Authorization, Cidr, GatewayAddress, GatewayDestination, HealthStatus,
-    LoadBalancing, Locality, NetworkAddress, NetworkMode, PolicyAction, PolicyScope, Protocol,
-    RbacMatch, Service, ServiceAccountMatch, StringMatch, TunnelToApp, Visibility,
-    WeightedWaypoint, Workload,
+    IpFamilies, LbHealthPolicy, LbMode, LbScope, LoadBalancing, Locality, NetworkAddress,
+    NetworkCidr, NetworkMode, PolicyAction, PolicyScope, Protocol, RbacMatch, Service,
+    ServiceAccountMatch, StringMatch, TunnelToApp, Visibility, WeightedWaypoint, Workload,
 };
+use crate::xds::Claims;
 
 pub const ADDRESS_TYPE: &str = "type.googleapis.com/istio.workload.Address";
 pub const AUTHORIZATION_TYPE: &str = "type.googleapis.com/istio.security.Authorization";
@@ -56,6 +57,80 @@ pub fn address_from_proto(a: pb::Address) -> Result<AddressResource, String> {
             service_from_proto(s).map(|s| AddressResource::Service(Box::new(s)))
         }
         None => Err("Address without a workload or a service".into()),
+    }
+}
+
+/// What an Address claims (its IPs, VIPs, VIP ranges and names), read
+/// leniently from a resource that may be refused: so that a refused
+/// resource's addresses are refused too, not passed through.
+pub fn claims_of(a: &pb::Address) -> Claims {
+    let ip = |b: &[u8]| ip_from(b).ok();
+    match &a.r#type {
+        Some(pb::address::Type::Workload(w)) => Claims {
+            addresses: if w.network_mode == pb::NetworkMode::HostNetwork as i32 {
+                Vec::new()
+            } else {
+                w.addresses
+                    .iter()
+                    .filter_map(|b| ip(b))
+                    .map(|address| NetworkAddress {
+                        network: w.network.clone(),
+                        address,
+                    })
+                    .collect()
+            },
+            ranges: Vec::new(),
+            hosts: [w.hostname.clone()]
+                .into_iter()
+                .filter(|h| !h.is_empty())
+                .collect(),
+        },
+        Some(pb::address::Type::Service(s)) => {
+            let mut claims = Claims {
+                hosts: vec![format!("{}/{}", s.namespace, s.hostname)],
+                ..Claims::default()
+            };
+            for a in &s.addresses {
+                let Some(address) = ip(&a.address) else {
+                    continue;
+                };
+                let full = if address.is_ipv4() { 32 } else { 128 };
+                match a.length {
+                    Some(l) if l < full => claims.ranges.push(NetworkCidr {
+                        network: a.network.clone(),
+                        cidr: Cidr {
+                            net: address,
+                            len: l as u8,
+                        },
+                    }),
+                    _ => claims.addresses.push(NetworkAddress {
+                        network: a.network.clone(),
+                        address,
+                    }),
+                }
+            }
+            claims
+        }
+        None => Claims::default(),
+    }
+}
+
+/// What a resource that could not even be decoded claims, from its name:
+/// a `network/IP` (an on-demand name) or a service's `namespace/hostname`.
+/// A workload's uid names no address.
+pub fn claims_of_name(name: &str) -> Claims {
+    if let Ok(a) = NetworkAddress::try_from(name.to_string()) {
+        return Claims {
+            addresses: vec![a],
+            ..Claims::default()
+        };
+    }
+    match name.split_once('/') {
+        Some((ns, host)) if !ns.is_empty() && !host.is_empty() && !host.contains('/') => Claims {
+            hosts: vec![name.to_string()],
+            ..Claims::default()
+        },
+        _ => Claims::default(),
     }
 }
 
@@ -211,42 +286,13 @@ pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
             app_protocols.insert(service_port, app);
         }
     }
-    let load_balancing = match s.load_balancing {
-        None => None,
-        Some(lb) => Some(LoadBalancing {
-            routing_preference: lb
-                .routing_preference
-                .into_iter()
-                .map(|p| {
-                    enum_name(
-                        p,
-                        |x: pb::load_balancing::Scope| x.as_str_name(),
-                        "routing preference",
-                    )
-                })
-                .collect::<Result<_, _>>()?,
-            mode: match enum_name(
-                lb.mode,
-                |x: pb::load_balancing::Mode| x.as_str_name(),
-                "load balancing mode",
-            )? {
-                m if m == "UNSPECIFIED_MODE" => String::new(),
-                m => m,
-            },
-            health_policy: enum_name(
-                lb.health_policy,
-                |x: pb::load_balancing::HealthPolicy| x.as_str_name(),
-                "health policy",
-            )?,
-        }),
-    };
-    let ip_families = match enum_name(
-        s.ip_families,
-        |x: pb::IpFamilies| x.as_str_name(),
-        "IP families",
-    )? {
-        f if f == "AUTOMATIC" => None,
-        f => Some(f),
+    let load_balancing = s.load_balancing.map(load_balancing_from).transpose()?;
+    let ip_families = match pb::IpFamilies::try_from(s.ip_families) {
+        Ok(pb::IpFamilies::Automatic) => None,
+        Ok(pb::IpFamilies::Ipv4Only) => Some(IpFamilies::V4),
+        Ok(pb::IpFamilies::Ipv6Only) => Some(IpFamilies::V6),
+        Ok(pb::IpFamilies::Dual) => Some(IpFamilies::Dual),
+        Err(_) => return Err(format!("unknown IP families {}", s.ip_families)),
     };
     let visibility = match pb::service::Visibility::try_from(s.visibility) {
         Ok(pb::service::Visibility::Public) => Visibility::Public,
@@ -268,29 +314,37 @@ pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
             })
         })
         .collect::<Result<_, String>>()?;
+    // A full-length address is a VIP; a shorter one, a range of them.
+    let mut vips = Vec::new();
+    let mut cidr_vips = Vec::new();
+    for a in s.addresses {
+        let address = ip_from(&a.address)?;
+        let full = if address.is_ipv4() { 32 } else { 128 };
+        match a.length {
+            None => vips.push(NetworkAddress {
+                network: a.network,
+                address,
+            }),
+            Some(l) if l == full => vips.push(NetworkAddress {
+                network: a.network,
+                address,
+            }),
+            Some(l) if l < full => cidr_vips.push(NetworkCidr {
+                network: a.network,
+                cidr: Cidr {
+                    net: address,
+                    len: l as u8,
+                },
+            }),
+            Some(l) => return Err(format!("VIP range {address}/{l}: the length is too long")),
+        }
+    }
     Ok(Service {
         name: s.name,
         namespace: s.namespace,
         hostname: s.hostname,
-        vips: s
-            .addresses
-            .into_iter()
-            .map(|a| {
-                let address = ip_from(&a.address)?;
-                let full = if address.is_ipv4() { 32 } else { 128 };
-                if a.length.is_some_and(|l| l != full) {
-                    // A range of addresses: routing it as one would be wrong.
-                    return Err(format!(
-                        "VIP range {address}/{} is not supported yet",
-                        a.length.unwrap_or(full)
-                    ));
-                }
-                Ok(NetworkAddress {
-                    network: a.network,
-                    address,
-                })
-            })
-            .collect::<Result<_, String>>()?,
+        vips,
+        cidr_vips,
         ports,
         subject_alt_names: s.subject_alt_names,
         waypoint: s.waypoint.map(gateway_from_proto).transpose()?,
@@ -302,6 +356,45 @@ pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
         visibility,
         app_protocols,
         extensions: s.extensions.into_iter().map(|e| e.name).collect(),
+    })
+}
+
+/// istiod's load-balancing block; a scope or mode this build does not know
+/// refuses the service (an endpoint choice that ignored it could send
+/// traffic where istiod forbids).
+fn load_balancing_from(lb: pb::LoadBalancing) -> Result<LoadBalancing, String> {
+    use pb::load_balancing::{HealthPolicy, Mode, Scope};
+    let routing_preferences = lb
+        .routing_preference
+        .into_iter()
+        .map(|p| match Scope::try_from(p) {
+            Ok(Scope::Region) => Ok(LbScope::Region),
+            Ok(Scope::Zone) => Ok(LbScope::Zone),
+            Ok(Scope::Subzone) => Ok(LbScope::Subzone),
+            Ok(Scope::Node) => Ok(LbScope::Node),
+            Ok(Scope::Cluster) => Ok(LbScope::Cluster),
+            Ok(Scope::Network) => Ok(LbScope::Network),
+            Ok(Scope::UnspecifiedScope) | Err(_) => {
+                Err(format!("unknown load-balancing routing preference {p}"))
+            }
+        })
+        .collect::<Result<_, _>>()?;
+    let mode = match Mode::try_from(lb.mode) {
+        Ok(Mode::UnspecifiedMode) => LbMode::Standard,
+        Ok(Mode::Strict) => LbMode::Strict,
+        Ok(Mode::Failover) => LbMode::Failover,
+        Ok(Mode::Passthrough) => LbMode::Passthrough,
+        Err(_) => return Err(format!("unknown load-balancing mode {}", lb.mode)),
+    };
+    let health_policy = match HealthPolicy::try_from(lb.health_policy) {
+        Ok(HealthPolicy::OnlyHealthy) => LbHealthPolicy::OnlyHealthy,
+        Ok(HealthPolicy::AllowAll) => LbHealthPolicy::AllowAll,
+        Err(_) => return Err(format!("unknown health policy {}", lb.health_policy)),
+    };
+    Ok(LoadBalancing {
+        routing_preferences,
+        mode,
+        health_policy,
     })
 }
 
@@ -412,6 +505,11 @@ pub fn service_to_proto(s: &Service) -> pb::Address {
                     address: ip_bytes(v.address),
                     length: None,
                 })
+                .chain(s.cidr_vips.iter().map(|c| pb::NetworkAddress {
+                    network: c.network.clone(),
+                    address: ip_bytes(c.cidr.net),
+                    length: Some(u32::from(c.cidr.len)),
+                }))
                 .collect(),
             ports: s
                 .ports
@@ -429,25 +527,13 @@ pub fn service_to_proto(s: &Service) -> pb::Address {
                 .collect(),
             subject_alt_names: s.subject_alt_names.clone(),
             waypoint: s.waypoint.as_ref().map(gateway_to_proto),
-            load_balancing: s.load_balancing.as_ref().map(|lb| pb::LoadBalancing {
-                routing_preference: lb
-                    .routing_preference
-                    .iter()
-                    .filter_map(|p| pb::load_balancing::Scope::from_str_name(p))
-                    .map(|p| p as i32)
-                    .collect(),
-                mode: pb::load_balancing::Mode::from_str_name(&lb.mode)
-                    .unwrap_or(pb::load_balancing::Mode::UnspecifiedMode)
-                    as i32,
-                health_policy: pb::load_balancing::HealthPolicy::from_str_name(&lb.health_policy)
-                    .unwrap_or(pb::load_balancing::HealthPolicy::OnlyHealthy)
-                    as i32,
-            }),
-            ip_families: s
-                .ip_families
-                .as_deref()
-                .and_then(pb::IpFamilies::from_str_name)
-                .unwrap_or(pb::IpFamilies::Automatic) as i32,
+            load_balancing: s.load_balancing.as_ref().map(load_balancing_to),
+            ip_families: match s.ip_families {
+                None => pb::IpFamilies::Automatic,
+                Some(IpFamilies::V4) => pb::IpFamilies::Ipv4Only,
+                Some(IpFamilies::V6) => pb::IpFamilies::Ipv6Only,
+                Some(IpFamilies::Dual) => pb::IpFamilies::Dual,
+            } as i32,
             extensions: Vec::new(),
             canonical: s.canonical,
             ingress_use_waypoint: s.ingress_use_waypoint,
@@ -464,6 +550,34 @@ pub fn service_to_proto(s: &Service) -> pb::Address {
                 Visibility::Namespace => pb::service::Visibility::Namespace,
             } as i32,
         })),
+    }
+}
+
+fn load_balancing_to(lb: &LoadBalancing) -> pb::LoadBalancing {
+    use pb::load_balancing::{HealthPolicy, Mode, Scope};
+    pb::LoadBalancing {
+        routing_preference: lb
+            .routing_preferences
+            .iter()
+            .map(|p| match p {
+                LbScope::Region => Scope::Region,
+                LbScope::Zone => Scope::Zone,
+                LbScope::Subzone => Scope::Subzone,
+                LbScope::Node => Scope::Node,
+                LbScope::Cluster => Scope::Cluster,
+                LbScope::Network => Scope::Network,
+            } as i32)
+            .collect(),
+        mode: match lb.mode {
+            LbMode::Standard => Mode::UnspecifiedMode,
+            LbMode::Strict => Mode::Strict,
+            LbMode::Failover => Mode::Failover,
+            LbMode::Passthrough => Mode::Passthrough,
+        } as i32,
+        health_policy: match lb.health_policy {
+            LbHealthPolicy::OnlyHealthy => HealthPolicy::OnlyHealthy,
+            LbHealthPolicy::AllowAll => HealthPolicy::AllowAll,
+        } as i32,
     }
 }
 

@@ -8,4 +8,4 @@ mod metrics;
 mod store;
 pub mod types;
 
-pub use store::{best_service, State, StateHandle};
+pub use store::{best_service, Claims, Endpoint, Refused, ResourceError, State, StateHandle};

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::types::{
-    Authorization, HealthStatus, NetworkAddress, NetworkMode, PolicyScope, Protocol, Service,
-    Workload,
+    Authorization, HealthStatus, NetworkAddress, NetworkCidr, NetworkMode, PolicyScope, Protocol,
+    Service, Workload,
 };
 
 /// A workload backing a service, with its own port overrides.
@@ -34,7 +34,13 @@ pub struct State {
     by_name: HashMap<(String, String), Arc<Workload>>,
     /// Services may share a VIP (across namespaces): in arrival order.
     services_by_vip: HashMap<NetworkAddress, Vec<Arc<Service>>>,
+    /// VIP ranges, matched when no VIP matches exactly.
+    services_by_cidr: Vec<(NetworkCidr, Arc<Service>)>,
     services_by_host: HashMap<String, Arc<Service>>,
+    /// Addresses and names of resources that were refused: a connection to
+    /// one is refused with the reason, never passed through (when no
+    /// served resource holds the address).
+    refused: Refusals,
     endpoints: HashMap<String, Vec<Endpoint>>,
     policies: HashMap<String, Arc<Authorization>>,
     /// Namespace-scoped policies by namespace, and the global ones.
@@ -57,6 +63,62 @@ pub fn best_service<'a>(
         }
     }
     pick
+}
+
+/// A resource Ambit refused, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub resource: String,
+    pub reason: String,
+}
+
+/// What a refused resource claimed: its addresses, VIP ranges and names.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Claims {
+    pub addresses: Vec<NetworkAddress>,
+    pub ranges: Vec<NetworkCidr>,
+    /// A service's `namespace/hostname`, or a workload's hostname.
+    pub hosts: Vec<String>,
+}
+
+impl Claims {
+    pub fn of_workload(w: &Workload) -> Claims {
+        let addresses = match w.network_mode {
+            // The node's own addresses: never claimed by one workload.
+            NetworkMode::HostNetwork => Vec::new(),
+            NetworkMode::Standard => w
+                .workload_ips
+                .iter()
+                .map(|ip| NetworkAddress {
+                    network: w.network.clone(),
+                    address: *ip,
+                })
+                .collect(),
+        };
+        Claims {
+            addresses,
+            ranges: Vec::new(),
+            hosts: [w.hostname.clone()]
+                .into_iter()
+                .filter(|h| !h.is_empty())
+                .collect(),
+        }
+    }
+
+    pub fn of_service(s: &Service) -> Claims {
+        Claims {
+            addresses: s.vips.clone(),
+            ranges: s.cidr_vips.clone(),
+            hosts: vec![s.key()],
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct Refusals {
+    by_addr: HashMap<NetworkAddress, Arc<Refused>>,
+    by_range: Vec<(NetworkCidr, Arc<Refused>)>,
+    by_host: HashMap<String, Arc<Refused>>,
 }
 
 /// Why a resource could not join the state; names the resource.
@@ -96,25 +158,22 @@ impl State {
             if w.uid.is_empty() {
                 w.uid = format!("{}/{}", w.namespace, w.name);
             }
-            if w.name.is_empty() || w.namespace.is_empty() {
-                errors.push(ResourceError {
-                    resource: name,
-                    reason: "name and namespace are required".into(),
-                });
-                continue;
-            }
-            if let Some(reason) = w.unsupported() {
-                errors.push(ResourceError {
+            let refusal = if w.name.is_empty() || w.namespace.is_empty() {
+                Some("name and namespace are required".to_string())
+            } else if let Some(reason) = w.unsupported() {
+                Some(reason)
+            } else if st.workloads.contains_key(&w.uid) {
+                Some(format!("uid {:?} is used twice", w.uid))
+            } else {
+                None
+            };
+            if let Some(reason) = refusal {
+                let e = ResourceError {
                     resource: name,
                     reason,
-                });
-                continue;
-            }
-            if st.workloads.contains_key(&w.uid) {
-                errors.push(ResourceError {
-                    resource: name,
-                    reason: format!("uid {:?} is used twice", w.uid),
-                });
+                };
+                st.refuse(Claims::of_workload(&w), &e);
+                errors.push(e);
                 continue;
             }
             let w = Arc::new(w);
@@ -146,25 +205,22 @@ impl State {
         }
         for (i, s) in services.into_iter().enumerate() {
             let name = format!("services[{i}] ({}/{})", s.namespace, s.hostname);
-            if s.hostname.is_empty() || s.namespace.is_empty() {
-                errors.push(ResourceError {
-                    resource: name,
-                    reason: "hostname and namespace are required".into(),
-                });
-                continue;
-            }
-            if let Some(reason) = s.unsupported() {
-                errors.push(ResourceError {
+            let refusal = if s.hostname.is_empty() || s.namespace.is_empty() {
+                Some("hostname and namespace are required".to_string())
+            } else if let Some(reason) = s.unsupported() {
+                Some(reason)
+            } else if st.services_by_host.contains_key(&s.key()) {
+                Some(format!("service {} is defined twice", s.key()))
+            } else {
+                None
+            };
+            if let Some(reason) = refusal {
+                let e = ResourceError {
                     resource: name,
                     reason,
-                });
-                continue;
-            }
-            if st.services_by_host.contains_key(&s.key()) {
-                errors.push(ResourceError {
-                    resource: name,
-                    reason: format!("service {} is defined twice", s.key()),
-                });
+                };
+                st.refuse(Claims::of_service(&s), &e);
+                errors.push(e);
                 continue;
             }
             let s = Arc::new(s);
@@ -173,6 +229,9 @@ impl State {
                     .entry(vip.clone())
                     .or_default()
                     .push(s.clone());
+            }
+            for range in &s.cidr_vips {
+                st.services_by_cidr.push((range.clone(), s.clone()));
             }
             st.services_by_host.insert(s.key(), s);
         }
@@ -198,6 +257,58 @@ impl State {
             st.policies.insert(key, p);
         }
         (st, errors)
+    }
+
+    /// Holds what a refused resource claimed, so that a connection to it
+    /// is refused with `refused`'s reason instead of passed through.
+    pub fn refuse(&mut self, claims: Claims, refused: &ResourceError) {
+        let r = Arc::new(Refused {
+            resource: refused.resource.clone(),
+            reason: refused.reason.clone(),
+        });
+        for a in claims.addresses {
+            self.refused.by_addr.entry(a).or_insert_with(|| r.clone());
+        }
+        for c in claims.ranges {
+            self.refused.by_range.push((c, r.clone()));
+        }
+        for h in claims.hosts {
+            self.refused.by_host.entry(h).or_insert_with(|| r.clone());
+        }
+    }
+
+    /// The refused resource that claimed an address (exactly, or in a
+    /// range), if one did. Consulted only when nothing served holds it.
+    pub fn refused_at(&self, network: &str, ip: IpAddr) -> Option<&Refused> {
+        let key = NetworkAddress {
+            network: network.to_string(),
+            address: ip,
+        };
+        if let Some(r) = self.refused.by_addr.get(&key) {
+            return Some(r);
+        }
+        self.refused
+            .by_range
+            .iter()
+            .filter(|(c, _)| c.network == network && c.cidr.contains(ip))
+            .max_by_key(|(c, _)| c.cidr.len)
+            .map(|(_, r)| r.as_ref())
+    }
+
+    /// The refused resource that claimed a name (`namespace/hostname`).
+    pub fn refused_host(&self, key: &str) -> Option<&Refused> {
+        self.refused.by_host.get(key).map(Arc::as_ref)
+    }
+
+    /// Every refused claim as text (`network/ip`, `network/ip/len`,
+    /// `namespace/hostname`) with its refusal, for the config dump.
+    pub fn refusals(&self) -> impl Iterator<Item = (String, &Refused)> {
+        let r = &self.refused;
+        r.by_addr
+            .iter()
+            .map(|(a, r)| (a.to_string(), r.as_ref()))
+            .chain(r.by_range.iter().map(|(c, r)| (c.to_string(), r.as_ref())))
+            .chain(r.by_host.iter().map(|(h, r)| (h.clone(), r.as_ref())))
     }
 
     /// The workload at an address. Of several claimants, as ztunnel
@@ -231,7 +342,45 @@ impl State {
             network: network.to_string(),
             address: ip,
         };
-        best_service(self.services_by_vip.get(&key)?.iter(), client)
+        if let Some(s) = self
+            .services_by_vip
+            .get(&key)
+            .and_then(|s| best_service(s.iter(), client))
+        {
+            return Some(s);
+        }
+        self.service_by_range(network, ip, client)
+    }
+
+    /// The service whose VIP range holds `ip`, as ztunnel ranks them: of
+    /// the ranges visible to the client, one of its namespace first, then
+    /// the longest prefix, then `canonical`; the first to arrive among equals.
+    fn service_by_range(
+        &self,
+        network: &str,
+        ip: IpAddr,
+        client: Option<&str>,
+    ) -> Option<&Arc<Service>> {
+        // (in the client's namespace, prefix length, canonical)
+        type Rank = (bool, u8, bool);
+        let mut best: Option<(Rank, &Arc<Service>)> = None;
+        for (range, s) in &self.services_by_cidr {
+            if range.network != network
+                || !range.cidr.contains(ip)
+                || client.is_some_and(|c| !s.visible_to(c))
+            {
+                continue;
+            }
+            let rank = (
+                client == Some(s.namespace.as_str()),
+                range.cidr.len,
+                s.canonical,
+            );
+            if best.as_ref().is_none_or(|(b, _)| rank > *b) {
+                best = Some((rank, s));
+            }
+        }
+        best.map(|(_, s)| s)
     }
 
     /// Services whose hostname is `hostname` (any namespace).

@@ -291,6 +291,12 @@ impl Workload {
         Identity::new(td, &self.namespace, &self.service_account)
     }
 
+    /// Its share when load balancing: istiod's `capacity`, 1 when unset, 0
+    /// never chosen.
+    pub fn weight(&self) -> u64 {
+        u64::from(self.capacity.unwrap_or(1))
+    }
+
     /// `canonical_name`, else the workload name, else the pod name.
     pub fn canonical_service(&self) -> &str {
         [&self.canonical_name, &self.workload_name, &self.name]
@@ -321,10 +327,14 @@ pub struct Service {
     /// Several waypoints, chosen by weight (takes the place of `waypoint`).
     #[serde(default)]
     pub weighted_waypoints: Vec<WeightedWaypoint>,
+    /// VIP ranges (ServiceEntry address blocks): any address in one is the
+    /// service's, as a VIP is; a VIP that matches exactly wins.
+    #[serde(default)]
+    pub cidr_vips: Vec<NetworkCidr>,
     #[serde(default, rename = "loadBalancer")]
     pub load_balancing: Option<LoadBalancing>,
     #[serde(default)]
-    pub ip_families: Option<String>,
+    pub ip_families: Option<IpFamilies>,
     /// The service that names a hostname several services share.
     #[serde(default)]
     pub canonical: bool,
@@ -341,16 +351,162 @@ pub struct Service {
     pub extensions: Vec<String>,
 }
 
-/// istiod's load-balancing choices for a service.
+/// istiod's load-balancing choices for a service: which endpoints a client
+/// prefers (or is held to) by what it shares with them, and whether
+/// unhealthy endpoints take traffic. Written as ztunnel's local config
+/// writes it (`routingPreferences: [Network, Zone]`, `mode: Failover`) or
+/// with istiod's enum names (`ZONE`, `FAILOVER`).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct LoadBalancing {
-    /// `REGION`, `ZONE`, ...: endpoints are preferred in that order.
-    pub routing_preference: Vec<String>,
-    /// `STRICT`, `FAILOVER`, `PASSTHROUGH` (empty: unspecified).
-    pub mode: String,
-    /// `ALLOW_ALL` lets unhealthy endpoints take traffic.
-    pub health_policy: String,
+    /// Scopes in order of preference: an endpoint ranks by how many of
+    /// them, from the first, it shares with the client.
+    #[serde(alias = "routingPreference")]
+    pub routing_preferences: Vec<LbScope>,
+    pub mode: LbMode,
+    pub health_policy: LbHealthPolicy,
+}
+
+/// What a client and an endpoint may share (istiod's `LoadBalancing.Scope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Deserialize)]
+pub enum LbScope {
+    #[serde(alias = "REGION")]
+    Region,
+    #[serde(alias = "ZONE")]
+    Zone,
+    #[serde(alias = "SUBZONE")]
+    Subzone,
+    #[serde(alias = "NODE")]
+    Node,
+    #[serde(alias = "CLUSTER")]
+    Cluster,
+    #[serde(alias = "NETWORK")]
+    Network,
+}
+
+/// How routing preferences bind (istiod's `LoadBalancing.Mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum LbMode {
+    /// Preferences ignored: any endpoint (istiod's `UNSPECIFIED_MODE`).
+    #[default]
+    #[serde(alias = "UNSPECIFIED_MODE")]
+    Standard,
+    /// Only endpoints that share every scope with the client; none: refused.
+    #[serde(alias = "STRICT")]
+    Strict,
+    /// The endpoints that share the most scopes, in order, with the client.
+    #[serde(alias = "FAILOVER")]
+    Failover,
+    /// No endpoint choice: the connection goes to its original destination.
+    #[serde(alias = "PASSTHROUGH")]
+    Passthrough,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub enum LbHealthPolicy {
+    #[default]
+    #[serde(alias = "ONLY_HEALTHY")]
+    OnlyHealthy,
+    /// Unhealthy endpoints take traffic too (`publishNotReadyAddresses`).
+    #[serde(alias = "ALLOW_ALL")]
+    AllowAll,
+}
+
+impl fmt::Display for LbScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LbScope::Region => "REGION",
+            LbScope::Zone => "ZONE",
+            LbScope::Subzone => "SUBZONE",
+            LbScope::Node => "NODE",
+            LbScope::Cluster => "CLUSTER",
+            LbScope::Network => "NETWORK",
+        })
+    }
+}
+
+impl fmt::Display for LbMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LbMode::Standard => "UNSPECIFIED_MODE",
+            LbMode::Strict => "STRICT",
+            LbMode::Failover => "FAILOVER",
+            LbMode::Passthrough => "PASSTHROUGH",
+        })
+    }
+}
+
+impl fmt::Display for LbHealthPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LbHealthPolicy::OnlyHealthy => "ONLY_HEALTHY",
+            LbHealthPolicy::AllowAll => "ALLOW_ALL",
+        })
+    }
+}
+
+/// The address families a service answers on (istiod's `IPFamilies`;
+/// unset: whatever its endpoints have).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum IpFamilies {
+    #[serde(alias = "DUAL")]
+    Dual,
+    #[serde(rename = "IPv4", alias = "IPV4_ONLY")]
+    V4,
+    #[serde(rename = "IPv6", alias = "IPV6_ONLY")]
+    V6,
+}
+
+impl IpFamilies {
+    pub fn admits(self, ip: IpAddr) -> bool {
+        match self {
+            IpFamilies::Dual => true,
+            IpFamilies::V4 => ip.is_ipv4(),
+            IpFamilies::V6 => ip.is_ipv6(),
+        }
+    }
+}
+
+impl fmt::Display for IpFamilies {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            IpFamilies::Dual => "DUAL",
+            IpFamilies::V4 => "IPV4_ONLY",
+            IpFamilies::V6 => "IPV6_ONLY",
+        })
+    }
+}
+
+/// A block of addresses in a network, every one of which is the service's
+/// VIP: `network/10.96.0.0/16` (the network may be empty: `/10.96.0.0/16`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub struct NetworkCidr {
+    pub network: String,
+    pub cidr: Cidr,
+}
+
+impl TryFrom<String> for NetworkCidr {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        // `network/ip/len`; a bare `ip/len` has no network.
+        let (network, block) = match s.matches('/').count() {
+            2 => s.split_once('/').unwrap_or(("", s.as_str())),
+            _ => ("", s.as_str()),
+        };
+        let cidr = Cidr::try_from(block.to_string())
+            .map_err(|_| format!("{s:?} is not a range of the form network/IP/length"))?;
+        Ok(NetworkCidr {
+            network: network.to_string(),
+            cidr,
+        })
+    }
+}
+
+impl fmt::Display for NetworkCidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}/{}", self.network, self.cidr.net, self.cidr.len)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -369,20 +525,6 @@ impl Service {
     pub fn unsupported(&self) -> Option<String> {
         if let Some(e) = self.extensions.first() {
             return Some(format!("extension {e:?} is not supported"));
-        }
-        if let Some(lb) = &self.load_balancing {
-            if !lb.routing_preference.is_empty() || !lb.mode.is_empty() {
-                return Some(format!(
-                    "load balancing (mode {:?}, preference {:?}) is not supported yet",
-                    lb.mode, lb.routing_preference
-                ));
-            }
-            if !lb.health_policy.is_empty() && lb.health_policy != "ONLY_HEALTHY" {
-                return Some(format!(
-                    "load balancing health policy {:?} is not supported yet",
-                    lb.health_policy
-                ));
-            }
         }
         let total: u64 = self
             .weighted_waypoints

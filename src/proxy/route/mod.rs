@@ -3,6 +3,7 @@
 //! through its waypoint, anything unknown out of the mesh. No I/O: the
 //! listeners (`outbound`, `inbound`) act on what these functions decide.
 
+pub mod endpoints;
 pub mod waypoint;
 
 use std::net::{IpAddr, SocketAddr};
@@ -10,8 +11,9 @@ use std::sync::Arc;
 
 use crate::constants::HBONE_PORT;
 use crate::identity::Identity;
-use crate::xds::types::{GatewayAddress, Protocol, Service, Workload};
+use crate::xds::types::{GatewayAddress, LbMode, Protocol, Service, Workload};
 use crate::xds::State;
+use endpoints::{Need, Place};
 
 /// Where an outbound connection goes.
 #[derive(Debug, Clone)]
@@ -33,13 +35,20 @@ pub enum Route {
         workload: Arc<Workload>,
         service: Option<Arc<Service>>,
     },
-    /// Not in the mesh: straight to the original destination.
+    /// Not in the mesh (or a service in PASSTHROUGH mode): straight to the
+    /// original destination.
     Passthrough { target: SocketAddr },
-    /// A service with no healthy endpoint for that port.
-    NoEndpoint { service: Arc<Service> },
+    /// A service with no endpoint this client may use for that port.
+    NoEndpoint {
+        service: Arc<Service>,
+        reason: String,
+    },
     /// The destination has a waypoint that cannot be reached: refused,
     /// never sent around the waypoint.
     NoWaypoint { reason: String },
+    /// The destination's resource was refused (NACKed): refused too,
+    /// never passed through.
+    Refused { resource: String, reason: String },
     /// A service endpoint reached by hostname: resolve it (on demand), then
     /// route to the address as to any workload.
     Hostname {
@@ -60,8 +69,23 @@ pub struct Client<'a> {
     /// Picks among services sharing a VIP, and hides other namespaces'
     /// namespace-only services.
     pub namespace: &'a str,
+    /// With the namespace, finds the client's own workload (its place, for
+    /// load balancing) when its addresses do not.
+    pub name: &'a str,
     /// Tells a waypoint's own traffic.
     pub ips: &'a [IpAddr],
+}
+
+impl<'a> Client<'a> {
+    /// The client's own workload, by address, else by name.
+    fn workload(&self, state: &'a State, network: &str) -> Option<&'a Workload> {
+        self.ips
+            .iter()
+            .find_map(|ip| state.workload_by_addr(network, *ip))
+            .filter(|w| w.namespace == self.namespace)
+            .or_else(|| state.workload_by_name(self.namespace, self.name))
+            .map(Arc::as_ref)
+    }
 }
 
 /// Decides the route of a connection from `client` to `dst` (pure: reads
@@ -73,91 +97,143 @@ pub fn route(
     dst: SocketAddr,
     trust_domain: &str,
 ) -> Route {
-    let source = client.ips;
+    let place = Place::of(client.workload(state, network), network);
+    let hop = Hop {
+        state,
+        place: &place,
+        source: client.ips,
+        dst,
+        td: trust_domain,
+    };
     if let Some(svc) = state.service_by_vip(network, dst.ip(), Some(client.namespace)) {
         if let Some(gw) = waypoint::of_service(svc) {
-            if let Some(r) = via_waypoint(state, &gw, source, dst, Some(svc), trust_domain) {
+            if let Some(r) = hop.via_waypoint(&gw, Some(svc)) {
                 return r;
             }
         }
-        let Some(&svc_target) = svc.ports.get(&dst.port()) else {
-            return Route::NoEndpoint {
-                service: svc.clone(),
-            };
-        };
-        let endpoints: Vec<_> = state
-            .healthy_endpoints(svc)
-            .filter(|e| !e.workload.workload_ips.is_empty() || !e.workload.hostname.is_empty())
-            .collect();
-        if endpoints.is_empty() {
-            return Route::NoEndpoint {
-                service: svc.clone(),
-            };
-        }
-        let ep = endpoints[fastrand::usize(..endpoints.len())];
-        let port = match ep.ports.get(&dst.port()).copied().unwrap_or(svc_target) {
-            0 => dst.port(),
-            p => p,
-        };
-        let Some(&ip) = ep.workload.workload_ips.first() else {
-            // Reached by name: resolved when the connection needs it.
-            return Route::Hostname {
-                workload: ep.workload.clone(),
-                port,
-                service: svc.clone(),
-            };
-        };
-        let target = SocketAddr::new(ip, port);
-        return to_workload(ep.workload.clone(), target, Some(svc.clone()), trust_domain);
+        return to_service(&hop, svc);
     }
-    match state.workload_by_addr(network, dst.ip()) {
-        Some(w) => {
-            if let Some(gw) = &w.waypoint {
-                if let Some(r) = via_waypoint(state, gw, source, dst, None, trust_domain) {
-                    return r;
-                }
+    if let Some(w) = state.workload_by_addr(network, dst.ip()) {
+        if let Some(gw) = &w.waypoint {
+            if let Some(r) = hop.via_waypoint(gw, None) {
+                return r;
             }
-            to_workload(w.clone(), dst, None, trust_domain)
         }
+        return to_workload(w.clone(), dst, None, trust_domain);
+    }
+    match state.refused_at(network, dst.ip()) {
+        Some(r) => Route::Refused {
+            resource: r.resource.clone(),
+            reason: r.reason.clone(),
+        },
         None => Route::Passthrough { target: dst },
     }
 }
 
-/// HBONE to the waypoint `gw` with the original destination `dst` as the
-/// CONNECT authority, checking the waypoint's identity; `None` when the
-/// source is the waypoint itself (its traffic goes on to the destination).
-fn via_waypoint(
-    state: &State,
-    gw: &GatewayAddress,
-    source: &[IpAddr],
+/// What every step of one routing decision shares.
+struct Hop<'a> {
+    state: &'a State,
+    place: &'a Place<'a>,
+    source: &'a [IpAddr],
     dst: SocketAddr,
-    service: Option<&Arc<Service>>,
-    td: &str,
-) -> Option<Route> {
-    let resolved = match waypoint::resolve(state, gw) {
-        Ok(r) => r,
-        Err(reason) => return Some(Route::NoWaypoint { reason }),
+    td: &'a str,
+}
+
+/// A connection to a service's VIP (or VIP range): one of its endpoints,
+/// chosen by the service's load-balancing rules, at the port it maps.
+fn to_service(hop: &Hop<'_>, svc: &Arc<Service>) -> Route {
+    let dst = hop.dst;
+    let no_endpoint = |reason: String| Route::NoEndpoint {
+        service: svc.clone(),
+        reason,
     };
-    let candidates = &resolved.workloads;
-    if waypoint::is_from(candidates, source) {
-        return None;
+    if svc
+        .load_balancing
+        .as_ref()
+        .is_some_and(|lb| lb.mode == LbMode::Passthrough)
+    {
+        return Route::Passthrough { target: dst };
     }
-    let w = candidates[fastrand::usize(..candidates.len())].clone();
-    let mut identities = vec![w.identity(td)];
-    identities.extend(
-        resolved
-            .sans
-            .iter()
-            .filter_map(|s| s.parse::<Identity>().ok()),
-    );
-    Some(Route::Hbone {
-        proxy: SocketAddr::new(w.workload_ips[0], gw.hbone_mtls_port),
-        target: dst,
-        identities,
-        workload: w,
-        service: service.cloned(),
-        waypoint: true,
-    })
+    let Some(&svc_target) = svc.ports.get(&dst.port()) else {
+        return no_endpoint(format!("service {} has no port {}", svc.key(), dst.port()));
+    };
+    let ep = match endpoints::choose(hop.state, svc, hop.place, Need::Port(dst.port())) {
+        Ok(ep) => ep,
+        Err(reason) => return no_endpoint(reason),
+    };
+    let port = match ep.ports.get(&dst.port()).copied().unwrap_or(svc_target) {
+        0 => dst.port(),
+        p => p,
+    };
+    if ep.workload.workload_ips.is_empty() {
+        // Reached by name: resolved when the connection needs it.
+        return Route::Hostname {
+            workload: ep.workload.clone(),
+            port,
+            service: svc.clone(),
+        };
+    }
+    let Some(ip) = endpoints::address_for(&ep.workload, dst.ip(), svc.ip_families) else {
+        return no_endpoint(format!(
+            "endpoint {}/{} has no address in the service's families ({})",
+            ep.workload.namespace,
+            ep.workload.name,
+            svc.ip_families.map(|f| f.to_string()).unwrap_or_default()
+        ));
+    };
+    to_workload(
+        ep.workload.clone(),
+        SocketAddr::new(ip, port),
+        Some(svc.clone()),
+        hop.td,
+    )
+}
+
+impl Hop<'_> {
+    /// HBONE to the waypoint `gw` with the original destination as the
+    /// CONNECT authority, checking the waypoint's identity; `None` when
+    /// the source is the waypoint itself (its traffic goes on to the
+    /// destination). A waypoint service's endpoint is chosen as any
+    /// service's is, on the caller's address family.
+    fn via_waypoint(&self, gw: &GatewayAddress, service: Option<&Arc<Service>>) -> Option<Route> {
+        let refuse = |reason| Some(Route::NoWaypoint { reason });
+        let resolved = match waypoint::resolve(self.state, gw) {
+            Ok(r) => r,
+            Err(reason) => return refuse(reason),
+        };
+        if resolved.is_from(self.state, self.source) {
+            return None;
+        }
+        let (w, sans, ip) = match resolved {
+            waypoint::Resolved::Workload(w, at) => (w.clone(), &[][..], Some(at)),
+            waypoint::Resolved::Service(svc) => {
+                match endpoints::choose(self.state, svc, self.place, Need::Waypoint) {
+                    Ok(ep) => (
+                        ep.workload.clone(),
+                        &svc.subject_alt_names[..],
+                        endpoints::address_for(&ep.workload, self.dst.ip(), svc.ip_families),
+                    ),
+                    Err(reason) => return refuse(format!("waypoint {}: {reason}", gw.destination)),
+                }
+            }
+        };
+        let Some(ip) = ip else {
+            return refuse(format!(
+                "waypoint {} ({}/{}) has no address",
+                gw.destination, w.namespace, w.name
+            ));
+        };
+        let mut identities = vec![w.identity(self.td)];
+        identities.extend(sans.iter().filter_map(|s| s.parse::<Identity>().ok()));
+        Some(Route::Hbone {
+            proxy: SocketAddr::new(ip, gw.hbone_mtls_port),
+            target: self.dst,
+            identities,
+            workload: w,
+            service: service.cloned(),
+            waypoint: true,
+        })
+    }
 }
 
 pub fn to_workload(

@@ -1,8 +1,9 @@
 //! Waypoints on the outbound path, as pure decisions over a state snapshot:
 //! which waypoint a service or workload names (one, or one of several by
-//! weight), which workloads stand behind it, and whether the connection
-//! comes from the waypoint itself (then it goes straight to the
-//! destination, never back to the waypoint). No I/O.
+//! weight; by address or, as istiod names them, by service hostname), what
+//! stands behind it, and whether the connection comes from the waypoint
+//! itself (then it goes straight to the destination, never back to the
+//! waypoint). No I/O.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -30,22 +31,29 @@ pub fn of_service(svc: &Service) -> Option<GatewayAddress> {
     svc.waypoint.clone()
 }
 
-/// The workloads that can take traffic for `gw`: the workload at its
-/// address, or the healthy endpoints of the service it names (by address or
-/// by hostname). An error says why there is none; the caller refuses the
-/// connection rather than bypass the waypoint.
-pub fn resolve(state: &State, gw: &GatewayAddress) -> Result<Resolved, String> {
-    let (name, svc) = match &gw.destination {
+/// What stands behind a waypoint: one workload, at the address it was
+/// named by, or a service whose endpoints are chosen per connection (by
+/// the same rules as any service's).
+pub enum Resolved<'a> {
+    Workload(&'a Arc<Workload>, IpAddr),
+    Service(&'a Arc<Service>),
+}
+
+/// What `gw` names: the workload at its address, or the service it names
+/// by address or by hostname. An error says why there is none; the caller
+/// refuses the connection rather than bypass the waypoint.
+pub fn resolve<'a>(state: &'a State, gw: &GatewayAddress) -> Result<Resolved<'a>, String> {
+    match &gw.destination {
         GatewayDestination::Address(a) => {
             if let Some(w) = state.workload_by_addr(&a.network, a.address) {
-                return Ok(Resolved {
-                    workloads: vec![w.clone()],
-                    sans: Vec::new(),
-                });
+                return Ok(Resolved::Workload(w, a.address));
             }
             match state.service_by_vip(&a.network, a.address, None) {
-                Some(svc) => (a.to_string(), svc),
-                None => return Err(format!("waypoint {a} is not known")),
+                Some(svc) => Ok(Resolved::Service(svc)),
+                None => Err(match state.refused_at(&a.network, a.address) {
+                    Some(r) => format!("waypoint {a} was refused: {}", r.reason),
+                    None => format!("waypoint {a} is not known"),
+                }),
             }
         }
         GatewayDestination::Hostname {
@@ -54,39 +62,25 @@ pub fn resolve(state: &State, gw: &GatewayAddress) -> Result<Resolved, String> {
         } => {
             let key = format!("{namespace}/{hostname}");
             match state.service_by_host(&key) {
-                Some(svc) => (key, svc),
-                None => return Err(format!("waypoint service {key} is not known")),
+                Some(svc) => Ok(Resolved::Service(svc)),
+                None => Err(match state.refused_host(&key) {
+                    Some(r) => format!("waypoint service {key} was refused: {}", r.reason),
+                    None => format!("waypoint service {key} is not known"),
+                }),
             }
         }
-    };
-    let workloads = endpoints(state, svc);
-    if workloads.is_empty() {
-        return Err(format!("waypoint {name} has no healthy endpoint"));
     }
-    Ok(Resolved {
-        workloads,
-        sans: svc.subject_alt_names.clone(),
-    })
 }
 
-/// The workloads behind a waypoint, and the extra identities its service
-/// allows (`subject_alt_names`), any of which the client accepts.
-pub struct Resolved {
-    pub workloads: Vec<Arc<Workload>>,
-    pub sans: Vec<String>,
-}
-
-fn endpoints(state: &State, svc: &Service) -> Vec<Arc<Workload>> {
-    state
-        .healthy_endpoints(svc)
-        .filter(|e| !e.workload.workload_ips.is_empty())
-        .map(|e| e.workload.clone())
-        .collect()
-}
-
-/// Whether a pod with addresses `source` is one of the waypoint's workloads.
-pub fn is_from(candidates: &[Arc<Workload>], source: &[IpAddr]) -> bool {
-    candidates
-        .iter()
-        .any(|w| w.workload_ips.iter().any(|ip| source.contains(ip)))
+impl Resolved<'_> {
+    /// Whether a pod with addresses `source` is one of the waypoint's
+    /// workloads (any endpoint, healthy or not: its own traffic never
+    /// goes back to a waypoint).
+    pub fn is_from(&self, state: &State, source: &[IpAddr]) -> bool {
+        let mine = |w: &Workload| w.workload_ips.iter().any(|ip| source.contains(ip));
+        match self {
+            Resolved::Workload(w, _) => mine(w),
+            Resolved::Service(svc) => state.endpoints(svc).any(|e| mine(&e.workload)),
+        }
+    }
 }

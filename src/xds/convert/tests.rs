@@ -220,7 +220,7 @@ fn every_service_field_decodes_from_istios_field_numbers() {
         Some(("shop/wp.shop.svc.cluster.local".to_string(), 15008)),
         "an unset port means 15008"
     );
-    assert_eq!(s.ip_families.as_deref(), Some("DUAL"));
+    assert_eq!(s.ip_families, Some(IpFamilies::Dual));
     assert!(s.canonical && s.ingress_use_waypoint);
     assert_eq!(s.visibility, Visibility::Public);
     assert_eq!(
@@ -264,12 +264,33 @@ fn unknown_enums_and_behaviour_ambit_lacks_are_refused_with_a_reason() {
         AddressResource::Workload(w) => w.unsupported().unwrap_or_default(),
     };
     assert_eq!(lacks(svc(num(14, 1))), "", "NAMESPACE visibility is served");
-    // A VIP range (NetworkAddress.length short of the full address).
+    // A VIP range (NetworkAddress.length short of the full address) is a
+    // range of VIPs; longer than the address, refused.
     let range = bytes(4, &[bytes(2, &[10, 96, 0, 0]), num(3, 24)].concat());
-    assert!(svc(range).unwrap_err().contains("VIP range 10.96.0.0/24"));
+    let AddressResource::Service(r) = svc(range).unwrap() else {
+        panic!("not a service")
+    };
+    assert_eq!(
+        (r.vips.len(), r.cidr_vips[0].to_string()),
+        (0, "/10.96.0.0/24".to_string())
+    );
+    let too_long = bytes(4, &[bytes(2, &[10, 96, 0, 0]), num(3, 33)].concat());
+    assert!(svc(too_long).unwrap_err().contains("too long"));
     let whole = bytes(4, &[bytes(2, &[10, 96, 0, 1]), num(3, 32)].concat());
     assert!(svc(whole).is_ok(), "a full-length VIP is one address");
-    assert!(lacks(svc(bytes(8, &num(2, 1)))).contains("load balancing"));
+    // Load balancing as istiod sends it is served; a scope or mode this
+    // build does not know is refused with its number.
+    assert_eq!(lacks(svc(bytes(8, &num(2, 1)))), "", "STRICT is served");
+    assert!(svc(bytes(8, &num(1, 9)))
+        .unwrap_err()
+        .contains("routing preference 9"));
+    assert!(svc(bytes(8, &num(1, 0)))
+        .unwrap_err()
+        .contains("routing preference 0"));
+    assert!(svc(bytes(8, &num(2, 7)))
+        .unwrap_err()
+        .contains("load-balancing mode 7"));
+    assert!(svc(num(9, 8)).unwrap_err().contains("IP families 8"));
     let zero = bytes(
         13,
         &[bytes(1, &bytes(2, &bytes(2, &[10, 0, 0, 9]))), num(2, 0)].concat(),

@@ -1,0 +1,229 @@
+//! Which endpoint of a service takes a connection, as ztunnel chooses:
+//! endpoints a client cannot use are dropped (unhealthy unless the service
+//! allows all, no address, another network, no such port), the rest ranked
+//! by the service's routing preferences against the client's own place
+//! (STRICT keeps those that share every scope, FAILOVER the best rank
+//! present), and one is drawn in proportion to its capacity. The same code
+//! chooses for service VIPs and for waypoint services. Pure: no I/O.
+
+use std::net::IpAddr;
+
+use crate::xds::types::{
+    HealthStatus, IpFamilies, LbHealthPolicy, LbMode, LbScope, Locality, Service, Workload,
+};
+use crate::xds::Endpoint;
+use crate::xds::State;
+
+/// Where the client pod stands, as its own workload says (empty fields
+/// where the state does not know it yet).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Place<'a> {
+    pub network: &'a str,
+    pub node: &'a str,
+    pub cluster: &'a str,
+    pub locality: Option<&'a Locality>,
+}
+
+impl<'a> Place<'a> {
+    /// The place of `workload`, or of an unknown client on `network`.
+    pub fn of(workload: Option<&'a Workload>, network: &'a str) -> Place<'a> {
+        match workload {
+            Some(w) => Place {
+                network: &w.network,
+                node: &w.node,
+                cluster: &w.cluster_id,
+                locality: Some(&w.locality),
+            },
+            None => Place {
+                network,
+                ..Place::default()
+            },
+        }
+    }
+
+    fn shares(&self, scope: LbScope, w: &Workload) -> bool {
+        let loc = |f: fn(&Locality) -> &str| self.locality.map_or("", f) == f(&w.locality);
+        match scope {
+            LbScope::Region => loc(|l| &l.region),
+            LbScope::Zone => loc(|l| &l.zone),
+            LbScope::Subzone => loc(|l| &l.subzone),
+            LbScope::Node => self.node == w.node,
+            LbScope::Cluster => self.cluster == w.cluster_id,
+            LbScope::Network => self.network == w.network,
+        }
+    }
+}
+
+/// What the connection needs of an endpoint.
+#[derive(Debug, Clone, Copy)]
+pub enum Need {
+    /// A service port: the endpoint must map it (the service's target
+    /// port, or the endpoint's own), and have an address or a hostname.
+    Port(u16),
+    /// A waypoint: reached on its HBONE port at one of its addresses.
+    Waypoint,
+}
+
+/// How good an endpoint is for a client under the service's preferences:
+/// the number of scopes it shares, in order, up to the first it does not.
+/// With NETWORK first, a same-network endpoint outranks every other, and
+/// among the rest the other scopes still rank (as ztunnel does). `None`
+/// under STRICT when it does not share every scope.
+fn rank(service: &Service, client: &Place<'_>, w: &Workload) -> Option<usize> {
+    let Some(lb) = &service.load_balancing else {
+        return Some(0);
+    };
+    let prefs = &lb.routing_preferences;
+    let network_first = prefs.first() == Some(&LbScope::Network);
+    let mut rank = 0;
+    let mut bonus = 0;
+    for &scope in prefs {
+        let shared = client.shares(scope, w);
+        if scope == LbScope::Network && network_first {
+            if !shared {
+                continue;
+            }
+            bonus = prefs.len() - 1;
+        }
+        if !shared {
+            break;
+        }
+        rank += 1;
+    }
+    if lb.mode == LbMode::Strict && rank != prefs.len() {
+        return None;
+    }
+    Some(rank + bonus)
+}
+
+/// The endpoints of `service` that may take the connection, best ranked
+/// only; an error says why there is none.
+pub fn candidates<'a>(
+    state: &'a State,
+    service: &Service,
+    client: &Place<'_>,
+    need: Need,
+) -> Result<Vec<&'a Endpoint>, String> {
+    let lb = service.load_balancing.as_ref();
+    let allow_unhealthy = lb.is_some_and(|l| l.health_policy == LbHealthPolicy::AllowAll);
+    let mut seen = 0;
+    let mut healthy = 0;
+    let mut reachable = 0;
+    let mut usable: Vec<(usize, &Endpoint)> = Vec::new();
+    for ep in state.endpoints(service) {
+        let w = &ep.workload;
+        seen += 1;
+        if w.status != HealthStatus::Healthy && !allow_unhealthy {
+            continue;
+        }
+        healthy += 1;
+        let addressed = match need {
+            Need::Port(_) => !w.workload_ips.is_empty() || !w.hostname.is_empty(),
+            Need::Waypoint => !w.workload_ips.is_empty(),
+        };
+        // Another network is reached only through its gateway, which this
+        // build does not take: never dialled directly.
+        if !addressed || w.network != client.network {
+            continue;
+        }
+        if let Need::Port(port) = need {
+            if !service.ports.contains_key(&port) && !ep.ports.contains_key(&port) {
+                continue;
+            }
+        }
+        reachable += 1;
+        if let Some(r) = rank(service, client, w) {
+            usable.push((r, ep));
+        }
+    }
+    let key = service.key();
+    if seen == 0 {
+        return Err(format!("service {key} has no endpoint"));
+    }
+    if healthy == 0 {
+        return Err(format!("service {key} has no healthy endpoint"));
+    }
+    if reachable == 0 {
+        return Err(format!(
+            "service {key} has no healthy endpoint reachable on this network{}",
+            match need {
+                Need::Port(p) => format!(" with port {p}"),
+                Need::Waypoint => String::new(),
+            }
+        ));
+    }
+    let Some(best) = usable.iter().map(|(r, _)| *r).max() else {
+        let prefs: Vec<String> = lb
+            .map(|l| {
+                l.routing_preferences
+                    .iter()
+                    .map(|p| p.to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        return Err(format!(
+            "service {key}: load balancing STRICT over [{}] leaves no endpoint that shares them with the client",
+            prefs.join(", ")
+        ));
+    };
+    Ok(usable
+        .into_iter()
+        .filter(|(r, _)| *r == best)
+        .map(|(_, e)| e)
+        .collect())
+}
+
+/// One of `candidates`, drawn in proportion to its workload's capacity;
+/// an error when every one has capacity 0.
+pub fn draw<'a>(service: &Service, candidates: &[&'a Endpoint]) -> Result<&'a Endpoint, String> {
+    let total: u64 = candidates.iter().map(|e| e.workload.weight()).sum();
+    if total == 0 {
+        return Err(format!(
+            "service {}: every endpoint it may use has capacity 0",
+            service.key()
+        ));
+    }
+    let mut at = fastrand::u64(..total);
+    for e in candidates {
+        match at.checked_sub(e.workload.weight()) {
+            Some(rest) => at = rest,
+            None => return Ok(e),
+        }
+    }
+    // Unreachable: `at` < total, the sum of the weights walked.
+    Err(format!("service {}: no endpoint drawn", service.key()))
+}
+
+/// The endpoint of `service` that takes this connection.
+pub fn choose<'a>(
+    state: &'a State,
+    service: &Service,
+    client: &Place<'_>,
+    need: Need,
+) -> Result<&'a Endpoint, String> {
+    draw(service, &candidates(state, service, client, need)?)
+}
+
+/// Which of a workload's addresses to dial for a connection first sent to
+/// `original`: that address if it is the workload's, else one of the
+/// family the service allows, the caller's family first. `None`: no
+/// address the service allows.
+pub fn address_for(
+    workload: &Workload,
+    original: IpAddr,
+    families: Option<IpFamilies>,
+) -> Option<IpAddr> {
+    if workload.workload_ips.contains(&original) {
+        return Some(original);
+    }
+    let allowed = || {
+        workload
+            .workload_ips
+            .iter()
+            .copied()
+            .filter(move |ip| families.is_none_or(|f| f.admits(*ip)))
+    };
+    allowed()
+        .find(|ip| ip.is_ipv6() == original.is_ipv6())
+        .or_else(|| allowed().next())
+}
