@@ -127,7 +127,10 @@ impl Snapshot {
     /// The resources of a local-config file, named as istiod names them.
     pub fn from_state(st: &crate::xds::State) -> Self {
         let mut addresses = BTreeMap::new();
-        for w in st.workloads() {
+        // What Ambit's own state refuses is still sent, as istiod sends
+        // it: the proxy refuses it (and its addresses) itself.
+        let (refused_workloads, refused_services) = st.refused_resources();
+        for w in st.workloads().chain(refused_workloads) {
             let aliases = w
                 .workload_ips
                 .iter()
@@ -142,7 +145,7 @@ impl Snapshot {
                 ),
             );
         }
-        for s in st.services() {
+        for s in st.services().chain(refused_services) {
             let aliases = s
                 .vips
                 .iter()
@@ -372,10 +375,15 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
         "serving_ca_cert {} has the mesh root's key: the control plane's TLS key would be a mesh credential and a workload certificate could pose as the control plane; give the serving root a key of its own (or unset serving_ca_cert/serving_ca_key to have one generated)",
         serving_root.display()
     );
-    let state = crate::xds::StateHandle::new(crate::xds::local::load(&cfg.local_xds_path)?);
-    tokio::spawn(crate::xds::local::watch(
+    // istiod's stand-in: a resource Ambit's proxy refuses is served as
+    // written (the proxy is the one to refuse it), the rest as ever.
+    let as_istiod = crate::xds::local::OnBadResource::RefuseIt;
+    let state =
+        crate::xds::StateHandle::new(crate::xds::local::load_as(&cfg.local_xds_path, as_istiod)?);
+    tokio::spawn(crate::xds::local::watch_as(
         cfg.local_xds_path.clone(),
         state.clone(),
+        as_istiod,
     ));
     let (snap_tx, snap_rx) = watch::channel(Arc::new(Snapshot::from_state(&state.load())));
     let mut changes = state.subscribe();

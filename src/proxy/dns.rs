@@ -1,7 +1,9 @@
 //! The DNS proxy (port 15053 in each pod, UDP and TCP): answers A/AAAA for
-//! mesh service hostnames from the state — full names and Kubernetes short
-//! forms with the pod's search domains; headless services answer with their
-//! endpoints — and forwards everything else to the node's resolvers, from
+//! mesh service hostnames from the state — full names, wildcard hosts
+//! (`*.example.com`) and Kubernetes short forms with the pod's search
+//! domains; headless services answer with their endpoints, in the
+//! service's families only — and forwards everything else (a ServiceEntry
+//! host without a VIP included) to the node's resolvers, from
 //! inside the pod's netns with the pod mark. Parsing and building messages is
 //! hickory-proto's; a packet it cannot parse gets FORMERR (or is dropped when
 //! not even the header is there).
@@ -91,27 +93,51 @@ fn candidates(name: &str, asker: Asker<'_>) -> Vec<String> {
     out
 }
 
+/// `name` and the wildcards that cover it, most specific first:
+/// `www.example.com`, `*.example.com`, `*.com` (as ztunnel tries them).
+fn wildcards(name: &str) -> Vec<String> {
+    let mut out = vec![name.to_string()];
+    let mut rest = name;
+    while let Some((_, parent)) = rest.split_once('.') {
+        out.push(format!("*.{parent}"));
+        rest = parent;
+    }
+    out
+}
+
 /// Addresses of the mesh service `name` means, or `None` if it is not one.
+/// A service without a VIP answers only if it is a Kubernetes headless
+/// service (a hostname under `svc.<cluster domain>`, answered with its
+/// endpoints); a ServiceEntry host without one is left to the upstream
+/// resolvers, as ztunnel leaves it. Only the families the service has
+/// are answered.
 fn lookup(state: &State, name: &str, asker: Asker<'_>) -> Option<Vec<IpAddr>> {
     let namespace = asker.namespace;
+    let kube_domain = format!(".svc.{}", asker.cluster_domain);
     for candidate in candidates(name, asker) {
-        // Several namespaces may define the hostname: the client's own
-        // first, else the canonical one, else the first (as ztunnel picks).
-        let Some(svc) = best_service(state.services_named(&candidate), Some(namespace)) else {
-            continue;
-        };
-        let mut ips: Vec<IpAddr> = if svc.vips.is_empty() {
-            // Headless: the endpoints themselves.
-            state
-                .healthy_endpoints(svc)
-                .flat_map(|e| e.workload.workload_ips.iter().copied())
-                .collect()
-        } else {
-            svc.vips.iter().map(|v| v.address).collect()
-        };
-        ips.sort();
-        ips.dedup();
-        return Some(ips);
+        for host in wildcards(&candidate) {
+            // Several namespaces may define the hostname: the client's own
+            // first, else the canonical one, else the first (as ztunnel picks).
+            let answerable = state
+                .services_named(&host)
+                .filter(|s| !s.vips.is_empty() || s.hostname.ends_with(&kube_domain));
+            let Some(svc) = best_service(answerable, Some(namespace)) else {
+                continue;
+            };
+            let mut ips: Vec<IpAddr> = if svc.vips.is_empty() {
+                // Headless: the endpoints themselves.
+                state
+                    .healthy_endpoints(svc)
+                    .flat_map(|e| e.workload.workload_ips.iter().copied())
+                    .collect()
+            } else {
+                svc.vips.iter().map(|v| v.address).collect()
+            };
+            ips.retain(|ip| svc.ip_families.is_none_or(|f| f.admits(*ip)));
+            ips.sort();
+            ips.dedup();
+            return Some(ips);
+        }
     }
     None
 }
@@ -516,6 +542,54 @@ services:
         assert_eq!(
             reply(&query("web.", RecordType::A), &st, at("shop")),
             Reply::Forward
+        );
+    }
+
+    #[test]
+    fn wildcard_hosts_families_and_service_entries_without_a_vip() {
+        let st = crate::xds::local::parse(
+            Path::new("wild.yaml"),
+            r#"
+workloads:
+- {name: ds-0, namespace: data, workloadIps: [10.0.0.8, "fd00::8"], protocol: HBONE,
+   services: {"data/ds4.data.svc.cluster.local": {80: 80}}}
+services:
+- {name: wild, namespace: shop, hostname: "*.example.com", vips: ["/10.96.0.80"], ports: {443: 443}}
+- {name: exact, namespace: shop, hostname: api.example.com, vips: ["/10.96.0.81"], ports: {443: 443}}
+- {name: novip, namespace: shop, hostname: legacy.example.net, ports: {80: 80}}
+- {name: ds4, namespace: data, hostname: ds4.data.svc.cluster.local, ports: {80: 80}, ipFamilies: IPv4}
+- {name: v6only, namespace: data, hostname: v6.data.svc.cluster.local, vips: ["/10.96.0.82", "/fd00::82"],
+   ports: {80: 80}, ipFamilies: IPv6}
+"#,
+        )
+        .unwrap();
+        let ask = |name: &str, ty| reply(&query(name, ty), &st, at("shop"));
+        assert_eq!(
+            answers(ask("www.example.com.", RecordType::A)),
+            ["10.96.0.80"]
+        );
+        assert_eq!(
+            answers(ask("a.b.example.com.", RecordType::A)),
+            ["10.96.0.80"]
+        );
+        assert_eq!(
+            answers(ask("api.example.com.", RecordType::A)),
+            ["10.96.0.81"],
+            "the exact host before the wildcard"
+        );
+        assert_eq!(ask("example.com.", RecordType::A), Reply::Forward);
+        // A ServiceEntry host with no VIP: the upstream resolvers answer.
+        assert_eq!(ask("legacy.example.net.", RecordType::A), Reply::Forward);
+        // A headless IPv4-only service: its dual-stack endpoints answer A only.
+        assert_eq!(
+            answers(ask("ds4.data.svc.cluster.local.", RecordType::A)),
+            ["10.0.0.8"]
+        );
+        assert!(answers(ask("ds4.data.svc.cluster.local.", RecordType::AAAA)).is_empty());
+        assert!(answers(ask("v6.data.svc.cluster.local.", RecordType::A)).is_empty());
+        assert_eq!(
+            answers(ask("v6.data.svc.cluster.local.", RecordType::AAAA)),
+            ["fd00::82"]
         );
     }
 

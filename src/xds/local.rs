@@ -46,8 +46,24 @@ pub enum LocalConfigError {
     },
 }
 
+/// What a file with a resource the state cannot hold does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnBadResource {
+    /// The whole file is rejected (a proxy's own config: all or nothing).
+    RejectFile,
+    /// That resource is refused and held as refused, the rest applied (a
+    /// control plane, which sends istiod's resources as they are, Ambit
+    /// can serve them or not: the proxy decides).
+    RefuseIt,
+}
+
 /// Parses the text of a local config file into a state.
 pub fn parse(path: &Path, text: &str) -> Result<State, LocalConfigError> {
+    parse_as(path, text, OnBadResource::RejectFile)
+}
+
+/// [`parse`], with a bad resource handled as `on_bad` says.
+pub fn parse_as(path: &Path, text: &str, on_bad: OnBadResource) -> Result<State, LocalConfigError> {
     let cfg: LocalConfig = if text.trim().is_empty() {
         LocalConfig::default()
     } else {
@@ -57,21 +73,36 @@ pub fn parse(path: &Path, text: &str) -> Result<State, LocalConfigError> {
             reason: e.to_string(),
         })?
     };
-    State::build(cfg.workloads, cfg.services, cfg.policies).map_err(|errors| {
-        LocalConfigError::Invalid {
+    let (st, errors) = State::build_lenient(cfg.workloads, cfg.services, cfg.policies);
+    if errors.is_empty() {
+        return Ok(st);
+    }
+    match on_bad {
+        OnBadResource::RejectFile => Err(LocalConfigError::Invalid {
             path: path.to_path_buf(),
             errors,
+        }),
+        OnBadResource::RefuseIt => {
+            for e in errors {
+                tracing::warn!(file = %path.display(), resource = %e.resource, reason = %e.reason, "local config resource held as refused");
+            }
+            Ok(st)
         }
-    })
+    }
 }
 
 /// Reads and parses the file.
 pub fn load(path: &Path) -> Result<State, LocalConfigError> {
+    load_as(path, OnBadResource::RejectFile)
+}
+
+/// [`load`], with a bad resource handled as `on_bad` says.
+pub fn load_as(path: &Path, on_bad: OnBadResource) -> Result<State, LocalConfigError> {
     let text = std::fs::read_to_string(path).map_err(|source| LocalConfigError::Read {
         path: path.to_path_buf(),
         source,
     })?;
-    parse(path, &text)
+    parse_as(path, &text, on_bad)
 }
 
 /// What identifies one version of the file on disk.
@@ -89,6 +120,11 @@ pub const WATCH_INTERVAL: Duration = Duration::from_millis(200);
 /// Polling the file's (mtime, size, inode) catches in-place edits, editor
 /// rename-over saves and Kubernetes ConfigMap symlink swaps alike.
 pub async fn watch(path: PathBuf, state: StateHandle) {
+    watch_as(path, state, OnBadResource::RejectFile).await
+}
+
+/// [`watch`], with a bad resource handled as `on_bad` says.
+pub async fn watch_as(path: PathBuf, state: StateHandle, on_bad: OnBadResource) {
     let mut last = stamp(&path);
     let mut ticker = tokio::time::interval(WATCH_INTERVAL);
     loop {
@@ -98,7 +134,7 @@ pub async fn watch(path: PathBuf, state: StateHandle) {
             continue;
         }
         last = now;
-        match load(&path) {
+        match load_as(&path, on_bad) {
             Ok(new) => {
                 let (w, s, p) = (
                     new.workloads().count(),

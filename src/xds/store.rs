@@ -41,6 +41,11 @@ pub struct State {
     /// one is refused with the reason, never passed through (when no
     /// served resource holds the address).
     refused: Refusals,
+    /// The refused resources themselves, when the state was built from
+    /// them (a control plane serves them as they are; a proxy never uses
+    /// them).
+    refused_workloads: Vec<Arc<Workload>>,
+    refused_services: Vec<Arc<Service>>,
     endpoints: HashMap<String, Vec<Endpoint>>,
     policies: HashMap<String, Arc<Authorization>>,
     /// Namespace-scoped policies by namespace, and the global ones.
@@ -173,6 +178,7 @@ impl State {
                     reason,
                 };
                 st.refuse(Claims::of_workload(&w), &e);
+                st.refused_workloads.push(Arc::new(w));
                 errors.push(e);
                 continue;
             }
@@ -220,6 +226,7 @@ impl State {
                     reason,
                 };
                 st.refuse(Claims::of_service(&s), &e);
+                st.refused_services.push(Arc::new(s));
                 errors.push(e);
                 continue;
             }
@@ -293,6 +300,12 @@ impl State {
             .filter(|(c, _)| c.network == network && c.cidr.contains(ip))
             .max_by_key(|(c, _)| c.cidr.len)
             .map(|(_, r)| r.as_ref())
+    }
+
+    /// The workloads and services refused when this state was built, as
+    /// they were given.
+    pub fn refused_resources(&self) -> (&[Arc<Workload>], &[Arc<Service>]) {
+        (&self.refused_workloads, &self.refused_services)
     }
 
     /// The refused resource that claimed a name (`namespace/hostname`).

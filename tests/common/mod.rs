@@ -6,6 +6,7 @@
 
 #![allow(dead_code)]
 
+pub mod cp;
 pub mod kube;
 pub mod node;
 

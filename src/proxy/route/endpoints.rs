@@ -3,7 +3,8 @@
 //! allows all, no address, another network, no such port), the rest ranked
 //! by the service's routing preferences against the client's own place
 //! (STRICT keeps those that share every scope, FAILOVER the best rank
-//! present), and one is drawn in proportion to its capacity. The same code
+//! present), and one is drawn in proportion to its capacity (capacity 0:
+//! never, and it holds no rank). The same code
 //! chooses for service VIPs and for waypoint services. Pure: no I/O.
 
 use std::net::IpAddr;
@@ -109,6 +110,7 @@ pub fn candidates<'a>(
     let mut seen = 0;
     let mut healthy = 0;
     let mut reachable = 0;
+    let mut weighted = 0;
     let mut usable: Vec<(usize, &Endpoint)> = Vec::new();
     for ep in state.endpoints(service) {
         let w = &ep.workload;
@@ -132,6 +134,13 @@ pub fn candidates<'a>(
             }
         }
         reachable += 1;
+        // Capacity 0 takes no traffic, so it holds no rank either: a
+        // draining endpoint in the client's zone does not keep FAILOVER
+        // from the next zone (ztunnel ranks it, then finds no weight).
+        if w.weight() == 0 {
+            continue;
+        }
+        weighted += 1;
         if let Some(r) = rank(service, client, w) {
             usable.push((r, ep));
         }
@@ -150,6 +159,11 @@ pub fn candidates<'a>(
                 Need::Port(p) => format!(" with port {p}"),
                 Need::Waypoint => String::new(),
             }
+        ));
+    }
+    if weighted == 0 {
+        return Err(format!(
+            "service {key}: every endpoint it may use has capacity 0"
         ));
     }
     let Some(best) = usable.iter().map(|(r, _)| *r).max() else {

@@ -393,6 +393,8 @@ workloads:
    locality: {{region: r, zone: a}}, services: {{"shop/db.shop": {{5432: 5432}}}}}}
 - {{name: a2, namespace: shop, workloadIps: [10.1.1.2], protocol: HBONE, status: {zone_a_health},
    locality: {{region: r, zone: a}}, services: {{"shop/db.shop": {{5432: 5432}}}}}}
+- {{name: a3, namespace: shop, workloadIps: [10.1.1.3], protocol: HBONE, capacity: 0,
+   locality: {{region: r, zone: a}}, services: {{"shop/db.shop": {{5432: 5432}}}}}}
 - {{name: b1, namespace: shop, workloadIps: [10.1.2.1], protocol: HBONE,
    locality: {{region: r, zone: b}}, services: {{"shop/db.shop": {{5432: 5432}}}}}}
 - {{name: far, namespace: shop, workloadIps: [10.1.3.1], protocol: HBONE,
@@ -407,7 +409,8 @@ services:
     assert_eq!(local.keys().collect::<Vec<_>>(), ["a1", "a2"], "{local:?}");
     // Both shares within 35-65% of 400.
     assert!(local.values().all(|n| (140..=260).contains(n)), "{local:?}");
-    // Zone a down: the same region's other zone, never the other region.
+    // Zone a down (but for a3, whose capacity 0 holds no rank): the same
+    // region's other zone, never the other region.
     let failed_over = spread(&mesh("Unhealthy"), "client", "10.96.1.1:5432", 100);
     assert_eq!(failed_over.keys().collect::<Vec<_>>(), ["b1"]);
 }

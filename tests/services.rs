@@ -1,0 +1,361 @@
+//! Services as istiod sends them, over xDS from `ambit control-plane` to
+//! dedicated proxies: waypoints named by hostname behind a waypoint Service
+//! with FAILOVER load balancing (as istiod builds every waypoint), endpoint
+//! choice by locality, node, health and capacity over many connections,
+//! PASSTHROUGH and CIDR VIPs; and resources the proxy refuses, whose
+//! addresses are refused on the wire instead of passed through in
+//! plaintext, until they are served or removed.
+
+mod common;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ambit::identity::Identity;
+use ambit::lab::waypoint::WaypointStandIn;
+use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
+use common::cp::{proxy_via_cp, serve_mesh, wait_for};
+use common::{counter, Mesh, TD};
+
+const SETTLE: Duration = Duration::from_secs(15);
+const WAYPOINT: &str = "waypoint.default.svc.cluster.local";
+/// istiod's block on every waypoint Service and every PreferClose Service.
+const PREFER_CLOSE: &str =
+    "loadBalancer: {routingPreferences: [NETWORK, REGION, ZONE, SUBZONE], mode: FAILOVER}";
+
+fn roundtrip(client: &LabPod, dst: SocketAddr, msg: &[u8]) -> Vec<u8> {
+    connect_from(client, dst)
+        .and_then(|mut c| echo_roundtrip(&mut c, msg))
+        .unwrap_or_default()
+}
+
+fn at(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
+}
+
+/// A workload line of the control plane's config; `extra` is more fields.
+fn wl(pod: &LabPod, sa: &str, protocol: &str, extra: &str) -> String {
+    format!(
+        "- {{uid: {n}, name: {n}, namespace: default, serviceAccount: {sa}, workloadIps: [\"{ip}\"], protocol: {protocol}{extra}}}\n",
+        n = pod.name,
+        ip = pod.ip
+    )
+}
+
+#[test]
+fn istiods_waypoint_by_hostname_takes_pod_and_service_traffic_then_the_service_goes_over_hbone() {
+    let mut m = Mesh::new("svc-wp");
+    let (client, server, wp) = (m.pod("client"), m.pod("server"), m.pod("wp"));
+    let vip = at("10.96.0.50", 80);
+    let server_app = SocketAddr::new(server.ip.into(), 8080);
+    let mesh = |with_waypoint: bool| {
+        let named = if with_waypoint {
+            format!(", waypoint: {{destination: \"default/{WAYPOINT}\", hboneMtlsPort: 15008}}")
+        } else {
+            String::new()
+        };
+        let place = ", node: node-a, locality: {region: r1, zone: z1}";
+        let api_ports = "services: {\"default/api.default.svc.cluster.local\": {80: 8080}}";
+        let wp_ports =
+            format!("services: {{\"default/{WAYPOINT}\": {{15008: 15008, 15021: 15021}}}}");
+        let api_ip = vip.ip();
+        let mut out = String::from("workloads:\n");
+        out.push_str(&wl(&client, "client-sa", "HBONE", place));
+        out.push_str(&wl(
+            &server,
+            "server-sa",
+            "HBONE",
+            &format!("{named}, {api_ports}"),
+        ));
+        out.push_str(&wl(&wp, "wp-sa", "HBONE", &format!("{place}, {wp_ports}")));
+        out.push_str(&format!("services:\n- {{name: waypoint, namespace: default, hostname: {WAYPOINT}, vips: [\"/10.96.0.9\"], ports: {{15008: 15008, 15021: 15021}}, {PREFER_CLOSE}}}\n"));
+        out.push_str(&format!("- {{name: api, namespace: default, hostname: api.default.svc.cluster.local, vips: [\"/{api_ip}\"], ports: {{80: 8080}}{named}, {PREFER_CLOSE}}}\n"));
+        out
+    };
+    serve_mesh(&m, &mesh(true));
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let id = Identity::new(TD, "default", "wp-sa");
+    let stand_in = WaypointStandIn::start(
+        &wp,
+        (&m.ca.0, &m.ca.1),
+        id,
+        HashMap::from([(vip, server_app)]),
+    )
+    .unwrap();
+
+    // Pod-addressed and service-addressed: both reach the waypoint, with
+    // the original destination as the authority, as ztunnel sends them.
+    assert_eq!(roundtrip(&client, server_app, b"to-pod"), b"to-pod");
+    assert_eq!(roundtrip(&client, vip, b"to-svc"), b"to-svc");
+    let seen = stand_in.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].authority, server_app.to_string());
+    assert_eq!(seen[1].authority, vip.to_string());
+    assert_eq!(
+        seen[0].peer,
+        Identity::new(TD, "default", "client-sa").to_string()
+    );
+    assert!(
+        seen[1].headers["forwarded"].ends_with(";host=api.default.svc.cluster.local"),
+        "{:?}",
+        seen[1].headers
+    );
+    assert!(seen[0].headers["forwarded"].starts_with(&format!("for=\"{}:", client.ip)));
+    // (Each line is written as its connection closes.)
+    common::wait_until_showing(
+        "the access log names both waypoint hops",
+        SETTLE,
+        || m.proxy_log(&client).matches("route=\"waypoint\"").count() == 2,
+        || m.proxy_log(&client),
+    );
+
+    // The same service without a waypoint: carried over HBONE to the
+    // server, the waypoint untouched.
+    std::fs::write(m.lab.dir.join("cp.yaml"), mesh(false)).unwrap();
+    wait_for("the service goes direct", SETTLE, || {
+        let before = stand_in.seen().len();
+        roundtrip(&client, vip, b"direct") == b"direct" && stand_in.seen().len() == before
+    });
+    let mtls = counter(
+        &m.metrics(&client),
+        "istio_tcp_connections_opened_total",
+        &[
+            ("reporter", "source"),
+            ("destination_service", "api.default.svc.cluster.local"),
+            ("destination_workload", "server"),
+            ("connection_security_policy", "mutual_tls"),
+        ],
+    );
+    assert!(mtls >= 1, "the service went over HBONE to the server");
+    assert!(echo.peers().len() >= 3);
+}
+
+/// How many of `n` connections to `dst` each echo server got.
+fn spread(
+    client: &LabPod,
+    dst: SocketAddr,
+    n: usize,
+    echoes: &[(&str, &EchoServer)],
+) -> Vec<usize> {
+    let before: Vec<usize> = echoes.iter().map(|(_, e)| e.peers().len()).collect();
+    for i in 0..n {
+        assert_eq!(
+            roundtrip(client, dst, b"lb"),
+            b"lb",
+            "connection {i} to {dst}"
+        );
+    }
+    echoes
+        .iter()
+        .zip(before)
+        .map(|((_, e), b)| e.peers().len() - b)
+        .collect()
+}
+
+#[test]
+fn endpoints_are_chosen_by_locality_node_health_and_capacity_as_ztunnel_chooses() {
+    let mut m = Mesh::new("svc-lb");
+    let client = m.pod("client");
+    // e1: the client's zone on another node; e2, e3: another zone of the
+    // region (e2 on the client's node); e4: the client's zone and node,
+    // but capacity 0.
+    let pods: Vec<LabPod> = ["e1", "e2", "e3", "e4"].iter().map(|n| m.pod(n)).collect();
+    let places = [
+        ("node-b", "za", ""),
+        ("node-a", "zb", ""),
+        ("node-b", "zb", ""),
+        ("node-a", "za", ", capacity: 0"),
+    ];
+    let mesh = |e1_health: &str| {
+        let mut out = String::from("workloads:\n");
+        out.push_str(&wl(
+            &client,
+            "client-sa",
+            "HBONE",
+            ", node: node-a, locality: {region: r1, zone: za}",
+        ));
+        for (i, (pod, (node, zone, cap))) in pods.iter().zip(places).enumerate() {
+            let health = if i == 0 { e1_health } else { "Healthy" };
+            let mut svcs = String::from(
+                "\"default/fo.default\": {80: 8080}, \"default/strict.default\": {80: 8080}",
+            );
+            if i == 0 {
+                svcs.push_str(", \"default/notready.default\": {80: 8080}");
+            }
+            out.push_str(&wl(
+                pod,
+                "e-sa",
+                "TCP",
+                &format!(", node: {node}, status: {health}, locality: {{region: r1, zone: {zone}}}{cap}, services: {{{svcs}}}"),
+            ));
+        }
+        out.push_str("services:\n");
+        out.push_str("- {name: fo, namespace: default, hostname: fo.default, vips: [\"/10.96.1.1\"], cidrVips: [\"/10.96.8.0/24\"], ports: {80: 8080}, loadBalancer: {routingPreferences: [REGION, ZONE], mode: FAILOVER}}\n");
+        out.push_str("- {name: strict, namespace: default, hostname: strict.default, vips: [\"/10.96.1.2\"], ports: {80: 8080}, loadBalancer: {routingPreferences: [NODE], mode: STRICT}}\n");
+        out.push_str("- {name: notready, namespace: default, hostname: notready.default, vips: [\"/10.96.1.3\"], ports: {80: 8080}, loadBalancer: {healthPolicy: ALLOW_ALL}}\n");
+        // PASSTHROUGH: the original destination, e3's own address.
+        out.push_str(&format!("- {{name: kube, namespace: default, hostname: kube.default, vips: [\"/{}\"], ports: {{8080: 8080}}, loadBalancer: {{mode: PASSTHROUGH}}}}\n", pods[2].ip));
+        out
+    };
+    serve_mesh(&m, &mesh("Healthy"));
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    let echoes: Vec<EchoServer> = pods
+        .iter()
+        .map(|p| EchoServer::start(p, 8080).unwrap())
+        .collect();
+    let named: Vec<(&str, &EchoServer)> =
+        pods.iter().map(|p| p.name.as_str()).zip(&echoes).collect();
+    let n = 40;
+
+    // FAILOVER over [REGION, ZONE]: the client's zone only (e1; e4 has
+    // capacity 0), through the VIP and through its VIP range alike.
+    assert_eq!(
+        spread(&client, at("10.96.1.1", 80), n, &named),
+        [n, 0, 0, 0]
+    );
+    assert_eq!(
+        spread(&client, at("10.96.8.77", 80), n, &named),
+        [n, 0, 0, 0]
+    );
+    // STRICT over [NODE]: never off the client's node (e2; e4 capacity 0).
+    assert_eq!(
+        spread(&client, at("10.96.1.2", 80), n, &named),
+        [0, n, 0, 0]
+    );
+    // PASSTHROUGH: straight to the original destination.
+    let e3 = SocketAddr::new(pods[2].ip.into(), 8080);
+    assert_eq!(spread(&client, e3, 5, &named), [0, 0, 5, 0]);
+    common::wait_until_showing(
+        "the PASSTHROUGH connections logged",
+        SETTLE,
+        || {
+            m.proxy_log(&client)
+                .lines()
+                .filter(|l| l.contains(&format!("dst.addr={e3}")))
+                .filter(|l| l.contains("route=\"passthrough\""))
+                .count()
+                == 5
+        },
+        || m.proxy_log(&client),
+    );
+
+    // e1 unhealthy: the zone has no healthy endpoint left, so the
+    // region's other zone takes it, both of its endpoints; ALLOW_ALL
+    // still sends to e1.
+    std::fs::write(m.lab.dir.join("cp.yaml"), mesh("Unhealthy")).unwrap();
+    wait_for("failover to the other zone", SETTLE, || {
+        roundtrip(&client, at("10.96.1.1", 80), b"x") == b"x" && {
+            let s = spread(&client, at("10.96.1.1", 80), 1, &named);
+            s[0] == 0
+        }
+    });
+    let over = spread(&client, at("10.96.1.1", 80), n, &named);
+    assert_eq!((over[0], over[3]), (0, 0), "{over:?}");
+    assert!(
+        over[1] > 0 && over[2] > 0,
+        "both endpoints of zone zb: {over:?}"
+    );
+    assert_eq!(
+        spread(&client, at("10.96.1.3", 80), 10, &named),
+        [10, 0, 0, 0]
+    );
+}
+
+#[test]
+fn a_refused_resources_address_is_refused_on_the_wire_until_served_or_removed() {
+    let mut m = Mesh::new("svc-refused");
+    let client = m.pod("client");
+    // Two plain pods whose addresses refused resources claim: whatever
+    // reaches them would have left the client's pod in plaintext.
+    let (gated, ext) = (m.pod("gated"), m.pod("ext"));
+    let mesh = |gateway: bool, listed: bool| {
+        let mut out = format!("workloads:\n{}", wl(&client, "client-sa", "HBONE", ""));
+        if listed {
+            let gw = if gateway {
+                ", networkGateway: {destination: \"net2/192.0.2.1\"}"
+            } else {
+                ""
+            };
+            out.push_str(&wl(&gated, "g-sa", "TCP", gw));
+        }
+        // A service whose weighted waypoints weigh nothing, at ext's address.
+        out.push_str(&format!(
+            "services:\n- {{name: ext, namespace: default, hostname: ext.default, vips: [\"/{}\"], ports: {{8080: 8080}}, weightedWaypoints: [{{destination: \"/10.77.0.250\", weight: 0}}]}}\n",
+            ext.ip
+        ));
+        out
+    };
+    serve_mesh(&m, &mesh(true, true));
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    let gated_echo = EchoServer::start(&gated, 8080).unwrap();
+    let ext_echo = EchoServer::start(&ext, 8080).unwrap();
+    let (to_gated, to_ext) = (
+        SocketAddr::new(gated.ip.into(), 8080),
+        SocketAddr::new(ext.ip.into(), 8080),
+    );
+    for dst in [to_gated, to_ext] {
+        for _ in 0..3 {
+            assert!(roundtrip(&client, dst, b"leak?").is_empty(), "{dst}");
+        }
+    }
+    assert_eq!(
+        (gated_echo.peers().len(), ext_echo.peers().len()),
+        (0, 0),
+        "nothing reached either address"
+    );
+    let log = m.proxy_log(&client);
+    let refused: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("route=\"refused\""))
+        .collect();
+    assert_eq!(refused.len(), 6, "{log}");
+    assert!(
+        refused.iter().any(|l| l.contains("network gateway")),
+        "{refused:?}"
+    );
+    assert!(
+        refused.iter().any(|l| l.contains("total weight of 0")),
+        "{refused:?}"
+    );
+    let failed = counter(
+        &m.metrics(&client),
+        "istio_tcp_connections_closed_total",
+        &[("reporter", "source"), ("response_flags", "CONNECT")],
+    );
+    assert_eq!(failed, 6, "each refusal counted as a failed connection");
+    let dump = common::cp::dump(&client);
+    assert!(
+        dump.contains(&format!("\"address\":\"/{}\"", gated.ip)),
+        "{dump}"
+    );
+
+    // The workload valid again (no gateway): served, as the plain TCP
+    // workload it is.
+    std::fs::write(m.lab.dir.join("cp.yaml"), mesh(false, true)).unwrap();
+    wait_for("the workload served once valid", SETTLE, || {
+        roundtrip(&client, to_gated, b"ok") == b"ok"
+    });
+    // Removed: unknown, so out of the mesh as any unknown address.
+    std::fs::write(m.lab.dir.join("cp.yaml"), mesh(true, false)).unwrap();
+    wait_for(
+        "the removed workload's address unknown again",
+        SETTLE,
+        || {
+            m.proxy_log(&client)
+                .contains(&format!("dst.addr={to_gated}"))
+                && {
+                    roundtrip(&client, to_gated, b"gone") == b"gone"
+                        && m.proxy_log(&client)
+                            .lines()
+                            .rfind(|l| l.contains(&format!("dst.addr={to_gated}")))
+                            .is_some_and(|l| l.contains("route=\"passthrough\""))
+                }
+        },
+    );
+    // The refused service is still refused throughout.
+    assert!(roundtrip(&client, to_ext, b"leak?").is_empty());
+    assert_eq!(ext_echo.peers().len(), 0);
+}
