@@ -78,7 +78,9 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
         services:\n\
         - {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n\
         - {name: api, namespace: default, hostname: api.external.example, vips: [\"/10.96.0.20\"], ports: {80: 8080}}\n\
-        - {name: gone, namespace: default, hostname: nowhere.invalid, vips: [\"/10.96.0.21\"], ports: {80: 8080}}\n";
+        - {name: gone, namespace: default, hostname: nowhere.invalid, vips: [\"/10.96.0.21\"], ports: {80: 8080}}\n\
+        - {name: wild, namespace: default, hostname: \"*.wild.example\", vips: [\"/10.96.0.30\"], ports: {80: 8080}}\n\
+        - {name: legacy, namespace: default, hostname: legacy.external.example, ports: {80: 80}}\n";
     let mut node = Node::start_full(
         env!("CARGO_BIN_EXE_ambit"),
         "dns",
@@ -196,6 +198,13 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
 
     // Other names are forwarded from the pod to the node's resolver.
     let resp = ask_udp(&client, resolver, query("external.example.", 4)).unwrap();
+    assert_eq!(a_records(&resp), ["192.0.2.7"]);
+    // A wildcard host answers for the names under it (dnsmasq knows none).
+    let resp = ask_udp(&client, resolver, query("shop.wild.example.", 5)).unwrap();
+    assert_eq!(a_records(&resp), ["10.96.0.30"]);
+    // A ServiceEntry host without a VIP is the upstream's to answer, as in
+    // ztunnel (not an empty answer from the proxy).
+    let resp = ask_udp(&client, resolver, query("legacy.external.example.", 6)).unwrap();
     assert_eq!(a_records(&resp), ["192.0.2.7"]);
 
     // Garbage and truncated packets do not hurt the proxy.

@@ -359,3 +359,47 @@ fn a_refused_resources_address_is_refused_on_the_wire_until_served_or_removed() 
     assert!(roundtrip(&client, to_ext, b"leak?").is_empty());
     assert_eq!(ext_echo.peers().len(), 0);
 }
+
+#[test]
+fn a_dual_stack_service_is_carried_on_the_callers_family() {
+    let mut m = Mesh::new("svc-ds");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    let client6 = m.lab.add_ipv6(&client).unwrap();
+    let server6 = m.lab.add_ipv6(&server).unwrap();
+    let mesh = format!(
+        "workloads:\n- {{uid: client, name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{}\", \"{client6}\"], protocol: HBONE}}\n\
+         - {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{}\", \"{server6}\"], protocol: HBONE, services: {{\"default/ds.default\": {{80: 8080}}}}}}\n\
+         services:\n- {{name: ds, namespace: default, hostname: ds.default, vips: [\"/10.96.3.1\", \"/fd96::3:1\"], ports: {{80: 8080}}, ipFamilies: Dual}}\n",
+        client.ip, server.ip
+    );
+    serve_mesh(&m, &mesh);
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    let echo = EchoServer::start_on(&server, "[::]:8080".parse().unwrap()).unwrap();
+
+    assert_eq!(roundtrip(&client, at("fd96::3:1", 80), b"six"), b"six");
+    assert_eq!(roundtrip(&client, at("10.96.3.1", 80), b"four"), b"four");
+    // The app saw the real client, on the family the client used.
+    let peers: Vec<std::net::IpAddr> = echo.peers().iter().map(|p| p.ip()).collect();
+    assert_eq!(peers.len(), 2, "{peers:?}");
+    assert_eq!(peers[0], std::net::IpAddr::V6(client6));
+    assert_eq!(
+        peers[1].to_canonical(),
+        std::net::IpAddr::V4(client.ip),
+        "{peers:?}"
+    );
+    // Each went over HBONE to the server's address of that family.
+    let hops = [
+        format!("dst.addr=[{server6}]:15008 dst.hbone_addr=[fd96::3:1]:80"),
+        format!("dst.addr={}:15008 dst.hbone_addr=10.96.3.1:80", server.ip),
+    ];
+    common::wait_until_showing(
+        "both families' HBONE hops in the access log",
+        SETTLE,
+        || {
+            let log = m.proxy_log(&client);
+            hops.iter().all(|h| log.contains(h.as_str()))
+        },
+        || m.proxy_log(&client),
+    );
+}

@@ -149,6 +149,33 @@ impl Lab {
         Ok(pod)
     }
 
+    /// Gives `pod` an IPv6 address too (`fd77::<n>/64`, `<n>` its IPv4
+    /// address's last byte), the bridge `fd77::1` on first use: a dual-stack
+    /// pod. Before its proxy starts, which learns the pod's addresses then.
+    pub fn add_ipv6(&self, pod: &LabPod) -> io::Result<std::net::Ipv6Addr> {
+        let n = self.node_name.as_str();
+        let bridge = ip(&["-n", n, "-6", "addr", "show", "dev", BRIDGE])?;
+        if !bridge.contains("fd77::1/64") {
+            ip(&["-n", n, "addr", "add", "fd77::1/64", "dev", BRIDGE, "nodad"])?;
+        }
+        let addr: std::net::Ipv6Addr = format!("fd77::{}", pod.ip.octets()[3])
+            .parse()
+            .map_err(io::Error::other)?;
+        let p = pod.netns_name.as_str();
+        ip(&[
+            "-n",
+            p,
+            "addr",
+            "add",
+            &format!("{addr}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        ip(&["-n", p, "-6", "route", "add", "default", "via", "fd77::1"])?;
+        Ok(addr)
+    }
+
     /// Holds the netns named `netns_name` as kubelet leaves a pod's: by a
     /// process in a cgroup `.../kubepods/pod<uid>`, until [`Lab::release`]
     /// or the lab's end. The agent finds a pod without a CNI event only so.

@@ -191,8 +191,16 @@ pub struct EchoServer {
 
 impl EchoServer {
     pub fn start(pod: &LabPod, port: u16) -> io::Result<EchoServer> {
-        let listener = pod.ns.run(move || TcpListener::bind(("0.0.0.0", port)))??;
-        let addr = SocketAddr::new(pod.ip.into(), port);
+        Self::start_on(
+            pod,
+            SocketAddr::new(std::net::Ipv4Addr::UNSPECIFIED.into(), port),
+        )
+    }
+
+    /// [`EchoServer::start`] on `bind` (`[::]:port` serves both families).
+    pub fn start_on(pod: &LabPod, bind: SocketAddr) -> io::Result<EchoServer> {
+        let listener = pod.ns.run(move || TcpListener::bind(bind))??;
+        let addr = SocketAddr::new(pod.ip.into(), bind.port());
         let peers: Arc<Mutex<Vec<SocketAddr>>> = Arc::default();
         let seen = peers.clone();
         std::thread::spawn(move || {
