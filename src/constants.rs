@@ -21,6 +21,20 @@ pub const READINESS_PORT: u16 = 15021;
 /// Ports a peer may never ask the proxy to deliver to: they are the proxy's own.
 pub const PROXY_OWN_PORTS: [u16; 3] = [OUTBOUND_PORT, INBOUND_PLAINTEXT_PORT, HBONE_PORT];
 
+/// Ports of the proxy itself, in a pod's netns (its listeners) or in a
+/// dedicated proxy's (its side ports): a connection a pod sends to one of
+/// them on loopback or its own address is a self call, refused, never
+/// passed through (it would reach the proxy again, in a loop).
+pub const SELF_CALL_PORTS: [u16; 7] = [
+    OUTBOUND_PORT,
+    INBOUND_PLAINTEXT_PORT,
+    HBONE_PORT,
+    DNS_PORT,
+    ADMIN_PORT,
+    METRICS_PORT,
+    READINESS_PORT,
+];
+
 /// `SO_MARK` on every socket the proxy opens for a pod (1337).
 pub const PROXY_MARK: u32 = 0x539;
 /// Mask the in-pod rules match the proxy mark with.

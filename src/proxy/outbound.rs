@@ -72,6 +72,8 @@ pub enum OutboundError {
         "the destination's resource {0} was refused ({1}); refused rather than passed through"
     )]
     RefusedResource(String, String),
+    #[error("{0} is the proxy's own port: a self call, refused")]
+    SelfCall(SocketAddr),
     #[error("{0}; refused rather than sent around the waypoint")]
     NoWaypoint(String),
     #[error("on-demand DNS: {0}")]
@@ -221,6 +223,7 @@ impl Outbound {
             Route::NoEndpoint { .. } => "no-endpoint",
             Route::NoWaypoint { .. } => "no-waypoint",
             Route::Refused { .. } => "refused",
+            Route::SelfCall => "self-call",
             Route::Unresolved { .. } => "unresolved",
             Route::Hostname { .. } => "hostname",
         };
@@ -254,6 +257,7 @@ impl Outbound {
             Route::Refused { resource, reason } => {
                 Err(OutboundError::RefusedResource(resource, reason))
             }
+            Route::SelfCall => Err(OutboundError::SelfCall(dst)),
             Route::Unresolved { reason, .. } => Err(OutboundError::Unresolved(reason)),
             Route::Hostname { workload, .. } => {
                 Err(OutboundError::Unresolved(workload.hostname.clone()))
@@ -481,9 +485,10 @@ impl Outbound {
                 workload, service, ..
             } => (Some(workload), service.as_ref()),
             Route::NoEndpoint { service, .. } => (None, Some(service)),
-            Route::Passthrough { .. } | Route::NoWaypoint { .. } | Route::Refused { .. } => {
-                (None, None)
-            }
+            Route::Passthrough { .. }
+            | Route::NoWaypoint { .. }
+            | Route::Refused { .. }
+            | Route::SelfCall => (None, None),
             Route::Hostname {
                 workload, service, ..
             } => (Some(workload), Some(service)),

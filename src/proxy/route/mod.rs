@@ -9,7 +9,7 @@ pub mod waypoint;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use crate::constants::HBONE_PORT;
+use crate::constants::{HBONE_PORT, SELF_CALL_PORTS};
 use crate::identity::Identity;
 use crate::xds::types::{GatewayAddress, LbMode, Protocol, Service, Workload};
 use crate::xds::State;
@@ -46,6 +46,9 @@ pub enum Route {
     /// The destination has a waypoint that cannot be reached: refused,
     /// never sent around the waypoint.
     NoWaypoint { reason: String },
+    /// A pod's connection to one of the proxy's own ports, on loopback or
+    /// its own address: passed through, it would reach the proxy again.
+    SelfCall,
     /// The destination's resource was refused (NACKed): refused too,
     /// never passed through.
     Refused { resource: String, reason: String },
@@ -97,6 +100,9 @@ pub fn route(
     dst: SocketAddr,
     trust_domain: &str,
 ) -> Route {
+    if is_self_call(client.ips, dst) {
+        return Route::SelfCall;
+    }
     let place = Place::of(client.workload(state, network), network);
     let hop = Hop {
         state,
@@ -128,6 +134,17 @@ pub fn route(
         },
         None => Route::Passthrough { target: dst },
     }
+}
+
+/// Whether `dst` is one of the proxy's own ports on the pod's loopback, an
+/// unspecified address (the kernel's "this host") or one of `pod_ips`.
+pub fn is_self_call(pod_ips: &[IpAddr], dst: SocketAddr) -> bool {
+    let ip = match dst.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(dst.ip()),
+        v4 => v4,
+    };
+    SELF_CALL_PORTS.contains(&dst.port())
+        && (ip.is_loopback() || ip.is_unspecified() || pod_ips.contains(&ip))
 }
 
 /// What every step of one routing decision shares.

@@ -601,3 +601,34 @@ services:
         "{r:?}"
     );
 }
+
+#[test]
+fn a_pods_call_to_the_proxys_own_ports_is_a_self_call_never_passed_through() {
+    let st = state();
+    let pod: Vec<IpAddr> = vec!["10.0.0.2".parse().unwrap(), "fd00::2".parse().unwrap()];
+    let at = |dst: &str| {
+        let client = Client {
+            namespace: "default",
+            name: "client",
+            ips: &pod,
+        };
+        route(&st, "", client, dst.parse().unwrap(), "cluster.local")
+    };
+    for dst in [
+        "127.0.0.1:15001",
+        "127.0.0.1:15006",
+        "[::1]:15008",
+        "0.0.0.0:15053",
+        "10.0.0.2:15001",
+        "[fd00::2]:15020",
+        "[::ffff:127.0.0.1]:15001",
+        "127.0.0.1:15000",
+        "10.0.0.2:15021",
+    ] {
+        assert!(matches!(at(dst), Route::SelfCall), "{dst}");
+    }
+    // Another pod's ports, and the pod's other ports, route as ever.
+    assert!(matches!(at("10.0.0.3:15001"), Route::Hbone { .. }));
+    assert!(matches!(at("10.0.0.99:15001"), Route::Passthrough { .. }));
+    assert!(matches!(at("127.0.0.1:8080"), Route::Passthrough { .. }));
+}
