@@ -28,7 +28,8 @@ mod pool;
 pub mod rbac;
 mod reauth;
 mod record;
-mod route;
+// Pure decisions over a state snapshot, public so benches/ can drive them.
+pub mod route;
 mod splice;
 mod timewait;
 mod tls_stream;
