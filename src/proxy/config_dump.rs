@@ -316,8 +316,13 @@ fn policy(p: &Authorization) -> Value {
                 .collect()
         })
         .collect();
-    json!({"name": p.name, "namespace": p.namespace, "scope": scope, "action": action,
-        "rules": rules, "dryRun": p.dry_run})
+    let mut v = json!({"name": p.name, "namespace": p.namespace, "scope": scope, "action": action,
+        "rules": rules, "dryRun": p.dry_run});
+    if let Some(reason) = &p.refused {
+        // Ambit's own: a refused policy fails closed where it applies.
+        v["refused"] = json!(reason);
+    }
+    v
 }
 
 /// One identity's chain and roots, each certificate as istioctl reads it:

@@ -3,7 +3,11 @@
 //! allowed. Pure code over the state's policy values.
 //!
 //! Order: a matching DENY denies; with no ALLOW policy the connection is
-//! allowed; a matching ALLOW allows; otherwise it is denied. Dry-run policies
+//! allowed; a matching ALLOW allows; otherwise it is denied. A policy that
+//! cannot be evaluated (refused, or named by the workload but not held)
+//! fails closed: as a DENY it matches every connection it applies to, as an
+//! ALLOW none (ztunnel ignores a named policy it does not hold, which
+//! allows what the policy may have been sent to forbid). Dry-run policies
 //! are evaluated and reported but never decide. Matching: rules OR, clauses
 //! AND, matches OR; inside a match every listed field must hold (any positive
 //! value, no negative value).
@@ -68,6 +72,19 @@ pub fn evaluate<'a>(
     let mut dry_run = Vec::new();
     let mut deny_match = None;
     for p in policies {
+        if let Some(reason) = &p.refused {
+            // Not evaluable: it fails closed (a DENY denies every connection
+            // it applies to, an ALLOW allows none), dry-run ones excepted.
+            match p.action {
+                _ if p.dry_run => {}
+                PolicyAction::Deny if deny_match.is_none() => {
+                    deny_match = Some(format!("{} (refused: {reason})", p.key()))
+                }
+                PolicyAction::Deny => {}
+                PolicyAction::Allow => allow_exists = true,
+            }
+            continue;
+        }
         let hit = policy_matches(p, &subject);
         if p.dry_run {
             if hit {
@@ -174,8 +191,15 @@ mod tests {
     use std::path::Path;
 
     fn state(policies: &str) -> State {
+        // The workload names `shop/pinned` where the test defines it (a
+        // named policy that is not held denies everything).
+        let named = if policies.contains("name: pinned") {
+            "[shop/pinned]"
+        } else {
+            "[]"
+        };
         let text = format!(
-            "workloads:\n- {{name: web, namespace: shop, workloadIps: [10.0.0.3], protocol: HBONE, authorizationPolicies: [shop/pinned]}}\npolicies:\n{policies}"
+            "workloads:\n- {{name: web, namespace: shop, workloadIps: [10.0.0.3], protocol: HBONE, authorizationPolicies: {named}}}\npolicies:\n{policies}"
         );
         crate::xds::local::parse(Path::new("t.yaml"), &text).unwrap()
     }
@@ -302,6 +326,113 @@ mod tests {
             (false, Some("shop/pinned")),
             "only the named selector policy applies"
         );
+    }
+
+    #[test]
+    fn a_named_policy_not_held_denies_until_it_arrives() {
+        let text = |policies: &str| {
+            format!("workloads:\n- {{name: web, namespace: shop, workloadIps: [10.0.0.3], authorizationPolicies: [shop/late]}}\npolicies: {policies}\n")
+        };
+        let verdict = |st: &State| {
+            let w = st.workload_by_name("shop", "web").unwrap();
+            let id = Identity::new("cluster.local", "front", "ui");
+            let conn = Connection {
+                src_identity: Some(&id),
+                src_ip: "10.0.0.2".parse().unwrap(),
+                dst_ip: "10.0.0.3".parse().unwrap(),
+                dst_port: 80,
+            };
+            evaluate(applicable_to(st, w), &conn)
+        };
+        let before = crate::xds::local::parse(Path::new("t.yaml"), &text("[]")).unwrap();
+        let v = verdict(&before);
+        assert!(!v.allowed, "no ALLOW policy held is not 'allow'");
+        assert!(
+            v.policy
+                .as_deref()
+                .unwrap()
+                .starts_with("shop/late (refused: named by the workload but not held"),
+            "{v:?}"
+        );
+        let arrived = crate::xds::local::parse(
+            Path::new("t.yaml"),
+            &text("[{name: late, namespace: shop, scope: WorkloadSelector, action: Allow, rules: [[]]}]"),
+        )
+        .unwrap();
+        assert!(verdict(&arrived).allowed);
+    }
+
+    #[test]
+    fn a_refused_policy_fails_closed_where_it_applies() {
+        let refused = |name: &str, action: PolicyAction, scope: crate::xds::types::PolicyScope| {
+            Authorization {
+                name: name.into(),
+                namespace: "shop".into(),
+                scope,
+                action,
+                rules: vec![],
+                dry_run: false,
+                refused: Some("extension \"istio.io/l7\" is not supported".into()),
+            }
+        };
+        let web = Workload {
+            name: "web".into(),
+            namespace: "shop".into(),
+            workload_ips: vec!["10.0.0.3".parse().unwrap()],
+            ..Workload::default()
+        };
+        let allow_front: Authorization = serde_yaml::from_str(
+            "{name: allow-front, namespace: shop, action: Allow, rules: [[[{namespaces: [!Exact front]}]]]}",
+        )
+        .unwrap();
+        let decide = |policies: Vec<Authorization>, from: &str| {
+            let (st, errors) = State::build_lenient(vec![web.clone()], vec![], policies);
+            assert!(errors.is_empty(), "{errors:?}");
+            let w = st.workload_by_name("shop", "web").unwrap().clone();
+            let id = Identity::new("cluster.local", from, "sa");
+            let conn = Connection {
+                src_identity: Some(&id),
+                src_ip: "10.0.0.2".parse().unwrap(),
+                dst_ip: "10.0.0.3".parse().unwrap(),
+                dst_port: 80,
+            };
+            evaluate(applicable_to(&st, &w), &conn)
+        };
+        use crate::xds::types::PolicyScope::{Global, Namespace};
+        // A refused DENY in the workload's namespace (or global) denies every
+        // connection to it, even one a valid ALLOW allows.
+        for scope in [Namespace, Global] {
+            let v = decide(
+                vec![
+                    allow_front.clone(),
+                    refused("no-l7", PolicyAction::Deny, scope),
+                ],
+                "front",
+            );
+            assert!(!v.allowed, "{scope:?}");
+            assert!(v
+                .policy
+                .unwrap()
+                .starts_with("shop/no-l7 (refused: extension"));
+        }
+        // A refused ALLOW allows nothing itself: only what a valid ALLOW allows.
+        assert!(
+            !decide(
+                vec![refused("l7-allow", PolicyAction::Allow, Namespace)],
+                "front"
+            )
+            .allowed
+        );
+        let both = vec![
+            allow_front.clone(),
+            refused("l7-allow", PolicyAction::Allow, Namespace),
+        ];
+        assert!(decide(both.clone(), "front").allowed);
+        assert!(!decide(both, "back").allowed);
+        // A refused policy of another namespace does not apply.
+        let mut elsewhere = refused("no-l7", PolicyAction::Deny, Namespace);
+        elsewhere.namespace = "other".into();
+        assert!(decide(vec![elsewhere], "front").allowed);
     }
 
     #[test]

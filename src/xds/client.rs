@@ -171,6 +171,9 @@ pub struct Held {
     /// Addresses refused (NACKed) as they stand now, by resource name, with
     /// what each claimed: refused in the state, never passed through.
     refused: HashMap<String, (Claims, String)>,
+    /// Stand-ins for policies refused as they stand now, by resource name:
+    /// they fail closed where they apply (see `Authorization::refused`).
+    refused_policies: HashMap<String, Authorization>,
     /// Next arrival number.
     arrivals: u64,
 }
@@ -234,6 +237,7 @@ impl Held {
                 self.refused.remove(name);
             } else {
                 self.policies.remove(name);
+                self.refused_policies.remove(name);
             }
         }
         for r in &resp.resources {
@@ -260,10 +264,21 @@ impl Held {
                 };
                 held
             } else {
-                crate::proto::security::Authorization::decode(any.value.as_slice())
+                let decoded = crate::proto::security::Authorization::decode(any.value.as_slice());
+                let stand_in =
+                    |reason: &str| convert::refused_policy(decoded.as_ref().ok(), &r.name, reason);
+                let held = decoded
+                    .clone()
                     .map_err(|e| e.to_string())
                     .and_then(convert::authorization_from_proto)
-                    .map(|p| hold(&mut self.policies, &mut self.arrivals, r, p))
+                    .map(|p| hold(&mut self.policies, &mut self.arrivals, r, p));
+                match &held {
+                    Ok(()) => self.refused_policies.remove(&r.name),
+                    Err(reason) => self
+                        .refused_policies
+                        .insert(r.name.clone(), stand_in(reason)),
+                };
+                held
             };
             if let Err(reason) = outcome {
                 rejected.push((r.name.clone(), reason));
@@ -282,9 +297,17 @@ impl Held {
                 AddressResource::Service(s) => services.push(s.as_ref().clone()),
             }
         }
+        // A refused policy stands in only where no valid version is held
+        // (which keeps serving, as a NACK leaves it).
         let policies = in_arrival_order(&self.policies)
             .into_iter()
             .cloned()
+            .chain(
+                self.refused_policies
+                    .iter()
+                    .filter(|(name, _)| !self.policies.contains_key(*name))
+                    .map(|(_, p)| p.clone()),
+            )
             .collect();
         let (mut st, errors) = State::build_lenient(workloads, services, policies);
         for (name, (claims, reason)) in &self.refused {
@@ -864,5 +887,83 @@ mod tests {
             1,
             "the policy is not removed by another type's removal"
         );
+    }
+
+    #[test]
+    fn a_refused_policy_stands_in_denying_until_a_valid_one_arrives_or_it_is_removed() {
+        use crate::proto::security as sec;
+        use crate::xds::types::{PolicyAction, PolicyScope};
+        let mut held = Held::default();
+        let send = |held: &mut Held, name: &str, value: Vec<u8>| {
+            held.apply(&DeltaDiscoveryResponse {
+                type_url: AUTHORIZATION_TYPE.into(),
+                resources: vec![Resource {
+                    name: name.into(),
+                    version: "1".into(),
+                    resource: Some(prost_types::Any {
+                        type_url: AUTHORIZATION_TYPE.into(),
+                        value,
+                    }),
+                    aliases: vec![],
+                }],
+                ..Default::default()
+            })
+        };
+        let policy = |extension: bool| sec::Authorization {
+            name: "no-l7".into(),
+            namespace: "ns".into(),
+            scope: sec::Scope::Namespace as i32,
+            action: sec::Action::Deny as i32,
+            extensions: if extension {
+                vec![pb::Extension {
+                    name: "istio.io/l7".into(),
+                    config: None,
+                }]
+            } else {
+                vec![]
+            },
+            ..Default::default()
+        };
+        assert_eq!(
+            send(&mut held, "ns/no-l7", policy(true).encode_to_vec()).len(),
+            1
+        );
+        assert_eq!(send(&mut held, "ns/junk", vec![0xff, 0xff]).len(), 1);
+        let st = held.state().0;
+        let refused: Vec<_> = st
+            .policies()
+            .filter(|p| p.refused.is_some())
+            .map(|p| (p.key(), p.scope, p.action))
+            .collect();
+        assert_eq!(refused.len(), 2, "{refused:?}");
+        assert!(refused.contains(&(
+            "ns/no-l7".into(),
+            PolicyScope::Namespace,
+            PolicyAction::Deny
+        )));
+        // Unreadable: it applies where a workload names it, and denies.
+        assert!(refused.contains(&(
+            "ns/junk".into(),
+            PolicyScope::WorkloadSelector,
+            PolicyAction::Deny
+        )));
+        assert_eq!(
+            held.versions(AUTHORIZATION_TYPE).len(),
+            0,
+            "stand-ins are never claimed as held"
+        );
+        // Valid now: held as sent; removed: gone.
+        assert!(send(&mut held, "ns/no-l7", policy(false).encode_to_vec()).is_empty());
+        assert!(held
+            .state()
+            .0
+            .policies()
+            .all(|p| p.key() != "ns/no-l7" || p.refused.is_none()));
+        held.apply(&DeltaDiscoveryResponse {
+            type_url: AUTHORIZATION_TYPE.into(),
+            removed_resources: vec!["ns/no-l7".into(), "ns/junk".into()],
+            ..Default::default()
+        });
+        assert_eq!(held.state().0.policies().count(), 0);
     }
 }

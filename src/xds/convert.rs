@@ -733,7 +733,39 @@ pub fn authorization_from_proto(a: pb_sec::Authorization) -> Result<Authorizatio
         action,
         rules,
         dry_run: a.dry_run,
+        refused: None,
     })
+}
+
+/// The stand-in for a policy that was refused, from what could be read of
+/// it (`decoded`) or from its xDS name (`namespace/name`): its scope where
+/// known (else only where a workload names it), its action where known
+/// (else DENY), no rules. It fails closed where it applies (see
+/// [`Authorization::refused`]).
+pub fn refused_policy(
+    decoded: Option<&pb_sec::Authorization>,
+    name: &str,
+    reason: &str,
+) -> Authorization {
+    let Some(a) = decoded.filter(|a| !a.name.is_empty()) else {
+        return Authorization::refused_stand_in(name, reason.to_string());
+    };
+    Authorization {
+        name: a.name.clone(),
+        namespace: a.namespace.clone(),
+        scope: match pb_sec::Scope::try_from(a.scope) {
+            Ok(pb_sec::Scope::Global) => PolicyScope::Global,
+            Ok(pb_sec::Scope::Namespace) => PolicyScope::Namespace,
+            Ok(pb_sec::Scope::WorkloadSelector) | Err(_) => PolicyScope::WorkloadSelector,
+        },
+        action: match pb_sec::Action::try_from(a.action) {
+            Ok(pb_sec::Action::Allow) => PolicyAction::Allow,
+            Ok(pb_sec::Action::Deny) | Err(_) => PolicyAction::Deny,
+        },
+        rules: Vec::new(),
+        dry_run: a.dry_run,
+        refused: Some(reason.to_string()),
+    }
 }
 
 pub fn authorization_to_proto(a: &Authorization) -> pb_sec::Authorization {

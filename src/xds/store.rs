@@ -12,8 +12,8 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use super::types::{
-    Authorization, HealthStatus, NetworkAddress, NetworkCidr, NetworkMode, PolicyScope, Protocol,
-    Service, Workload,
+    same_text, Authorization, HealthStatus, NetworkAddress, NetworkCidr, NetworkMode, PolicyScope,
+    Protocol, Service, Workload,
 };
 
 /// A workload backing a service, with its own port overrides.
@@ -48,6 +48,9 @@ pub struct State {
     refused_services: Vec<Arc<Service>>,
     endpoints: HashMap<String, Vec<Endpoint>>,
     policies: HashMap<String, Arc<Authorization>>,
+    /// Policies a workload names that are not held: denying stand-ins
+    /// until they arrive (never "no ALLOW policy, so allow").
+    missing_policies: HashMap<String, Arc<Authorization>>,
     /// Namespace-scoped policies by namespace, and the global ones.
     policies_by_ns: HashMap<String, Vec<Arc<Authorization>>>,
     global_policies: Vec<Arc<Authorization>>,
@@ -263,6 +266,18 @@ impl State {
             }
             st.policies.insert(key, p);
         }
+        for w in st.workloads.values() {
+            for key in &w.authorization_policies {
+                if !st.policies.contains_key(key) && !st.missing_policies.contains_key(key) {
+                    let stand_in = Authorization::refused_stand_in(
+                        key,
+                        "named by the workload but not held (refused, not yet sent, or removed)"
+                            .into(),
+                    );
+                    st.missing_policies.insert(key.clone(), Arc::new(stand_in));
+                }
+            }
+        }
         (st, errors)
     }
 
@@ -297,7 +312,7 @@ impl State {
         self.refused
             .by_range
             .iter()
-            .filter(|(c, _)| c.network == network && c.cidr.contains(ip))
+            .filter(|(c, _)| same_text(&c.network, network) && c.cidr.contains(ip))
             .max_by_key(|(c, _)| c.cidr.len)
             .map(|(_, r)| r.as_ref())
     }
@@ -378,7 +393,7 @@ impl State {
         type Rank = (bool, u8, bool);
         let mut best: Option<(Rank, &Arc<Service>)> = None;
         for (range, s) in &self.services_by_cidr {
-            if range.network != network
+            if !same_text(&range.network, network)
                 || !range.cidr.contains(ip)
                 || client.is_some_and(|c| !s.visible_to(c))
             {
@@ -451,7 +466,11 @@ impl State {
         self.global_policies.iter().chain(ns.iter()).chain(
             selected
                 .iter()
-                .filter_map(|k| self.policies.get(k))
+                .filter_map(|k| {
+                    self.policies
+                        .get(k)
+                        .or_else(|| self.missing_policies.get(k))
+                })
                 .filter(|p| p.scope == PolicyScope::WorkloadSelector),
         )
     }
@@ -545,6 +564,103 @@ services:
             "services:\n- {name: a, namespace: n, hostname: h, vips: [\"/10.96.0.1\"]}\n- {name: b, namespace: n, hostname: h, vips: [\"/10.96.0.2\"]}\n",
         );
         assert!(twice.unwrap_err().contains("defined twice"));
+    }
+
+    #[test]
+    fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason() {
+        use crate::xds::types::{
+            ApplicationTunnel, GatewayAddress, GatewayDestination, TunnelToApp, WeightedWaypoint,
+        };
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        let wl = |name: &str, addr: &str| Workload {
+            name: name.into(),
+            namespace: "ns".into(),
+            workload_ips: vec![ip(addr)],
+            ..Workload::default()
+        };
+        let svc = |name: &str, vip: &str| Service {
+            name: name.into(),
+            namespace: "ns".into(),
+            hostname: format!("{name}.ns"),
+            vips: vec![NetworkAddress {
+                network: String::new(),
+                address: ip(vip),
+            }],
+            ..Service::default()
+        };
+        let mut ext = wl("ext", "10.0.0.1");
+        ext.extensions = vec!["istio.io/x".into()];
+        let mut gated = wl("gated", "10.0.0.2");
+        gated.network_gateway = Some(GatewayAddress {
+            destination: GatewayDestination::Address(NetworkAddress {
+                network: "n2".into(),
+                address: ip("192.0.2.1"),
+            }),
+            hbone_mtls_port: 15008,
+        });
+        let mut proxied = wl("proxied", "10.0.0.3");
+        proxied.application_tunnel = Some(ApplicationTunnel {
+            protocol: TunnelToApp::Proxy,
+            port: None,
+        });
+        let mut own_wp = wl("own-wp", "10.0.0.4");
+        own_wp.waypoint = Some(GatewayAddress {
+            destination: GatewayDestination::Address(NetworkAddress {
+                network: String::new(),
+                address: ip("10.0.0.4"),
+            }),
+            hbone_mtls_port: 15008,
+        });
+        let nameless = Workload {
+            namespace: "ns".into(),
+            workload_ips: vec![ip("10.0.0.5")],
+            ..Workload::default()
+        };
+        let mut twice = wl("twice", "10.0.0.6");
+        twice.uid = "dup".into();
+        let mut twice2 = wl("twice2", "10.0.0.7");
+        twice2.uid = "dup".into();
+        let mut svc_ext = svc("sext", "10.96.0.1");
+        svc_ext.extensions = vec!["istio.io/y".into()];
+        let mut weightless = svc("weightless", "10.96.0.2");
+        weightless.weighted_waypoints = vec![WeightedWaypoint {
+            destination: GatewayDestination::Address(NetworkAddress {
+                network: String::new(),
+                address: ip("10.0.0.9"),
+            }),
+            hbone_mtls_port: 15008,
+            weight: 0,
+        }];
+        let defined = svc("defined", "10.96.0.3");
+        let mut defined_again = svc("defined", "10.96.0.4");
+        defined_again.name = "other".into();
+        let (st, errors) = State::build_lenient(
+            vec![ext, gated, proxied, own_wp, nameless, twice, twice2],
+            vec![svc_ext, weightless, defined, defined_again],
+            vec![],
+        );
+        assert_eq!(errors.len(), 9, "{errors:?}");
+        for (addr, why) in [
+            ("10.0.0.1", "extension"),
+            ("10.0.0.2", "network gateway"),
+            ("10.0.0.3", "PROXY"),
+            ("10.0.0.4", "the workload itself"),
+            ("10.0.0.5", "name and namespace are required"),
+            ("10.0.0.7", "used twice"),
+            ("10.96.0.1", "extension"),
+            ("10.96.0.2", "total weight of 0"),
+            ("10.96.0.4", "defined twice"),
+        ] {
+            let r = st
+                .refused_at("", ip(addr))
+                .unwrap_or_else(|| panic!("{addr} is not refused"));
+            assert!(r.reason.contains(why), "{addr}: {}", r.reason);
+        }
+        // What was served stays served, and not refused.
+        assert!(st.workload_by_addr("", ip("10.0.0.6")).is_some());
+        assert!(st.refused_at("", ip("10.0.0.6")).is_none());
+        assert!(st.service_by_vip("", ip("10.96.0.3"), None).is_some());
+        assert!(st.refused_host("ns/weightless.ns").is_some());
     }
 
     #[test]

@@ -275,3 +275,47 @@ print(served)
     assert!(node.log().matches("route=\"passthrough\"").count() == 0);
     assert_eq!(roundtrip(&client, echo.addr, b"still"), b"still");
 }
+
+// ---------------------------------------------------------------------------
+// Policy fails closed (issue #44, item 5).
+// ---------------------------------------------------------------------------
+
+#[test]
+fn a_workload_naming_a_policy_not_held_is_denied_until_it_arrives() {
+    let mut m = Mesh::new("latepolicy");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    let mesh = |policies: &str| {
+        format!(
+            "workloads:\n{}- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{}\"], protocol: HBONE, authorizationPolicies: [default/late]}}\npolicies: {policies}\n",
+            workload(&client, "client-sa", "HBONE"),
+            server.ip
+        )
+    };
+    // The workload names a policy the proxy does not hold, and no other
+    // policy exists: before, "no ALLOW policy" allowed everything.
+    m.write_config(&mesh("[]"));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    for _ in 0..3 {
+        assert!(roundtrip(&client, echo.addr, b"early").is_empty());
+    }
+    assert!(echo.peers().is_empty(), "nothing reached the application");
+    crate::common::wait_until_showing(
+        "the server's proxy logs the denial with the missing policy",
+        SETTLE,
+        || {
+            m.proxy_log(&server)
+                .lines()
+                .any(|l| l.contains("default/late (refused: named by the workload but not held"))
+        },
+        || m.proxy_log(&server),
+    );
+    // The policy arrives (an ALLOW for the client): served.
+    m.write_config(&mesh(
+        "[{name: late, namespace: default, scope: WorkloadSelector, action: Allow, rules: [[[{principals: [!Exact cluster.local/ns/default/sa/client-sa]}]]]}]",
+    ));
+    wait_until("served once the policy arrives", SETTLE, || {
+        roundtrip(&client, echo.addr, b"late") == b"late"
+    });
+}

@@ -10,7 +10,8 @@
 use std::net::IpAddr;
 
 use crate::xds::types::{
-    HealthStatus, IpFamilies, LbHealthPolicy, LbMode, LbScope, Locality, Service, Workload,
+    same_text, HealthStatus, IpFamilies, LbHealthPolicy, LbMode, LbScope, Locality, Service,
+    Workload,
 };
 use crate::xds::Endpoint;
 use crate::xds::State;
@@ -43,14 +44,14 @@ impl<'a> Place<'a> {
     }
 
     fn shares(&self, scope: LbScope, w: &Workload) -> bool {
-        let loc = |f: fn(&Locality) -> &str| self.locality.map_or("", f) == f(&w.locality);
+        let loc = |f: fn(&Locality) -> &str| same_text(self.locality.map_or("", f), f(&w.locality));
         match scope {
             LbScope::Region => loc(|l| &l.region),
             LbScope::Zone => loc(|l| &l.zone),
             LbScope::Subzone => loc(|l| &l.subzone),
-            LbScope::Node => self.node == w.node,
-            LbScope::Cluster => self.cluster == w.cluster_id,
-            LbScope::Network => self.network == w.network,
+            LbScope::Node => same_text(self.node, &w.node),
+            LbScope::Cluster => same_text(self.cluster, &w.cluster_id),
+            LbScope::Network => same_text(self.network, &w.network),
         }
     }
 }
@@ -97,21 +98,23 @@ fn rank(service: &Service, client: &Place<'_>, w: &Workload) -> Option<usize> {
     Some(rank + bonus)
 }
 
-/// The endpoints of `service` that may take the connection, best ranked
-/// only; an error says why there is none.
-pub fn candidates<'a>(
+/// The endpoint of `service` that takes this connection: of the usable
+/// endpoints of the best rank, one drawn in proportion to its capacity, in
+/// one pass with no allocation (a weighted reservoir: each endpoint of the
+/// best rank seen so far replaces the pick with probability weight/total,
+/// which leaves each with weight/total at the end). An error says why
+/// there is none.
+pub fn choose<'a>(
     state: &'a State,
     service: &Service,
     client: &Place<'_>,
     need: Need,
-) -> Result<Vec<&'a Endpoint>, String> {
+) -> Result<&'a Endpoint, String> {
     let lb = service.load_balancing.as_ref();
     let allow_unhealthy = lb.is_some_and(|l| l.health_policy == LbHealthPolicy::AllowAll);
-    let mut seen = 0;
-    let mut healthy = 0;
-    let mut reachable = 0;
-    let mut weighted = 0;
-    let mut usable: Vec<(usize, &Endpoint)> = Vec::new();
+    let (mut seen, mut healthy, mut reachable, mut weighted) = (0, 0, 0, 0);
+    // The best rank so far, the weight of its endpoints, and the pick.
+    let mut best: Option<(usize, u64, &Endpoint)> = None;
     for ep in state.endpoints(service) {
         let w = &ep.workload;
         seen += 1;
@@ -125,7 +128,7 @@ pub fn candidates<'a>(
         };
         // Another network is reached only through its gateway, which this
         // build does not take: never dialled directly.
-        if !addressed || w.network != client.network {
+        if !addressed || !same_text(&w.network, client.network) {
             continue;
         }
         if let Need::Port(port) = need {
@@ -137,36 +140,43 @@ pub fn candidates<'a>(
         // Capacity 0 takes no traffic, so it holds no rank either: a
         // draining endpoint in the client's zone does not keep FAILOVER
         // from the next zone (ztunnel ranks it, then finds no weight).
-        if w.weight() == 0 {
+        let weight = w.weight();
+        if weight == 0 {
             continue;
         }
         weighted += 1;
-        if let Some(r) = rank(service, client, w) {
-            usable.push((r, ep));
-        }
+        let Some(r) = rank(service, client, w) else {
+            continue;
+        };
+        best = match best {
+            Some((b, _, _)) if r < b => best,
+            Some((b, total, pick)) if r == b => {
+                let total = total + weight;
+                let keep = fastrand::u64(..total) >= weight;
+                Some((b, total, if keep { pick } else { ep }))
+            }
+            _ => Some((r, weight, ep)),
+        };
+    }
+    if let Some((_, _, pick)) = best {
+        return Ok(pick);
     }
     let key = service.key();
-    if seen == 0 {
-        return Err(format!("service {key} has no endpoint"));
-    }
-    if healthy == 0 {
-        return Err(format!("service {key} has no healthy endpoint"));
-    }
-    if reachable == 0 {
-        return Err(format!(
+    Err(if seen == 0 {
+        format!("service {key} has no endpoint")
+    } else if healthy == 0 {
+        format!("service {key} has no healthy endpoint")
+    } else if reachable == 0 {
+        format!(
             "service {key} has no healthy endpoint reachable on this network{}",
             match need {
                 Need::Port(p) => format!(" with port {p}"),
                 Need::Waypoint => String::new(),
             }
-        ));
-    }
-    if weighted == 0 {
-        return Err(format!(
-            "service {key}: every endpoint it may use has capacity 0"
-        ));
-    }
-    let Some(best) = usable.iter().map(|(r, _)| *r).max() else {
+        )
+    } else if weighted == 0 {
+        format!("service {key}: every endpoint it may use has capacity 0")
+    } else {
         let prefs: Vec<String> = lb
             .map(|l| {
                 l.routing_preferences
@@ -175,47 +185,11 @@ pub fn candidates<'a>(
                     .collect()
             })
             .unwrap_or_default();
-        return Err(format!(
+        format!(
             "service {key}: load balancing STRICT over [{}] leaves no endpoint that shares them with the client",
             prefs.join(", ")
-        ));
-    };
-    Ok(usable
-        .into_iter()
-        .filter(|(r, _)| *r == best)
-        .map(|(_, e)| e)
-        .collect())
-}
-
-/// One of `candidates`, drawn in proportion to its workload's capacity;
-/// an error when every one has capacity 0.
-pub fn draw<'a>(service: &Service, candidates: &[&'a Endpoint]) -> Result<&'a Endpoint, String> {
-    let total: u64 = candidates.iter().map(|e| e.workload.weight()).sum();
-    if total == 0 {
-        return Err(format!(
-            "service {}: every endpoint it may use has capacity 0",
-            service.key()
-        ));
-    }
-    let mut at = fastrand::u64(..total);
-    for e in candidates {
-        match at.checked_sub(e.workload.weight()) {
-            Some(rest) => at = rest,
-            None => return Ok(e),
-        }
-    }
-    // Unreachable: `at` < total, the sum of the weights walked.
-    Err(format!("service {}: no endpoint drawn", service.key()))
-}
-
-/// The endpoint of `service` that takes this connection.
-pub fn choose<'a>(
-    state: &'a State,
-    service: &Service,
-    client: &Place<'_>,
-    need: Need,
-) -> Result<&'a Endpoint, String> {
-    draw(service, &candidates(state, service, client, need)?)
+        )
+    })
 }
 
 /// Which of a workload's addresses to dial for a connection first sent to
