@@ -410,6 +410,7 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
     let tokens = TokenFiles {
         any_node: cfg.token_file.clone(),
         node_dir: cfg.node_tokens_dir.clone(),
+        ..TokenFiles::default()
     };
     tokens.log_setup(cfg.listen_addr);
     let ads = Ads {
@@ -431,6 +432,11 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
     let incoming = crate::grpc::tls_incoming(listener, Arc::new(tls));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tonic::transport::Server::builder()
+        // A peer that vanishes (or parks a connection that answers no
+        // ping) is let go: its stream and what it holds are freed.
+        .tcp_keepalive(Some(GRPC_KEEPALIVE))
+        .http2_keepalive_interval(Some(GRPC_KEEPALIVE))
+        .http2_keepalive_timeout(Some(GRPC_KEEPALIVE_TIMEOUT))
         .add_service(
             AggregatedDiscoveryServiceServer::new(ads)
                 .max_decoding_message_size(256 << 20)
@@ -446,6 +452,11 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
         .await?;
     Ok(())
 }
+
+/// How often an idle gRPC connection is pinged (TCP and HTTP/2), and how
+/// long its answer may take before the connection is closed.
+const GRPC_KEEPALIVE: Duration = Duration::from_secs(30);
+const GRPC_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[cfg(test)]
 mod tests {

@@ -301,3 +301,27 @@ fn a_plaintext_control_plane_is_refused_without_the_insecure_flag() {
         "{err}"
     );
 }
+
+/// A control plane with no token source is refused unless told, in so
+/// many words, to serve anyone (issue #44, item 7).
+#[test]
+fn a_control_plane_without_tokens_is_refused_unless_insecure_is_asked_for() {
+    let env = [("LOCAL_XDS_PATH", "/nonexistent/mesh.yaml")];
+    let (ok, _, err) = ambit(&["control-plane", "--print-config"], &env);
+    assert!(
+        !ok && err.contains("node_tokens_dir") && err.contains("--insecure"),
+        "{err}"
+    );
+    let (ok, out, err) = ambit(
+        &["control-plane", "--print-config", "--insecure=true"],
+        &env,
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains("insecure") && out.contains("true"), "{out}");
+    let with_token = [
+        ("LOCAL_XDS_PATH", "/nonexistent/mesh.yaml"),
+        ("AMBIT_CP_TOKEN_FILE", "/nonexistent/token"),
+    ];
+    let (ok, _, err) = ambit(&["control-plane", "--print-config"], &with_token);
+    assert!(ok, "{err}");
+}

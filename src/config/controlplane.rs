@@ -60,13 +60,19 @@ pub static CONTROL_PLANE_KEYS: &[Key] = &[
         name: "node_tokens_dir",
         env: &["AMBIT_CP_NODE_TOKENS_DIR"],
         default: "",
-        help: "directory of per-node bearer tokens, file <node name> holding that node's token: its proxy gets certificates only for workloads on that node (re-read on each call)",
+        help: "directory of per-node bearer tokens, file <node name> holding that node's token: its proxy gets certificates only for workloads on that node (re-read at most once a second)",
     },
     Key {
         name: "token_file",
         env: &["AMBIT_CP_TOKEN_FILE"],
         default: "",
-        help: "an any-node bearer token: certificates for every workload in the config, for one-node labs and admins; nodes get node_tokens_dir (re-read on each call)",
+        help: "an any-node bearer token: certificates for every workload in the config, for one-node labs and admins; nodes get node_tokens_dir (re-read at most once a second)",
+    },
+    Key {
+        name: "insecure",
+        env: &["AMBIT_CP_INSECURE"],
+        default: "false",
+        help: "serve without any token: whoever reaches the port gets the mesh state and a certificate for any workload in it (labs only; otherwise token_file or node_tokens_dir is required)",
     },
     Key {
         name: "tls_sans",
@@ -96,6 +102,7 @@ pub struct ControlPlaneConfig {
     pub serving_ca_key: Option<PathBuf>,
     pub node_tokens_dir: Option<PathBuf>,
     pub token_file: Option<PathBuf>,
+    pub insecure: bool,
     pub tls_sans: Vec<String>,
     pub max_cert_ttl: Duration,
     pub log_format: LogFormat,
@@ -136,6 +143,7 @@ impl ControlPlaneConfig {
             serving_ca_key,
             node_tokens_dir: l.get("node_tokens_dir", "a directory path", path)?,
             token_file: l.get("token_file", "a file path", path)?,
+            insecure: l.require("insecure", "true or false", super::parse_bool)?,
             tls_sans: l.require("tls_sans", "comma-separated names", |s| {
                 Some(super::parse_list(s))
             })?,
@@ -143,6 +151,14 @@ impl ControlPlaneConfig {
             log_format: l.require("log_format", "text or json", super::parse_log_format)?,
             log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
         };
+        if cfg.token_file.is_none() && cfg.node_tokens_dir.is_none() && !cfg.insecure {
+            // Fail closed: an open control plane hands out every workload's
+            // certificate to whoever reaches it.
+            return Err(ConfigError::Missing {
+                key: "node_tokens_dir",
+                hint: "callers need a token: set node_tokens_dir (one per node) or token_file, or --insecure=true to serve anyone who reaches the port",
+            });
+        }
         Ok((cfg, l))
     }
 }

@@ -8,12 +8,16 @@
 //! workload has.
 //!
 //! The decisions ([`Tokens::caller`], [`may_have`]) are pure; the only I/O is
-//! reading the token files, again on every call, so a rotated or revoked
-//! token takes effect at once. Tokens are never logged nor printed.
+//! reading the token files: when a call comes and what was read is older
+//! than [`TOKENS_RECHECK`], so a rotated or revoked token takes effect
+//! within a second, and a flood of calls costs one read a second, not one
+//! per call. Tokens are never logged nor printed.
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use tonic::{Request, Status};
 
@@ -66,13 +70,30 @@ pub enum NotAllowed {
     NoWorkload { identity: String },
 }
 
-/// Where the tokens are configured; read on every call.
-#[derive(Debug, Clone, Default)]
+/// How old the tokens a call is checked against may be.
+pub const TOKENS_RECHECK: Duration = Duration::from_secs(1);
+
+/// Where the tokens are configured, and what was last read there.
+#[derive(Clone, Default)]
 pub struct TokenFiles {
     /// `token_file`: the any-node token.
     pub any_node: Option<PathBuf>,
     /// `node_tokens_dir`: file `<node name>` holds that node's token.
     pub node_dir: Option<PathBuf>,
+    /// The tokens last read, and when (shared by every clone).
+    pub read_last: Arc<Mutex<Option<ReadAt>>>,
+}
+
+/// Tokens as read at an instant.
+pub type ReadAt = (Instant, Arc<Tokens>);
+
+impl fmt::Debug for TokenFiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TokenFiles")
+            .field("any_node", &self.any_node)
+            .field("node_dir", &self.node_dir)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The tokens as read at one call. No `Debug`: it holds secrets.
@@ -99,7 +120,7 @@ impl TokenFiles {
             .and_then(|v| v.strip_prefix("Bearer "))
             .map(str::trim)
             .unwrap_or_default();
-        let tokens = self.read().map_err(|reason| {
+        let tokens = self.current().map_err(|reason| {
             tracing::error!(call, %reason, "control-plane tokens unreadable: refusing the call");
             Status::unavailable("the control plane cannot read its token configuration")
         })?;
@@ -107,6 +128,20 @@ impl TokenFiles {
             tracing::warn!(src.addr = ?peer(req), call, reason = %refusal, "call refused");
             Status::unauthenticated(refusal.to_string())
         })
+    }
+
+    /// The tokens to check a call against: those last read, unless older
+    /// than [`TOKENS_RECHECK`]; then read again. A failed read is not kept.
+    pub fn current(&self) -> Result<Arc<Tokens>, String> {
+        let mut last = self.read_last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((at, tokens)) = last.as_ref() {
+            if at.elapsed() < TOKENS_RECHECK {
+                return Ok(tokens.clone());
+            }
+        }
+        let tokens = Arc::new(self.read()?);
+        *last = Some((Instant::now(), tokens.clone()));
+        Ok(tokens)
     }
 
     /// Reads the configured tokens now. Empty files count as no token (an
@@ -410,8 +445,8 @@ mod tests {
         std::fs::write(dir.join("..data/node-c"), "token-c").unwrap();
         std::os::unix::fs::symlink(dir.join("..data/node-c"), dir.join("node-c")).unwrap();
         let files = TokenFiles {
-            any_node: None,
             node_dir: Some(dir.clone()),
+            ..TokenFiles::default()
         };
         let t = files.read().unwrap();
         let nodes: Vec<&str> = t.nodes.iter().map(|(n, _)| n.as_str()).collect();
@@ -426,6 +461,36 @@ mod tests {
         assert!(
             files.read().is_err(),
             "a missing directory is an error, not an open door"
+        );
+    }
+
+    #[test]
+    fn tokens_are_read_at_most_once_a_second_and_a_rotation_is_seen_after() {
+        let dir = std::env::temp_dir().join(format!("ambit-token-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("token");
+        std::fs::write(&path, "old").unwrap();
+        let files = TokenFiles {
+            any_node: Some(path.clone()),
+            ..TokenFiles::default()
+        };
+        assert_eq!(files.current().unwrap().caller("old"), Ok(Caller::AnyNode));
+        // Rotated (and then unreadable): the calls of the next second are
+        // checked against what was read, without touching the file.
+        std::fs::write(&path, "new").unwrap();
+        assert_eq!(
+            files.clone().current().unwrap().caller("old"),
+            Ok(Caller::AnyNode)
+        );
+        std::thread::sleep(TOKENS_RECHECK + Duration::from_millis(50));
+        let now = files.current().unwrap();
+        assert_eq!(now.caller("new"), Ok(Caller::AnyNode));
+        assert_eq!(now.caller("old"), Err(Refusal::WrongToken));
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::thread::sleep(TOKENS_RECHECK + Duration::from_millis(50));
+        assert!(
+            files.current().is_err(),
+            "a token file gone refuses every call"
         );
     }
 }

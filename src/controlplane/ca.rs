@@ -119,8 +119,8 @@ mod tests {
             trust_domain: "cluster.local".into(),
             max_ttl: Duration::from_secs(3600),
             tokens: TokenFiles {
-                any_node: None,
                 node_dir: Some(dir.clone()),
+                ..TokenFiles::default()
             },
             state: StateHandle::new(state),
         };
