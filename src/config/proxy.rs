@@ -225,7 +225,7 @@ pub static PROXY_KEYS: &[Key] = &[
         name: "pool_unused_release_timeout",
         env: &["POOL_UNUSED_RELEASE_TIMEOUT"],
         default: "5m",
-        help: "idle pooled connections are closed after this",
+        help: "HBONE connections that carry no stream (pooled outbound ones, and inbound ones) are closed after this",
     },
     Key {
         name: "http2_stream_window_size",

@@ -80,7 +80,7 @@ impl StreamHold {
             };
             rt.block_on(async move {
                 let mut summary = HoldSummary::default();
-                let mut held = Vec::new();
+                let mut held = Holding::default();
                 for _ in 0..connections {
                     hold_one(
                         &client,
@@ -122,6 +122,15 @@ impl Drop for StreamHold {
 
 type Held = (h2::SendStream<Bytes>, h2::RecvStream);
 
+/// What an attacker holds: its streams, and its connections' senders (a
+/// connection whose last sender goes closes, so one with no stream needs
+/// its sender held to stay open).
+#[derive(Default)]
+struct Holding {
+    streams: Vec<Held>,
+    connections: Vec<h2::client::SendRequest<Bytes>>,
+}
+
 async fn hold_one(
     client: &Arc<rustls::ClientConfig>,
     hbone: SocketAddr,
@@ -129,7 +138,7 @@ async fn hold_one(
     streams: usize,
     bytes: usize,
     summary: &mut HoldSummary,
-    held: &mut Vec<Held>,
+    held: &mut Holding,
 ) {
     let connect = async {
         let tcp = TcpStream::connect(hbone).await.ok()?;
@@ -156,6 +165,7 @@ async fn hold_one(
         return;
     };
     summary.connections += 1;
+    held.connections.push(sender.clone());
     let mut asked = Vec::new();
     for _ in 0..streams {
         let Ok(ready) = sender.clone().ready().await else {
@@ -188,7 +198,7 @@ async fn hold_one(
     let payload = Bytes::from(vec![b'x'; bytes]);
     for (mut send, recv) in answered {
         let _ = send.send_data(payload.clone(), false);
-        held.push((send, recv));
+        held.streams.push((send, recv));
     }
 }
 

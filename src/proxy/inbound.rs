@@ -9,8 +9,9 @@
 //! a connection already allowed: a denied one is labelled from the state.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use h2::server::SendResponse;
@@ -55,6 +56,58 @@ pub struct Inbound {
     pub tracker: Arc<Tracker>,
     /// Addresses of pods this proxy stopped serving: connections from them are dead.
     pub pods_gone: super::pods::PodsGone,
+    /// An HBONE connection that carries no stream for this long is closed
+    /// (the outbound pool's `pool_unused_release_timeout`, as ztunnel's).
+    pub idle_timeout: Duration,
+}
+
+/// How long an idle connection told to go (GOAWAY) has to close before it
+/// is dropped: a peer that reads nothing never lets it close cleanly.
+const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// A connection's open streams, and since when it has had none.
+struct Activity {
+    open: AtomicUsize,
+    idle_since: Mutex<Instant>,
+}
+
+impl Activity {
+    fn new() -> Arc<Activity> {
+        Arc::new(Activity {
+            open: AtomicUsize::new(0),
+            idle_since: Mutex::new(Instant::now()),
+        })
+    }
+
+    /// How long the connection has carried no stream (zero while it does).
+    fn idle_for(&self) -> Duration {
+        if self.open.load(Ordering::Acquire) > 0 {
+            return Duration::ZERO;
+        }
+        self.idle_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .elapsed()
+    }
+}
+
+/// One stream on a connection, for its [`Activity`]: counted while held.
+struct OnConnection(Arc<Activity>);
+
+impl OnConnection {
+    fn new(activity: &Arc<Activity>) -> OnConnection {
+        activity.open.fetch_add(1, Ordering::AcqRel);
+        OnConnection(activity.clone())
+    }
+}
+
+impl Drop for OnConnection {
+    fn drop(&mut self) {
+        let mut since = self.0.idle_since.lock().unwrap_or_else(|e| e.into_inner());
+        if self.0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            *since = Instant::now();
+        }
+    }
 }
 
 async fn accept_loop<F, Fut>(
@@ -181,9 +234,26 @@ impl Inbound {
         let mut told = h2;
         let mut retry = tokio::time::interval(WINDOW_RETRY);
         retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Idle connections are let go, so a peer cannot park connections
+        // (and the windows they hold in the budget) for ever.
+        let activity = Activity::new();
+        let idle_check = (self.idle_timeout / 4).max(Duration::from_millis(100));
+        let mut idle_tick =
+            tokio::time::interval_at(tokio::time::Instant::now() + idle_check, idle_check);
+        idle_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut let_go: Option<tokio::time::Instant> = None;
         loop {
             let next = tokio::select! {
                 n = conn.accept() => n,
+                _ = idle_tick.tick(), if let_go.is_none() => {
+                    if activity.idle_for() >= self.idle_timeout {
+                        tracing::debug!(src.addr = %peer, idle = ?self.idle_timeout, "idle HBONE connection closed");
+                        conn.abrupt_shutdown(h2::Reason::NO_ERROR);
+                        let_go = Some(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
+                    }
+                    continue;
+                }
+                _ = tokio::time::sleep_until(let_go.unwrap_or_else(tokio::time::Instant::now)), if let_go.is_some() => break,
                 _ = windows.share_moved() => {
                     windows.rebalance();
                     tell_windows(&mut conn, &mut told, windows.granted());
@@ -235,7 +305,7 @@ impl Inbound {
                         peer_id.clone(),
                         peer,
                         local_ip,
-                        reserved,
+                        (reserved, OnConnection::new(&activity)),
                         streams.clone(),
                     );
                     self.pod.life.spawn(stream);
@@ -262,7 +332,7 @@ impl Inbound {
         peer_id: Identity,
         peer: SocketAddr,
         local_ip: IpAddr,
-        reserved: Reservation,
+        (reserved, on_connection): (Reservation, OnConnection),
         streams: Streams,
     ) {
         let (req, mut respond) = accepted;
@@ -286,6 +356,7 @@ impl Inbound {
                 body: req.into_body(),
                 reserved,
                 tracked,
+                _on_connection: on_connection,
             }),
         );
     }
@@ -634,6 +705,8 @@ struct Opened {
     reserved: Reservation,
     /// Ends the copy when a policy change denies the stream.
     tracked: super::reauth::Tracked,
+    /// Keeps the connection from counting as idle while the stream lives.
+    _on_connection: OnConnection,
 }
 
 /// Carries an opened stream until both directions end or policy revokes

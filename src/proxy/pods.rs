@@ -223,6 +223,7 @@ impl ProxyShared {
             h2: self.h2,
             tracker: self.tracker.clone(),
             pods_gone: self.pods_gone.clone(),
+            idle_timeout: self.pool.idle_timeout(),
         });
         tokio::spawn(outbound.serve(out_l));
         tokio::spawn(inbound.clone().serve_hbone(hbone_l));

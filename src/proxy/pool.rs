@@ -322,6 +322,11 @@ impl Pool {
         })
     }
 
+    /// How long a connection carrying no stream is kept.
+    pub fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
     /// A stream slot for `key`, dialing with `dial` if [`Entry::pick`]
     /// says so. A caller that waits for another's dial waits at most
     /// [`JOIN_WAIT`], and if that dial fails or is late, takes an open

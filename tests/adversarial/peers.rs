@@ -124,6 +124,60 @@ fn budget_used(node: &Node) -> u64 {
 }
 
 #[test]
+fn idle_hbone_connections_are_let_go_and_give_their_windows_back() {
+    // A peer parks connections that carry no stream (issue #44, item 2):
+    // each holds its windows in the budget. They are closed once idle for
+    // pool_unused_release_timeout (2 s here; ztunnel's anchor is 5 min).
+    let mut node = Node::start_env(
+        BIN,
+        "idle",
+        "namespaces:default",
+        false,
+        &[
+            ("POOL_UNUSED_RELEASE_TIMEOUT", "2s"),
+            ("AMBIT_MEMORY_BUDGET", "256Mi"),
+        ],
+    );
+    // (The node's mesh names the first pod client, the second server.)
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    let parker = node.add_pod("parker", "attack").unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
+    let hbone: SocketAddr = (server.ip, 15008).into();
+    let id = Identity::new("cluster.local", "attack", "parker");
+    let parked =
+        StreamHold::start(&parker.ns, (&ca.0, &ca.1), id, hbone, echo.addr, 4, 0, 0).unwrap();
+    assert_eq!(parked.summary.connections, 4);
+    wait_until(
+        "the parked connections hold windows",
+        Duration::from_secs(10),
+        || budget_used(&node) >= 4 * (1 << 20),
+    );
+    let held = budget_used(&node);
+    // Honest connections meanwhile, over HBONE between the two pods.
+    wait_until_showing(
+        "the honest pod served",
+        Duration::from_secs(10),
+        || {
+            connect_from(&client, echo.addr)
+                .and_then(|mut c| echo_roundtrip(&mut c, b"honest"))
+                .is_ok_and(|b| b == b"honest")
+        },
+        || node.log(),
+    );
+    // Idle for 2 s (checked every half second), they are let go, though
+    // their peer never closes them and reads nothing.
+    wait_until_showing(
+        "the parked connections' windows given back",
+        Duration::from_secs(15),
+        || budget_used(&node) < held / 4,
+        || format!("{} bytes reserved (was {held})", budget_used(&node)),
+    );
+    drop(parked);
+}
+
+#[test]
 fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and_grow_back() {
     // Half of 256 MiB holds eight connections at the configured 16 MiB.
     let mut node = Node::start_env(
