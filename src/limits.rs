@@ -175,6 +175,11 @@ pub mod caps {
     pub const SIDE_PORT: usize = 128;
     pub const AGENT_EVENTS: usize = 256;
     pub const CONTROL_PLANE: usize = 4_096;
+    /// HBONE TLS handshakes in progress (before the peer is authenticated)
+    /// in the whole proxy, every pod's 15008 together; a quarter per
+    /// source. Each buffers up to one handshake flight (about 25 KB, its
+    /// first 16 KB record and rustls' state): 1,024 hold at most ~25 MB.
+    pub const HBONE_HANDSHAKES: usize = 1_024;
 }
 
 #[cfg(test)]

@@ -61,6 +61,13 @@ pub struct Inbound {
     pub idle_timeout: Duration,
 }
 
+/// HBONE handshakes in progress in the whole proxy, a quarter per source:
+/// what peers not yet authenticated make the proxy buffer is bounded by
+/// this, not by the (much larger) connection caps.
+static HANDSHAKES: std::sync::LazyLock<ConnectionCap> = std::sync::LazyLock::new(|| {
+    ConnectionCap::new("hbone_handshake", caps::HBONE_HANDSHAKES).per_source()
+});
+
 /// How long an idle connection told to go (GOAWAY) has to close before it
 /// is dropped: a peer that reads nothing never lets it close cleanly.
 const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(5);
@@ -183,9 +190,16 @@ impl Inbound {
             Ok(a) => a.ip(),
             Err(_) => return,
         };
+        // A place among the handshakes in progress, held until the peer is
+        // authenticated; none left (for this source, or at all): closed.
+        let Some(handshaking) = HANDSHAKES.admit(peer.ip()) else {
+            return;
+        };
         let server = self.pod.tls.load().server.clone();
         let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls_stream::accept(server, tcp));
-        let (tls, peer_certs) = match accepted.await {
+        let accepted = accepted.await;
+        drop(handshaking);
+        let (tls, peer_certs) = match accepted {
             Ok(Ok((mut tls, certs))) => {
                 tls.set_buffer_limit(TLS_SEND_BUFFER);
                 (tls, certs)
