@@ -252,9 +252,15 @@ impl Held {
                     Ok(a) => convert::claims_of(a),
                     Err(_) => convert::claims_of_name(&r.name),
                 };
+                // Refused before it is held: a version Ambit cannot serve
+                // never replaces the one serving (the NACK leaves it).
                 let held = decoded
                     .map_err(|e| e.to_string())
                     .and_then(convert::address_from_proto)
+                    .and_then(|a| match a.unsupported() {
+                        Some(reason) => Err(reason),
+                        None => Ok(a),
+                    })
                     .map(|a| hold(&mut self.addresses, &mut self.arrivals, r, a));
                 match &held {
                     Ok(()) => self.refused.remove(&r.name),
@@ -965,5 +971,112 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(held.state().0.policies().count(), 0);
+    }
+
+    #[test]
+    fn a_refused_update_leaves_the_version_that_served_serving() {
+        let mut held = Held::default();
+        let send = |held: &mut Held, name: &str, version: &str, addr: pb::Address| {
+            let mut r = res(name, addr);
+            r.version = version.into();
+            held.apply(&DeltaDiscoveryResponse {
+                type_url: ADDRESS_TYPE.into(),
+                resources: vec![r],
+                ..Default::default()
+            })
+        };
+        let svc = |extension: bool| pb::Address {
+            r#type: Some(pb::address::Type::Service(pb::Service {
+                name: "s".into(),
+                namespace: "ns".into(),
+                hostname: "s.ns".into(),
+                addresses: vec![pb::NetworkAddress {
+                    network: String::new(),
+                    address: vec![10, 96, 0, 9],
+                    length: None,
+                }],
+                ports: vec![pb::Port {
+                    service_port: 80,
+                    target_port: 8080,
+                    app_protocol: 0,
+                }],
+                extensions: if extension {
+                    vec![pb::Extension {
+                        name: "istio.io/x".into(),
+                        config: None,
+                    }]
+                } else {
+                    vec![]
+                },
+                ..Default::default()
+            })),
+        };
+        let mut gated = wl("w", [10, 0, 0, 9]);
+        if let Some(pb::address::Type::Workload(w)) = &mut gated.r#type {
+            w.network_gateway = Some(pb::GatewayAddress {
+                destination: Some(pb::gateway_address::Destination::Address(
+                    pb::NetworkAddress {
+                        network: "n2".into(),
+                        address: vec![192, 0, 2, 1],
+                        length: None,
+                    },
+                )),
+                hbone_mtls_port: 15008,
+            });
+        }
+        assert!(send(&mut held, "ns/s.ns", "v1", svc(false)).is_empty());
+        assert!(send(&mut held, "w", "v1", wl("w", [10, 0, 0, 9])).is_empty());
+        // Updates Ambit refuses: NACKed, and the served versions stay.
+        assert_eq!(send(&mut held, "ns/s.ns", "v2", svc(true)).len(), 1);
+        assert_eq!(send(&mut held, "w", "v2", gated).len(), 1);
+        let st = held.state().0;
+        let vip = "10.96.0.9".parse().unwrap();
+        assert!(
+            st.service_by_vip("", vip, None).is_some(),
+            "the service serves"
+        );
+        let ip = "10.0.0.9".parse().unwrap();
+        assert!(st.workload_by_addr("", ip).is_some(), "the workload serves");
+        // On reconnect, what is held is what served.
+        let versions = held.versions(ADDRESS_TYPE);
+        assert_eq!(versions.get("ns/s.ns").map(String::as_str), Some("v1"));
+        assert_eq!(versions.get("w").map(String::as_str), Some("v1"));
+
+        // A policy likewise: the version that served keeps deciding.
+        let policy = |extension: bool| crate::proto::security::Authorization {
+            name: "p".into(),
+            namespace: "ns".into(),
+            scope: crate::proto::security::Scope::Namespace as i32,
+            action: crate::proto::security::Action::Allow as i32,
+            extensions: if extension {
+                vec![pb::Extension {
+                    name: "istio.io/l7".into(),
+                    config: None,
+                }]
+            } else {
+                vec![]
+            },
+            ..Default::default()
+        };
+        let send_policy = |held: &mut Held, p: crate::proto::security::Authorization| {
+            held.apply(&DeltaDiscoveryResponse {
+                type_url: AUTHORIZATION_TYPE.into(),
+                resources: vec![Resource {
+                    name: "ns/p".into(),
+                    version: "1".into(),
+                    resource: Some(prost_types::Any {
+                        type_url: AUTHORIZATION_TYPE.into(),
+                        value: p.encode_to_vec(),
+                    }),
+                    aliases: vec![],
+                }],
+                ..Default::default()
+            })
+        };
+        assert!(send_policy(&mut held, policy(false)).is_empty());
+        assert_eq!(send_policy(&mut held, policy(true)).len(), 1);
+        let st = held.state().0;
+        let served: Vec<_> = st.policies().map(|p| p.refused.clone()).collect();
+        assert_eq!(served, [None], "the valid version, not a stand-in");
     }
 }

@@ -48,6 +48,16 @@ pub enum AddressResource {
     Service(Box<Service>),
 }
 
+impl AddressResource {
+    /// Why Ambit cannot serve it as istiod means it, if it cannot.
+    pub fn unsupported(&self) -> Option<String> {
+        match self {
+            AddressResource::Workload(w) => w.unsupported(),
+            AddressResource::Service(s) => s.unsupported(),
+        }
+    }
+}
+
 pub fn address_from_proto(a: pb::Address) -> Result<AddressResource, String> {
     match a.r#type {
         Some(pb::address::Type::Workload(w)) => {
