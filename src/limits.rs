@@ -147,6 +147,44 @@ impl ConnectionCap {
 
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
+/// At most [`LogThrottle::BURST`] log lines per [`WARN_EVERY`] for a kind
+/// of event a peer can cause at will (a failed handshake, say), the first
+/// line of a period saying how many went unsaid in the one before: a flood
+/// of them cannot flood the log.
+#[derive(Debug, Default)]
+pub struct LogThrottle {
+    /// When the period began, lines said in it, events unsaid.
+    state: Mutex<(Option<Instant>, u32, u64)>,
+}
+
+impl LogThrottle {
+    /// Lines a period may have.
+    pub const BURST: u32 = 10;
+
+    pub const fn new() -> Self {
+        LogThrottle {
+            state: Mutex::new((None, 0, 0)),
+        }
+    }
+
+    /// `Some(n)` when this event may be logged, `n` the events not logged
+    /// before it; `None` when it is one of those.
+    pub fn admit(&self) -> Option<u64> {
+        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if s.0.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+            s.0 = Some(Instant::now());
+            s.1 = 0;
+        }
+        if s.1 < Self::BURST {
+            s.1 += 1;
+            Some(std::mem::take(&mut s.2))
+        } else {
+            s.2 += 1;
+            None
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
 struct ListenerLabels {
     listener: &'static str,
@@ -207,6 +245,24 @@ mod tests {
             cap.admit(ip).is_some(),
             "a place is freed when a connection ends"
         );
+    }
+
+    #[test]
+    fn a_throttled_log_says_a_few_lines_then_counts_the_rest() {
+        let t = LogThrottle::new();
+        for _ in 0..LogThrottle::BURST {
+            assert_eq!(t.admit(), Some(0));
+        }
+        for _ in 0..1000 {
+            assert_eq!(t.admit(), None);
+        }
+        t.state.lock().unwrap().0 = Some(Instant::now() - WARN_EVERY);
+        assert_eq!(
+            t.admit(),
+            Some(1000),
+            "the next line says how many went unsaid"
+        );
+        assert_eq!(t.admit(), Some(0));
     }
 
     #[test]

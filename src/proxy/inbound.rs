@@ -32,7 +32,7 @@ use super::tls_stream;
 use super::together::{self, Streams};
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::{tls, Identity};
-use crate::limits::{caps, ConnectionCap};
+use crate::limits::{caps, ConnectionCap, LogThrottle};
 use crate::xds::client::OnDemand;
 use crate::xds::types::{GatewayAddress, Service};
 use crate::xds::{State, StateHandle};
@@ -67,6 +67,10 @@ pub struct Inbound {
 static HANDSHAKES: std::sync::LazyLock<ConnectionCap> = std::sync::LazyLock::new(|| {
     ConnectionCap::new("hbone_handshake", caps::HBONE_HANDSHAKES).per_source()
 });
+
+/// Failed HBONE handshakes, which any peer can cause at will: ten lines
+/// per ten seconds, then a count of the others.
+static FAILED_HANDSHAKES: LogThrottle = LogThrottle::new();
 
 /// How long an idle connection told to go (GOAWAY) has to close before it
 /// is dropped: a peer that reads nothing never lets it close cleanly.
@@ -205,11 +209,23 @@ impl Inbound {
                 (tls, certs)
             }
             Ok(Err(e)) => {
-                tracing::warn!(src.addr = %peer, error = %e, "HBONE TLS handshake refused");
+                match FAILED_HANDSHAKES.admit() {
+                    Some(unsaid) => {
+                        tracing::warn!(src.addr = %peer, error = %e, unsaid, "HBONE TLS handshake refused (unsaid: failed handshakes not logged since the last line)")
+                    }
+                    None => {
+                        tracing::debug!(src.addr = %peer, error = %e, "HBONE TLS handshake refused")
+                    }
+                }
                 return;
             }
             Err(_) => {
-                tracing::warn!(src.addr = %peer, "HBONE TLS handshake timed out");
+                match FAILED_HANDSHAKES.admit() {
+                    Some(unsaid) => {
+                        tracing::warn!(src.addr = %peer, unsaid, "HBONE TLS handshake timed out (unsaid: failed handshakes not logged since the last line)")
+                    }
+                    None => tracing::debug!(src.addr = %peer, "HBONE TLS handshake timed out"),
+                }
                 return;
             }
         };
