@@ -124,9 +124,14 @@ pub(super) async fn handshake<C: Handshaking>(
         let state = match state {
             Ok(state) => state,
             Err(e) => {
-                // The peer is told why (an alert) before the connection ends.
+                // The peer is told why (an alert) before the connection
+                // ends; one whose bytes are not TLS records at all is not:
+                // rustls would read them again for the alert, fail again,
+                // and send a second fatal alert (which it asserts against).
                 received.advance(discard);
-                let _ = send_alert(&mut conn, &mut tcp, &mut received).await;
+                if !matches!(e, rustls::Error::InvalidMessage(_)) {
+                    let _ = send_alert(&mut conn, &mut tcp, &mut received).await;
+                }
                 return Err(tls_io(e));
             }
         };

@@ -401,3 +401,30 @@ async fn a_bulk_readers_buffer_goes_back_to_the_allocator_when_it_waits() {
     assert_eq!(ours.received.capacity(), 0, "a waiting reader holds none");
     assert_eq!(spare_count(), 0, "a bulk buffer is not kept");
 }
+
+#[tokio::test]
+async fn garbage_instead_of_a_client_hello_is_refused_once_without_a_second_alert() {
+    // Bytes that are not TLS, in one write and in several: the handshake
+    // fails with an error, and never asks rustls to send a second fatal
+    // alert (a debug assertion in rustls: before, a panic in debug builds
+    // whenever a pod sent junk to 15008).
+    for chunks in [1usize, 5] {
+        let (mut a, b) = tcp_pair().await;
+        let server = configs().server;
+        let accept = tokio::spawn(async move { accept(server, b).await.map(|_| ()) });
+        let junk = b"loop?".repeat(100);
+        for part in junk.chunks(junk.len() / chunks) {
+            // (Once refused, the rest meets a closed socket.)
+            let _ = a.write_all(part).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let ended = tokio::time::timeout(Duration::from_secs(5), accept)
+            .await
+            .expect("the handshake ends");
+        let e = ended.expect("no panic").expect_err("refused");
+        assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        let mut told = Vec::new();
+        let _ = a.read_to_end(&mut told).await;
+        assert!(told.len() <= 7 * 2, "at most one alert record: {told:?}");
+    }
+}
