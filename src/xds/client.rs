@@ -600,6 +600,23 @@ mod tests {
         }
     }
 
+    /// A response carrying one policy resource `name` with body `value`.
+    fn policy_response(name: &str, value: Vec<u8>) -> DeltaDiscoveryResponse {
+        DeltaDiscoveryResponse {
+            type_url: AUTHORIZATION_TYPE.into(),
+            resources: vec![Resource {
+                name: name.into(),
+                version: "1".into(),
+                resource: Some(prost_types::Any {
+                    type_url: AUTHORIZATION_TYPE.into(),
+                    value,
+                }),
+                aliases: vec![],
+            }],
+            ..Default::default()
+        }
+    }
+
     fn wl(uid: &str, ip: [u8; 4]) -> pb::Address {
         pb::Address {
             r#type: Some(pb::address::Type::Workload(pb::Workload {
@@ -867,19 +884,7 @@ mod tests {
             namespace: "ns".into(),
             ..Default::default()
         };
-        let rejected = held.apply(&DeltaDiscoveryResponse {
-            type_url: AUTHORIZATION_TYPE.into(),
-            resources: vec![Resource {
-                name: "ns/p".into(),
-                version: "1".into(),
-                resource: Some(prost_types::Any {
-                    type_url: AUTHORIZATION_TYPE.into(),
-                    value: policy.encode_to_vec(),
-                }),
-                aliases: vec![],
-            }],
-            ..Default::default()
-        });
+        let rejected = held.apply(&policy_response("ns/p", policy.encode_to_vec()));
         assert!(rejected.is_empty(), "{rejected:?}");
         let rejected = held.apply(&DeltaDiscoveryResponse {
             type_url: "type.googleapis.com/some.Other".into(),
@@ -900,21 +905,8 @@ mod tests {
         use crate::proto::security as sec;
         use crate::xds::types::{PolicyAction, PolicyScope};
         let mut held = Held::default();
-        let send = |held: &mut Held, name: &str, value: Vec<u8>| {
-            held.apply(&DeltaDiscoveryResponse {
-                type_url: AUTHORIZATION_TYPE.into(),
-                resources: vec![Resource {
-                    name: name.into(),
-                    version: "1".into(),
-                    resource: Some(prost_types::Any {
-                        type_url: AUTHORIZATION_TYPE.into(),
-                        value,
-                    }),
-                    aliases: vec![],
-                }],
-                ..Default::default()
-            })
-        };
+        let send =
+            |held: &mut Held, name: &str, value: Vec<u8>| held.apply(&policy_response(name, value));
         let policy = |extension: bool| sec::Authorization {
             name: "no-l7".into(),
             namespace: "ns".into(),
@@ -1059,19 +1051,7 @@ mod tests {
             ..Default::default()
         };
         let send_policy = |held: &mut Held, p: crate::proto::security::Authorization| {
-            held.apply(&DeltaDiscoveryResponse {
-                type_url: AUTHORIZATION_TYPE.into(),
-                resources: vec![Resource {
-                    name: "ns/p".into(),
-                    version: "1".into(),
-                    resource: Some(prost_types::Any {
-                        type_url: AUTHORIZATION_TYPE.into(),
-                        value: p.encode_to_vec(),
-                    }),
-                    aliases: vec![],
-                }],
-                ..Default::default()
-            })
+            held.apply(&policy_response("ns/p", p.encode_to_vec()))
         };
         assert!(send_policy(&mut held, policy(false)).is_empty());
         assert_eq!(send_policy(&mut held, policy(true)).len(), 1);
