@@ -211,6 +211,12 @@ pub mod caps {
     pub const HBONE: usize = 16_384;
     pub const DNS_TCP: usize = 64;
     pub const SIDE_PORT: usize = 128;
+    /// A side port's places kept for its own host (loopback, or a source
+    /// that is the address the connection came to: the kubelet's probes of
+    /// a host-network pod, a node-local scraper), apart from the
+    /// [`SIDE_PORT`] places pods and others share: pods holding those
+    /// cannot keep the kubelet from the agent's health port.
+    pub const SIDE_PORT_LOCAL: usize = 16;
     pub const AGENT_EVENTS: usize = 256;
     pub const CONTROL_PLANE: usize = 4_096;
     /// HBONE TLS handshakes in progress (before the peer is authenticated)

@@ -52,13 +52,24 @@ pub async fn serve(
 ) -> std::io::Result<tokio::task::JoinHandle<()>> {
     let listener = TcpListener::bind(addr).await?;
     let cap = ConnectionCap::new(name, caps::SIDE_PORT).per_source();
+    let local = ConnectionCap::new(name, caps::SIDE_PORT_LOCAL);
     Ok(tokio::spawn(async move {
         loop {
             let Ok((stream, peer)) = listener.accept().await else {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             };
-            let Some(slot) = cap.admit(peer.ip()) else {
+            // This host's own callers (the kubelet) have places of their
+            // own: a source no remote peer can take (a TCP handshake cannot
+            // come from the address it is sent to).
+            let own =
+                peer.ip().is_loopback() || stream.local_addr().is_ok_and(|l| l.ip() == peer.ip());
+            let admitted = if own {
+                local.admit(peer.ip())
+            } else {
+                cap.admit(peer.ip())
+            };
+            let Some(slot) = admitted else {
                 continue;
             };
             let handler = handler.clone();

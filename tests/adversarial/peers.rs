@@ -639,6 +639,46 @@ fn slowloris_on_the_side_ports_and_15008_is_timed_out_and_capped_and_others_are_
     );
 }
 
+#[test]
+fn pods_holding_the_agents_health_port_do_not_keep_the_kubelet_from_it() {
+    // The agent's health port on every address, as a host-network agent's
+    // is (issue #44 item 8): five pods hold what they can of it.
+    let mut node = Node::start_env(
+        BIN,
+        "agenthealth",
+        "namespaces:default",
+        false,
+        &[("AMBIT_AGENT_READINESS_ADDR", "0.0.0.0:8000")],
+    );
+    let pods: Vec<LabPod> = (0..5)
+        .map(|i| node.add_pod(&format!("p{i}"), "attack").unwrap())
+        .collect();
+    let bridge = node_bridge_ip(&node);
+    let agent: SocketAddr = format!("{bridge}:8000").parse().unwrap();
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for p in &pods {
+        let (h, r) =
+            p.ns.run(move || hang(agent, 40, b"GET /readyz HTTP/1.1\r\nHost: x\r\n"))
+                .unwrap();
+        held.extend(h);
+        refused += r;
+    }
+    // 128 places shared, a quarter per source: four pods fill them.
+    assert_eq!((held.len(), refused), (128, 72));
+    // The kubelet (this host: loopback, or the node's own address) is
+    // still answered, from places kept for the host.
+    for addr in ["127.0.0.1:8000".to_string(), format!("{bridge}:8000")] {
+        let answer = ambit::lab::http_get_in(&node.lab.node, &addr, "/readyz");
+        assert_eq!(
+            answer.as_ref().map(|(s, _)| *s).ok(),
+            Some(200),
+            "{addr}: {answer:?}"
+        );
+    }
+    drop(held);
+}
+
 fn node_bridge_ip(node: &Node) -> String {
     format!("{}.1", node.subnet)
 }
