@@ -48,7 +48,7 @@ pub struct ConnectionCap {
     /// Places one source address may hold; 0: no per-source cap.
     per_source: usize,
     by_source: BySource,
-    last_warned: Arc<Mutex<Option<Instant>>>,
+    warned: Arc<LogThrottle>,
 }
 
 /// Connections open per source address.
@@ -83,7 +83,7 @@ impl ConnectionCap {
             open: Arc::new(Semaphore::new(max)),
             per_source: 0,
             by_source: Arc::default(),
-            last_warned: Arc::default(),
+            warned: Arc::new(LogThrottle::new(1)),
         }
     }
 
@@ -131,14 +131,13 @@ impl ConnectionCap {
                 listener: self.listener,
             })
             .inc();
-        let mut last = self.last_warned.lock().unwrap_or_else(|e| e.into_inner());
-        if last.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
-            *last = Some(Instant::now());
+        if let Some(unsaid) = self.warned.admit() {
             tracing::warn!(
                 listener = self.listener,
                 max = self.max,
                 per_source = self.per_source,
                 src.addr = %source,
+                unsaid,
                 "connection cap reached: new connections are closed until some end"
             );
         }
@@ -147,22 +146,21 @@ impl ConnectionCap {
 
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
-/// At most [`LogThrottle::BURST`] log lines per [`WARN_EVERY`] for a kind
-/// of event a peer can cause at will (a failed handshake, say), the first
-/// line of a period saying how many went unsaid in the one before: a flood
-/// of them cannot flood the log.
-#[derive(Debug, Default)]
+/// At most `burst` log lines per [`WARN_EVERY`] for a kind of event a
+/// peer can cause at will (a failed handshake, a full cap), the first line
+/// of a period saying how many went unsaid before it: a flood of them
+/// cannot flood the log. The one throttle of every such log line.
+#[derive(Debug)]
 pub struct LogThrottle {
+    burst: u32,
     /// When the period began, lines said in it, events unsaid.
     state: Mutex<(Option<Instant>, u32, u64)>,
 }
 
 impl LogThrottle {
-    /// Lines a period may have.
-    pub const BURST: u32 = 10;
-
-    pub const fn new() -> Self {
+    pub const fn new(burst: u32) -> Self {
         LogThrottle {
+            burst,
             state: Mutex::new((None, 0, 0)),
         }
     }
@@ -175,7 +173,7 @@ impl LogThrottle {
             s.0 = Some(Instant::now());
             s.1 = 0;
         }
-        if s.1 < Self::BURST {
+        if s.1 < self.burst {
             s.1 += 1;
             Some(std::mem::take(&mut s.2))
         } else {
@@ -255,8 +253,8 @@ mod tests {
 
     #[test]
     fn a_throttled_log_says_a_few_lines_then_counts_the_rest() {
-        let t = LogThrottle::new();
-        for _ in 0..LogThrottle::BURST {
+        let t = LogThrottle::new(10);
+        for _ in 0..10 {
             assert_eq!(t.admit(), Some(0));
         }
         for _ in 0..1000 {

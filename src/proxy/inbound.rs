@@ -70,7 +70,7 @@ static HANDSHAKES: std::sync::LazyLock<ConnectionCap> = std::sync::LazyLock::new
 
 /// Failed HBONE handshakes, which any peer can cause at will: ten lines
 /// per ten seconds, then a count of the others.
-static FAILED_HANDSHAKES: LogThrottle = LogThrottle::new();
+static FAILED_HANDSHAKES: LogThrottle = LogThrottle::new(10);
 
 /// How long an idle connection told to go (GOAWAY) has to close before it
 /// is dropped: a peer that reads nothing never lets it close cleanly.

@@ -33,6 +33,26 @@ fn policy_response(name: &str, value: Vec<u8>) -> DeltaDiscoveryResponse {
     }
 }
 
+/// Service `ns/s.ns` at VIP `vip`, port 80 → 8080.
+fn svc_at(vip: [u8; 4]) -> pb::Service {
+    pb::Service {
+        name: "s".into(),
+        namespace: "ns".into(),
+        hostname: "s.ns".into(),
+        addresses: vec![pb::NetworkAddress {
+            network: String::new(),
+            address: vip.to_vec(),
+            length: None,
+        }],
+        ports: vec![pb::Port {
+            service_port: 80,
+            target_port: 8080,
+            app_protocol: 0,
+        }],
+        ..Default::default()
+    }
+}
+
 fn wl(uid: &str, ip: [u8; 4]) -> pb::Address {
     pb::Address {
         r#type: Some(pb::address::Type::Workload(pb::Workload {
@@ -110,16 +130,8 @@ fn a_refused_address_is_refused_until_it_is_served_or_removed() {
     }
     let svc = |families: i32| pb::Address {
         r#type: Some(pb::address::Type::Service(pb::Service {
-            name: "s".into(),
-            namespace: "ns".into(),
-            hostname: "s.ns".into(),
-            addresses: vec![pb::NetworkAddress {
-                network: String::new(),
-                address: vec![10, 96, 0, 7],
-                length: None,
-            }],
             ip_families: families,
-            ..Default::default()
+            ..svc_at([10, 96, 0, 7])
         })),
     };
     let rejected = send(
@@ -395,19 +407,6 @@ fn a_refused_update_leaves_the_version_that_served_serving() {
     };
     let svc = |extension: bool| pb::Address {
         r#type: Some(pb::address::Type::Service(pb::Service {
-            name: "s".into(),
-            namespace: "ns".into(),
-            hostname: "s.ns".into(),
-            addresses: vec![pb::NetworkAddress {
-                network: String::new(),
-                address: vec![10, 96, 0, 9],
-                length: None,
-            }],
-            ports: vec![pb::Port {
-                service_port: 80,
-                target_port: 8080,
-                app_protocol: 0,
-            }],
             extensions: if extension {
                 vec![pb::Extension {
                     name: "istio.io/x".into(),
@@ -416,7 +415,7 @@ fn a_refused_update_leaves_the_version_that_served_serving() {
             } else {
                 vec![]
             },
-            ..Default::default()
+            ..svc_at([10, 96, 0, 9])
         })),
     };
     let mut gated = wl("w", [10, 0, 0, 9]);
