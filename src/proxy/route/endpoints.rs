@@ -112,6 +112,11 @@ pub fn choose<'a>(
 ) -> Result<&'a Endpoint, String> {
     let lb = service.load_balancing.as_ref();
     let allow_unhealthy = lb.is_some_and(|l| l.health_policy == LbHealthPolicy::AllowAll);
+    // The same for every endpoint: asked once.
+    let service_has_port = match need {
+        Need::Port(port) => service.ports.contains_key(&port),
+        Need::Waypoint => true,
+    };
     let (mut seen, mut healthy, mut reachable, mut weighted) = (0, 0, 0, 0);
     // The best rank so far, the weight of its endpoints, and the pick.
     let mut best: Option<(usize, u64, &Endpoint)> = None;
@@ -132,7 +137,7 @@ pub fn choose<'a>(
             continue;
         }
         if let Need::Port(port) = need {
-            if !service.ports.contains_key(&port) && !ep.ports.contains_key(&port) {
+            if !service_has_port && !ep.ports.contains_key(&port) {
                 continue;
             }
         }
