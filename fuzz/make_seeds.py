@@ -151,7 +151,7 @@ def query(qid, name, qtype, questions=1, flags=0x0100, extra=b"", additional=0):
     return header + q * questions + extra
 
 
-A, AAAA, OPT = 1, 28, 41
+A, AAAA, OPT, CNAME = 1, 28, 41, 5
 
 
 def dns():
@@ -165,6 +165,21 @@ def dns():
     opt = b"\x00" + struct.pack(">HHIH", OPT, 1232, 0, 0)
     write("dns_query", "edns", query(0x789A, "echo.shop", A, extra=opt, additional=1))
     write("dns_query", "response-bit", query(0x89AB, "echo", A, flags=0x8180))
+    # Answers to the on-demand resolver's question for api.example.com
+    # (id 0x0A0A; fuzz_targets/dns_answer.rs asks A, or AAAA when the
+    # first byte is odd: the knob byte comes first).
+    api = "api.example.com"
+    name_ptr = b"\xc0\x0c"  # the question's name
+    def rr(owner, rtype, ttl, rdata):
+        return owner + struct.pack(">HHIH", rtype, 1, ttl, len(rdata)) + rdata
+    a_rec = rr(name_ptr, A, 60, bytes([192, 0, 2, 7]))
+    write("dns_answer", "a", b"\x00" + query(0x0A0A, api, A, flags=0x8180)[:4] + struct.pack(">HHHH", 1, 1, 0, 0) + query(0x0A0A, api, A)[12:] + a_rec)
+    cname = rr(name_ptr, CNAME, 300, qname("edge.cdn.example"))
+    edge = rr(qname("edge.cdn.example"), A, 20, bytes([192, 0, 2, 9]))
+    write("dns_answer", "cname-chain", b"\x00" + query(0x0A0A, api, A, flags=0x8180)[:4] + struct.pack(">HHHH", 1, 2, 0, 0) + query(0x0A0A, api, A)[12:] + cname + edge)
+    aaaa = rr(name_ptr, AAAA, 60, bytes(15) + b"\x07")
+    write("dns_answer", "aaaa", b"\x01" + query(0x0A0A, api, AAAA, flags=0x8180)[:4] + struct.pack(">HHHH", 1, 1, 0, 0) + query(0x0A0A, api, AAAA)[12:] + aaaa)
+    write("dns_answer", "nxdomain", b"\x00" + query(0x0A0A, api, A, flags=0x8183))
 
 
 # -- text seeds --------------------------------------------------------------

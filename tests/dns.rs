@@ -153,7 +153,7 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
     assert_eq!(echo_roundtrip(&mut c, b"resolved").unwrap(), b"resolved");
 
     // The DNS ServiceEntry: its endpoint's hostname is resolved when a
-    // connection needs it, from the pod, and the answer kept for its TTL.
+    // connection needs it, from the proxy's netns, and the answer kept for its TTL.
     for i in 0..3 {
         let msg = format!("by-name-{i}");
         let mut c = connect_from(&client, "10.96.0.20:80".parse().unwrap()).unwrap();

@@ -202,6 +202,11 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     } else {
         cfg.dns_upstreams.clone()
     });
+    // From the proxy's own netns, never a pod's (see `hostname`).
+    let hostnames = Arc::new(HostnameResolver::new(
+        resolvers.clone(),
+        pod::SocketFactory::local(sockets.clone(), "proxy".into()),
+    ));
     let active: Arc<pod::ActiveConnections> = Arc::default();
     let shared = Arc::new(ProxyShared {
         state: state.clone(),
@@ -231,7 +236,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
             );
             resolvers.clone()
         }),
-        hostnames: Arc::new(HostnameResolver::new(resolvers.clone())),
+        hostnames,
         demand,
     });
     shared.tracker.spawn_watcher(state.clone());

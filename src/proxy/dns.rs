@@ -351,7 +351,7 @@ thread_local! {
 /// with what `recv` says besides (the sender). It is read into this
 /// thread's buffer, so a socket waiting for one holds none: each pod's DNS
 /// listeners held 64 KiB each for the pod's life before (2026-12-01).
-async fn datagram<T>(
+pub(super) async fn datagram<T>(
     sock: &tokio::net::UdpSocket,
     recv: impl Fn(&tokio::net::UdpSocket, &mut [u8]) -> std::io::Result<(usize, T)>,
 ) -> std::io::Result<(Vec<u8>, T)> {

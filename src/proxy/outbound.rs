@@ -429,7 +429,7 @@ impl Outbound {
         Ok(PooledConn::new(sender, lifeline, streams))
     }
 
-    /// Resolves a hostname endpoint from inside the pod (counted in
+    /// Resolves a hostname endpoint from the proxy's own netns (counted in
     /// `istio_on_demand_dns_total`) and routes to the address found.
     async fn resolve(
         &self,
@@ -440,10 +440,7 @@ impl Outbound {
     ) -> Route {
         self.metrics
             .on_demand_dns(&self.source_labels(), &workload.hostname);
-        let found = self
-            .hostnames
-            .resolve(&self.pod.sockets, &workload.hostname, dst.ip())
-            .await;
+        let found = self.hostnames.resolve(&workload.hostname, dst.ip()).await;
         match found {
             Ok(ip) => to_workload(
                 workload,
