@@ -182,6 +182,41 @@ def dns():
     write("dns_answer", "nxdomain", b"\x00" + query(0x0A0A, api, A, flags=0x8183))
 
 
+# -- CRLs --------------------------------------------------------------------
+
+def crl():
+    """A CA and a v2 CRL revoking two serials, made by openssl (a CRL must
+    be signed; building one by hand would be most of this file)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        def run(*args):
+            subprocess.run(args, cwd=d, check=True, capture_output=True)
+
+        run("openssl", "ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "ca.key")
+        run("openssl", "req", "-x509", "-new", "-key", "ca.key", "-subj", "/O=seed/CN=seed CA",
+            "-days", "3650", "-out", "ca.pem", "-addext", "keyUsage=critical,keyCertSign,cRLSign")
+        with open(os.path.join(d, "index.txt"), "w") as f:
+            for serial in ("1A2B", "03"):
+                f.write(f"R\t300101000000Z\t250101000000Z,keyCompromise\t{serial}\tunknown\t/CN=revoked\n")
+        with open(os.path.join(d, "crlnumber"), "w") as f:
+            f.write("01\n")
+        with open(os.path.join(d, "ca.cnf"), "w") as f:
+            f.write("[ca]\ndefault_ca = seed\n[seed]\ndatabase = index.txt\ncrlnumber = crlnumber\n"
+                    "default_md = sha256\ndefault_crl_days = 3650\ncrl_extensions = ext\n"
+                    "[ext]\nauthorityKeyIdentifier = keyid:always\n")
+        run("openssl", "ca", "-gencrl", "-config", "ca.cnf", "-keyfile", "ca.key", "-cert", "ca.pem",
+            "-out", "crl.pem")
+        run("openssl", "crl", "-in", "crl.pem", "-outform", "DER", "-out", "crl.der")
+        pem = open(os.path.join(d, "crl.pem"), "rb").read()
+        ca = open(os.path.join(d, "ca.pem"), "rb").read()
+        der = open(os.path.join(d, "crl.der"), "rb").read()
+    write("crl_file", "pem", pem)
+    write("crl_file", "der", der)
+    write("crl_file", "pem-two-and-a-cert", ca + pem + pem)
+
+
 # -- text seeds --------------------------------------------------------------
 
 def cni():
@@ -315,6 +350,7 @@ if __name__ == "__main__":
     zds()
     xds()
     dns()
+    crl()
     cni()
     agent()
     hbone()

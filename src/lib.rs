@@ -6,7 +6,8 @@
 //! `main` only dispatches. Shared below them all: `backoff` (retry delays),
 //! `sideport` (the HTTP server of the side ports), `resident` (giving
 //! back start-up's pages of the binary), `unix_bind` (owner-only
-//! Unix sockets), `netns`, `constants`.
+//! Unix sockets), `watch` (files watched with inotify), `netns`,
+//! `constants`.
 //!
 //! Features: `lab` (on by default) builds the network-namespace lab that
 //! `ambit demo` and the tests use; `testing` adds test fakes (the Kubernetes
@@ -32,6 +33,7 @@ pub mod proxy;
 mod resident;
 mod sideport;
 mod unix_bind;
+mod watch;
 pub mod xds;
 mod zds;
 

@@ -102,6 +102,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "PEM root for the CA's TLS (default: xds_root_ca)",
     },
     Key {
+        name: "crl_path",
+        env: &["CRL_PATH"],
+        default: "",
+        help: "PEM (or one DER) certificate revocation lists peers are checked against at each handshake; watched, and open connections of a peer a new list revokes are closed",
+    },
+    Key {
         name: "mesh_root_ca",
         env: &["AMBIT_MESH_ROOT_CA"],
         default: "",
@@ -330,6 +336,8 @@ pub struct ProxyConfig {
     /// `mesh_root_ca`, else the CA's TLS root when that is a file (Istio's
     /// layout, one root for both). Always set when `ca_address` is.
     pub mesh_root_ca: Option<PathBuf>,
+    /// Revocation lists (`CRL_PATH`); unset: no revocation check.
+    pub crl_path: Option<PathBuf>,
     pub auth_token: Option<PathBuf>,
     pub pod_name: String,
     pub pod_namespace: String,
@@ -497,6 +505,7 @@ impl ProxyConfig {
             xds_root_ca,
             ca_root_ca,
             mesh_root_ca,
+            crl_path: l.get("crl_path", "a file path", path)?,
             auth_token: l.get("auth_token", "a file path", path)?,
             pod_name: l.require("pod_name", "a name", |s| Some(s.to_string()))?,
             pod_namespace: l.require("pod_namespace", "a name", |s| Some(s.to_string()))?,

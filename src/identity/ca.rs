@@ -267,6 +267,45 @@ impl LocalCa {
         self.issuer.key().serialize_pem()
     }
 
+    /// A revocation list (PEM) signed by this CA that revokes `revoked`
+    /// (certificates it issued), next updated in `next_update`: what an
+    /// operator of a local CA, or a test, hands to `crl_path`.
+    pub fn revocation_list(
+        &self,
+        revoked: &[CertificateDer<'_>],
+        next_update: Duration,
+    ) -> Result<String, IdentityError> {
+        let err = |reason: String| IdentityError::Sign {
+            identity: "revocation list".into(),
+            reason,
+        };
+        let now = time::OffsetDateTime::now_utc();
+        let mut revoked_certs = Vec::new();
+        for cert in revoked {
+            let (_, x509) = x509_parser::certificate::X509Certificate::from_der(cert)
+                .map_err(|e| err(format!("not a certificate: {e}")))?;
+            revoked_certs.push(rcgen::RevokedCertParams {
+                serial_number: SerialNumber::from_slice(x509.raw_serial()),
+                revocation_time: now,
+                reason_code: Some(rcgen::RevocationReason::KeyCompromise),
+                invalidity_date: None,
+            });
+        }
+        let next = time::Duration::try_from(next_update).map_err(|e| err(e.to_string()))?;
+        let params = rcgen::CertificateRevocationListParams {
+            this_update: now - time::Duration::minutes(1),
+            next_update: now + next,
+            crl_number: SerialNumber::from(u64::try_from(now.unix_timestamp()).unwrap_or(1)),
+            issuing_distribution_point: None,
+            revoked_certs,
+            key_identifier_method: rcgen::KeyIdMethod::Sha256,
+        };
+        let crl = params
+            .signed_by(&self.issuer)
+            .map_err(|e| err(e.to_string()))?;
+        crl.pem().map_err(|e| err(e.to_string()))
+    }
+
     /// Signs a certificate for `identity`, valid for `ttl` (backdated by a tenth of
     /// `ttl`, at most a minute, for clock skew).
     pub fn issue(&self, identity: &Identity, ttl: Duration) -> Result<WorkloadCert, IdentityError> {

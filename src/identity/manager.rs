@@ -14,9 +14,12 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use arc_swap::ArcSwap;
+use rustls::crypto::WebPkiSupportedAlgorithms;
+use rustls::pki_types::CertificateDer;
 
 use super::ca::{IdentityError, LocalCa, WorkloadCert};
 use super::caclient::CaClient;
+use super::crl::{Crls, Side, Tracked};
 use super::spiffe::Identity;
 use super::tls;
 
@@ -26,15 +29,51 @@ pub struct TlsIdentity {
     pub cert: WorkloadCert,
     pub server: Arc<rustls::ServerConfig>,
     pub client: Arc<rustls::ClientConfig>,
+    /// With revocation lists: what open connections are followed with.
+    revocation: Option<(
+        Arc<Crls>,
+        Arc<rustls::RootCertStore>,
+        WebPkiSupportedAlgorithms,
+    )>,
 }
 
 impl TlsIdentity {
-    fn new(cert: WorkloadCert) -> Result<Self, IdentityError> {
+    fn new(cert: WorkloadCert, crls: Option<&Arc<Crls>>) -> Result<Self, IdentityError> {
+        let revocation = match crls {
+            Some(c) => Some((
+                c.clone(),
+                Arc::new(tls::roots(&cert)?),
+                tls::provider().signature_verification_algorithms,
+            )),
+            None => None,
+        };
         Ok(TlsIdentity {
-            server: Arc::new(tls::server_config(&cert)?),
-            client: Arc::new(tls::client_config(&cert)?),
+            server: Arc::new(tls::server_config(&cert, crls)?),
+            client: Arc::new(tls::client_config(&cert, crls)?),
             cert,
+            revocation,
         })
+    }
+
+    /// The revocation lists' generation (see [`Crls::track`]), read before a
+    /// handshake; 0 without lists.
+    pub fn crl_generation(&self) -> u64 {
+        self.revocation
+            .as_ref()
+            .map_or(0, |(c, _, _)| c.generation())
+    }
+
+    /// Follows a connection authenticated with the peer's `chain` (leaf
+    /// first), so a revocation list loaded later closes it; `None` without
+    /// lists.
+    pub fn track(
+        &self,
+        chain: &[CertificateDer<'_>],
+        side: Side,
+        generation: u64,
+    ) -> Option<Tracked> {
+        let (crls, roots, algs) = self.revocation.as_ref()?;
+        Some(crls.track(chain, roots.clone(), *algs, side, generation))
     }
 }
 
@@ -80,6 +119,8 @@ fn usable(cert: WorkloadCert, now: SystemTime) -> Result<WorkloadCert, IdentityE
 pub struct CertManager {
     ca: CertSource,
     ttl: Duration,
+    /// Revocation lists every configuration checks peers against.
+    crls: Option<Arc<Crls>>,
     held: Mutex<HashMap<Identity, TlsHandle>>,
     /// One issuance at a time per identity.
     fetching: tokio::sync::Mutex<()>,
@@ -90,9 +131,15 @@ const RETRY: Duration = Duration::from_secs(5);
 
 impl CertManager {
     pub fn new(ca: CertSource, ttl: Duration) -> Arc<Self> {
+        Self::with_crls(ca, ttl, None)
+    }
+
+    /// [`CertManager::new`], checking peers against `crls`.
+    pub fn with_crls(ca: CertSource, ttl: Duration, crls: Option<Arc<Crls>>) -> Arc<Self> {
         Arc::new(CertManager {
             ca,
             ttl,
+            crls,
             held: Mutex::new(HashMap::new()),
             fetching: Default::default(),
         })
@@ -115,7 +162,7 @@ impl CertManager {
         if let Some(h) = self.held(id) {
             return Ok(h);
         }
-        let current = TlsIdentity::new(self.ca.issue(id, self.ttl).await?)?;
+        let current = TlsIdentity::new(self.ca.issue(id, self.ttl).await?, self.crls.as_ref())?;
         tracing::info!(identity = %id, expires = ?current.cert.not_after, "certificate issued");
         let handle: TlsHandle = Arc::new(ArcSwap::from_pointee(current));
         self.held
@@ -233,7 +280,8 @@ async fn rotate(mgr: Arc<CertManager>, id: Identity, handle: TlsHandle) {
         if Arc::strong_count(&handle) == 1 {
             return; // released: no pod uses this identity any more
         }
-        match mgr.ca.issue(&id, mgr.ttl).await.and_then(TlsIdentity::new) {
+        let next = mgr.ca.issue(&id, mgr.ttl).await;
+        match next.and_then(|cert| TlsIdentity::new(cert, mgr.crls.as_ref())) {
             Ok(next) => {
                 tracing::info!(identity = %id, expires = ?next.cert.not_after, "certificate rotated");
                 handle.store(Arc::new(next));

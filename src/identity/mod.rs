@@ -3,6 +3,7 @@
 
 mod ca;
 pub(crate) mod caclient;
+pub mod crl;
 mod manager;
 mod spiffe;
 pub(crate) mod tls;
@@ -11,5 +12,6 @@ pub use ca::{
     IdentityError, LocalCa, WorkloadCert, GENERATED_CERT, GENERATED_KEY, GENERATED_SERVING_CERT,
     GENERATED_SERVING_KEY,
 };
+pub use crl::Crls;
 pub use manager::{CertManager, CertSource, TlsHandle, TlsIdentity};
 pub use spiffe::Identity;

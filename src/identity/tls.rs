@@ -20,6 +20,7 @@ use rustls::{
 };
 
 use super::ca::{IdentityError, WorkloadCert};
+use super::crl::{Crls, Side};
 use super::spiffe::Identity;
 use crate::constants::HBONE_ALPN;
 
@@ -43,7 +44,8 @@ pub fn identity_of(cert: &CertificateDer<'_>) -> Option<Identity> {
     })
 }
 
-fn roots(cert: &WorkloadCert) -> Result<RootCertStore, IdentityError> {
+/// The trust anchors of `cert`'s mesh.
+pub fn roots(cert: &WorkloadCert) -> Result<RootCertStore, IdentityError> {
     let mut store = RootCertStore::empty();
     for root in &cert.roots {
         store.add(root.clone()).map_err(|e| tls_err(cert, e))?;
@@ -58,16 +60,25 @@ fn tls_err(cert: &WorkloadCert, e: impl std::fmt::Display) -> IdentityError {
     }
 }
 
-/// Server side of HBONE for the workload holding `cert`.
-pub fn server_config(cert: &WorkloadCert) -> Result<ServerConfig, IdentityError> {
+/// Server side of HBONE for the workload holding `cert`; with `crls`, a
+/// client chain they revoke is refused.
+pub fn server_config(
+    cert: &WorkloadCert,
+    crls: Option<&Arc<Crls>>,
+) -> Result<ServerConfig, IdentityError> {
     let provider = provider();
-    let inner =
-        WebPkiClientVerifier::builder_with_provider(Arc::new(roots(cert)?), provider.clone())
-            .build()
-            .map_err(|e| tls_err(cert, e))?;
+    let roots = Arc::new(roots(cert)?);
+    let inner = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
+        .build()
+        .map_err(|e| tls_err(cert, e))?;
     let verifier = Arc::new(TrustDomainVerifier {
         inner,
         trust_domain: cert.identity.trust_domain.clone(),
+        crls: crls.map(|c| Revocation {
+            crls: c.clone(),
+            roots,
+            algs: provider.signature_verification_algorithms,
+        }),
     });
     let mut cfg = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -83,12 +94,23 @@ pub fn server_config(cert: &WorkloadCert) -> Result<ServerConfig, IdentityError>
     Ok(cfg)
 }
 
-/// Client side of HBONE for the workload holding `cert`.
-pub fn client_config(cert: &WorkloadCert) -> Result<ClientConfig, IdentityError> {
+/// Client side of HBONE for the workload holding `cert`; with `crls`, a
+/// server chain they revoke is refused.
+pub fn client_config(
+    cert: &WorkloadCert,
+    crls: Option<&Arc<Crls>>,
+) -> Result<ClientConfig, IdentityError> {
     let provider = provider();
+    let roots = Arc::new(roots(cert)?);
+    let algs = provider.signature_verification_algorithms;
     let verifier = Arc::new(ChainVerifier {
-        roots: roots(cert)?,
-        algs: provider.signature_verification_algorithms,
+        roots: roots.clone(),
+        algs,
+        crls: crls.map(|c| Revocation {
+            crls: c.clone(),
+            roots,
+            algs,
+        }),
     });
     let mut cfg = ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])
@@ -142,11 +164,39 @@ pub fn verify_peer_identity(
     }
 }
 
-/// Client certificates must chain to our roots and carry our trust domain.
+/// What a verifier checks revocation with.
+#[derive(Debug)]
+struct Revocation {
+    crls: Arc<Crls>,
+    roots: Arc<RootCertStore>,
+    algs: WebPkiSupportedAlgorithms,
+}
+
+impl Revocation {
+    fn check(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        side: Side,
+        now: UnixTime,
+    ) -> Result<(), rustls::Error> {
+        self.crls.check(
+            (end_entity, intermediates),
+            &self.roots,
+            &self.algs,
+            side,
+            now,
+        )
+    }
+}
+
+/// Client certificates must chain to our roots, carry our trust domain and
+/// not be revoked.
 #[derive(Debug)]
 struct TrustDomainVerifier {
     inner: Arc<dyn ClientCertVerifier>,
     trust_domain: String,
+    crls: Option<Revocation>,
 }
 
 impl ClientCertVerifier for TrustDomainVerifier {
@@ -162,6 +212,9 @@ impl ClientCertVerifier for TrustDomainVerifier {
     ) -> Result<ClientCertVerified, rustls::Error> {
         self.inner
             .verify_client_cert(end_entity, intermediates, now)?;
+        if let Some(r) = &self.crls {
+            r.check(end_entity, intermediates, Side::Inbound, now)?;
+        }
         match identity_of(end_entity) {
             Some(id) if id.trust_domain == self.trust_domain => Ok(ClientCertVerified::assertion()),
             _ => Err(rustls::Error::InvalidCertificate(
@@ -193,11 +246,13 @@ impl ClientCertVerifier for TrustDomainVerifier {
     }
 }
 
-/// Server chains must lead to our roots; the name is checked after the handshake.
+/// Server chains must lead to our roots and not be revoked; the name is
+/// checked after the handshake.
 #[derive(Debug)]
 struct ChainVerifier {
-    roots: RootCertStore,
+    roots: Arc<RootCertStore>,
     algs: WebPkiSupportedAlgorithms,
+    crls: Option<Revocation>,
 }
 
 impl ServerCertVerifier for ChainVerifier {
@@ -217,6 +272,9 @@ impl ServerCertVerifier for ChainVerifier {
             now,
             self.algs.all,
         )?;
+        if let Some(r) = &self.crls {
+            r.check(end_entity, intermediates, Side::Outbound, now)?;
+        }
         Ok(ServerCertVerified::assertion())
     }
 
@@ -255,8 +313,10 @@ mod tests {
         client: &WorkloadCert,
     ) -> Result<Option<Identity>, String> {
         let (a, b) = tokio::io::duplex(64 * 1024);
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server_config(server).unwrap()));
-        let connector = tokio_rustls::TlsConnector::from(Arc::new(client_config(client).unwrap()));
+        let acceptor =
+            tokio_rustls::TlsAcceptor::from(Arc::new(server_config(server, None).unwrap()));
+        let connector =
+            tokio_rustls::TlsConnector::from(Arc::new(client_config(client, None).unwrap()));
         let srv = tokio::spawn(async move {
             let mut s = acceptor.accept(a).await.map_err(|e| e.to_string())?;
             let peer = s

@@ -64,7 +64,7 @@ impl StreamHold {
         let cert = ca
             .issue(&identity, Duration::from_secs(3600))
             .map_err(std::io::Error::other)?;
-        let client = Arc::new(tls::client_config(&cert).map_err(std::io::Error::other)?);
+        let client = Arc::new(tls::client_config(&cert, None).map_err(std::io::Error::other)?);
         let (summary_tx, summary_rx) = std::sync::mpsc::channel();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let ns = ns.clone();
@@ -276,7 +276,7 @@ impl Flood {
         let cert = ca
             .issue(&identity, Duration::from_secs(3600))
             .map_err(std::io::Error::other)?;
-        let server = Arc::new(tls::server_config(&cert).map_err(std::io::Error::other)?);
+        let server = Arc::new(tls::server_config(&cert, None).map_err(std::io::Error::other)?);
         let listener = ns.run(|| std::net::TcpListener::bind(("0.0.0.0", HBONE_PORT)))??;
         listener.set_nonblocking(true)?;
         let (answered, sent) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicU64::new(0)));

@@ -10,12 +10,14 @@
 //! `cni_call` (plugins as a runtime calls them),
 //! `node` (a whole `ambit node` with the real CNI chain), and, for tests
 //! only, `kubeapi` (a Kubernetes API server stand-in), `waypoint` (an
-//! HBONE server that records what it is sent) and `attacker` (hostile mesh
-//! peers).
+//! HBONE server that records what it is sent), `attacker` (hostile mesh
+//! peers) and `frames` (a peer streaming HTTP/2 control frames).
 
 #[cfg(feature = "testing")]
 pub mod attacker;
 mod cni_call;
+#[cfg(feature = "testing")]
+pub mod frames;
 #[cfg(feature = "testing")]
 pub mod kubeapi;
 pub mod node;

@@ -90,8 +90,8 @@ async fn serve(
     forward: Arc<HashMap<SocketAddr, SocketAddr>>,
 ) -> std::io::Result<()> {
     let listener = TcpListener::from_std(listener)?;
-    let server = Arc::new(tls::server_config(&cert).map_err(std::io::Error::other)?);
-    let client = Arc::new(tls::client_config(&cert).map_err(std::io::Error::other)?);
+    let server = Arc::new(tls::server_config(&cert, None).map_err(std::io::Error::other)?);
+    let client = Arc::new(tls::client_config(&cert, None).map_err(std::io::Error::other)?);
     loop {
         let (tcp, _) = listener.accept().await?;
         let (server, client, seen, connections, forward) = (

@@ -20,7 +20,7 @@ use super::{dns, inpod, metrics, pool};
 use crate::backoff::Backoff;
 use crate::config::{ProxyConfig, ProxyMode};
 use crate::identity::caclient::CaClient;
-use crate::identity::{CertManager, CertSource, LocalCa};
+use crate::identity::{CertManager, CertSource, Crls, LocalCa};
 use crate::sideport;
 use crate::xds::{self, StateHandle};
 
@@ -187,7 +187,21 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
             &cfg.trust_domain,
         )?)),
     };
-    let certs = CertManager::new(source, cfg.cert_ttl);
+    // Revocation lists: refused at start means not started (see `crl`).
+    let crls = match &cfg.crl_path {
+        Some(path) => {
+            let crls = Crls::load(path).map_err(|e| anyhow::anyhow!(e))?;
+            crls.spawn_watch().map_err(|e| {
+                anyhow::anyhow!("cannot watch the CRL file {}: {e}", path.display())
+            })?;
+            crls.register_metrics(&mut registry);
+            let set = crls.current();
+            tracing::info!(path = %path.display(), lists = set.len(), revoked = set.revoked, "CRL file loaded; peers are checked against it");
+            Some(crls)
+        }
+        None => None,
+    };
+    let certs = CertManager::with_crls(source, cfg.cert_ttl, crls);
     certs.spawn_releaser(Duration::from_secs(10));
     certs.register_metrics(&mut registry);
     let metrics = Arc::new(metrics::Metrics::default());

@@ -183,12 +183,7 @@ pub enum Refused {
 /// and their least TTL. Only records of `name`, or of the names its CNAMEs
 /// lead to, and only of type `ty`, are taken: whatever else an answer
 /// carries is not believed.
-pub fn parse_answer(
-    bytes: &[u8],
-    id: u16,
-    name: &Name,
-    ty: RecordType,
-) -> Result<Answer, Refused> {
+pub fn parse_answer(bytes: &[u8], id: u16, name: &Name, ty: RecordType) -> Result<Answer, Refused> {
     let m = Message::from_vec(bytes).map_err(|_| Refused::NotOurs)?;
     if m.id() != id || m.message_type() != MessageType::Response {
         return Err(Refused::NotOurs);

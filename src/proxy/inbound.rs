@@ -31,6 +31,7 @@ use super::splice::splice_bidirectional;
 use super::tls_stream;
 use super::together::{self, Streams};
 use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
+use crate::identity::crl::{self, Side};
 use crate::identity::{tls, Identity};
 use crate::limits::{caps, ConnectionCap, LogThrottle};
 use crate::xds::client::OnDemand;
@@ -199,7 +200,9 @@ impl Inbound {
         let Some(handshaking) = HANDSHAKES.admit(peer.ip()) else {
             return;
         };
-        let server = self.pod.tls.load().server.clone();
+        let identity = self.pod.tls.load_full();
+        let crl_generation = identity.crl_generation();
+        let server = identity.server.clone();
         let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls_stream::accept(server, tcp));
         let accepted = accepted.await;
         drop(handshaking);
@@ -232,6 +235,9 @@ impl Inbound {
         let Some(peer_id) = peer_certs.first().and_then(tls::identity_of) else {
             return; // unreachable: the verifier requires a SPIFFE identity
         };
+        // With revocation lists, a list loaded later that revokes the peer closes the connection.
+        let mut revocation = identity.track(&peer_certs, Side::Inbound, crl_generation);
+        drop(identity);
         // The receive windows this connection is granted, reserved for its
         // life and moved with its share of the budget.
         let (h2, mut windows) = match BUDGET.connection(self.h2, &peer_id) {
@@ -284,6 +290,10 @@ impl Inbound {
                     continue;
                 }
                 _ = tokio::time::sleep_until(let_go.unwrap_or_else(tokio::time::Instant::now)), if let_go.is_some() => break,
+                () = crl::revoked(&mut revocation) => {
+                    tracing::info!(src.addr = %peer, src.principal = %peer_id, "HBONE connection closed: a CRL now revokes the peer's certificate");
+                    break;
+                }
                 _ = windows.share_moved() => {
                     windows.rebalance();
                     tell_windows(&mut conn, &mut told, windows.granted());

@@ -38,7 +38,7 @@ mod together;
 pub use app::{run, start, ProxyHandle};
 // Pure wire-protocol pieces (no I/O), public so fuzz/ can drive them.
 pub use dns::{reply as dns_reply, Asker as DnsAsker, Reply as DnsReply};
-pub use hostname::{parse_answer as dns_answer, Refused as DnsAnswerRefused};
 pub use hbone::{
     forwarded_for, forwarded_host, validate_connect, Baggage, ConnectRejection, ConnectRequest,
 };
+pub use hostname::{parse_answer as dns_answer, Refused as DnsAnswerRefused};

@@ -25,6 +25,7 @@ use super::route::{route, to_workload, Client, Route};
 use super::splice::splice_bidirectional;
 use super::tls_stream;
 use super::together;
+use crate::identity::crl::{self, Side};
 use crate::identity::{tls, Identity};
 use crate::limits::{caps, CapSlot, ConnectionCap};
 use crate::xds::client::OnDemand;
@@ -376,7 +377,9 @@ impl Outbound {
         if let Err(e) = limit_unsent(&tcp, self.h2.unsent_limit) {
             tracing::debug!(error = %e, "cannot limit the HBONE connection's unsent data");
         }
-        let client = self.pod.tls.load().client.clone();
+        let identity = self.pod.tls.load_full();
+        let crl_generation = identity.crl_generation();
+        let client = identity.client.clone();
         let (mut tls, peer) = tls_stream::connect(client, tls::hbone_server_name(), tcp)
             .await
             .map_err(|source| OutboundError::Tls {
@@ -390,6 +393,9 @@ impl Outbound {
                 source,
             }
         })?;
+        // With revocation lists, a list loaded later that revokes the peer closes the connection.
+        let mut revocation = identity.track(&peer, Side::Outbound, crl_generation);
+        drop(identity);
         // The receive windows this connection grants the peer for its
         // answers, reserved for its life and moved with its share of the
         // budget, as an inbound connection's are: what a destination that
@@ -411,8 +417,17 @@ impl Outbound {
         // The connection's task also carries its streams (`together`).
         let (streams, inbox) = together::channel();
         let main = async move {
-            match drive(conn, h2, windows, &driver, socket).await {
+            let ended = tokio::select! {
+                ended = drive(conn, h2, windows, &driver, socket) => ended,
+                () = crl::revoked(&mut revocation) => Ok(Ended::Revoked),
+            };
+            match ended {
                 Ok(Ended::Closed) => {}
+                Ok(Ended::Revoked) => tracing::info!(
+                    dst.addr = %proxy,
+                    dst.principal = %peer_id,
+                    "HBONE connection closed: a CRL now revokes the peer's certificate"
+                ),
                 Ok(Ended::Abandoned) => tracing::info!(
                     dst.addr = %proxy,
                     "HBONE connection reset: the destination took nothing for {}s after the last stream ended",

@@ -9,6 +9,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 
+mod crl;
 mod dns;
 mod enrollment;
 mod fail_closed;

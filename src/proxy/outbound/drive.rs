@@ -23,6 +23,8 @@ pub(super) enum Ended {
     Closed,
     /// Let go by the pool and not closed within [`RELEASED_CLOSE_DEADLINE`].
     Abandoned,
+    /// Closed because a revocation list loaded since revokes the peer.
+    Revoked,
 }
 
 /// Drives a dialed HBONE connection to its end, moving the receive windows

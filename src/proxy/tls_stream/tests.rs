@@ -22,8 +22,8 @@ fn configs() -> Configs {
         .unwrap()
     };
     Configs {
-        client: Arc::new(client_config(&issue("client")).unwrap()),
-        server: Arc::new(server_config(&issue("server")).unwrap()),
+        client: Arc::new(client_config(&issue("client"), None).unwrap()),
+        server: Arc::new(server_config(&issue("server"), None).unwrap()),
     }
 }
 
