@@ -242,9 +242,12 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
                 "SYS_PTRACE",
                 "DAC_OVERRIDE",
             ],
-            _ => &["NET_ADMIN", "NET_RAW", "SYS_ADMIN"],
+            _ => &["NET_ADMIN", "SYS_ADMIN"],
         };
         assert_eq!(strs(&sc["capabilities"]["add"]), wanted, "{name}");
+        // The proxy never runs another program: no escalation for it.
+        let escalation = sc["allowPrivilegeEscalation"].as_bool();
+        assert_eq!(escalation, Some(name == "agent"), "{name}");
         assert!(
             c["readinessProbe"]["httpGet"]["port"].as_u64().is_some(),
             "{name} has a readiness probe"
@@ -253,6 +256,21 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
             c["resources"]["requests"]["memory"].as_str().is_some(),
             "{name} requests memory"
         );
+        // The agent, on the host network, binds its side ports to its pod's
+        // IP (the node's), not to every host interface.
+        if name == "agent" {
+            let env = c["env"].as_sequence().expect("env");
+            assert!(
+                env.iter().any(|e| e["name"] == "POD_IP"
+                    && e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"),
+                "the agent is told its pod's IP"
+            );
+            assert!(
+                env.iter()
+                    .all(|e| !e["value"].as_str().unwrap_or("").contains("0.0.0.0")),
+                "the agent binds nothing to every interface"
+            );
+        }
         // Every variable the chart sets is one the binary reads for that role.
         let help = stdout(Command::new(BIN).args([name, "--help"]));
         for e in c["env"].as_sequence().expect("env") {

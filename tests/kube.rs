@@ -184,9 +184,11 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     assert!(has_plugin(&node), "CNI plugin kept across an upgrade");
     assert!(node.log().contains("CNI plugin left in place"));
     // In the gap, a pod of an ambient namespace fails closed (kubelet
-    // retries it); a pod of a plain namespace starts.
+    // retries it); a pod of a plain namespace starts, once the API server
+    // (which the plugin asks itself) says it is not in the mesh.
     let err = node.add_pod("m2", "mesh").unwrap_err();
     assert!(err.contains("is the Ambit agent running?"), "{err}");
+    api.put(Kind::Pod, pod("plain", "p1", "node-a", "default"));
     node.add_pod("p1", "plain")
         .expect("a plain namespace's pod starts without the agent");
     // The plugin asks the API server itself (with the credentials the agent
@@ -196,6 +198,24 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     api.put(Kind::Pod, labelled);
     let err = node.add_pod("p2", "plain").unwrap_err();
     assert!(err.contains("is the Ambit agent running?"), "{err}");
+    // Once the API server refuses the plugin's token (the agent's pod is
+    // gone, and its pod-bound token with it), nothing can tell that a pod
+    // is not in the mesh: a pod labelled ambient in a plain namespace fails
+    // closed with both reasons (it started outside the mesh before), and so
+    // does an unlabelled one.
+    api.revoke();
+    let mut labelled = pod("plain", "p3", "node-a", "default");
+    labelled["metadata"]["labels"][MODE] = json!("ambient");
+    api.put(Kind::Pod, labelled);
+    let err = node.add_pod("p3", "plain").unwrap_err();
+    assert!(
+        err.contains("is the Ambit agent running?")
+            && err.contains("the API server could not say whether the pod is in the mesh"),
+        "{err}"
+    );
+    api.put(Kind::Pod, pod("plain", "p4", "node-a", "default"));
+    let err = node.add_pod("p4", "plain").unwrap_err();
+    assert!(err.contains("could not say"), "{err}");
 }
 
 #[test]
@@ -218,6 +238,51 @@ fn the_plugin_is_removed_when_the_daemonset_is_deleted() {
     assert!(
         !kubeconfig.exists(),
         "the token does not outlive the agent on the node"
+    );
+}
+
+#[test]
+fn a_403_429_or_5xx_at_exit_keeps_the_plugin_and_an_uninstall_through_403_to_401_removes_it() {
+    // A subnet of its own.
+    let (node, api) = kube_node("kube403", "10.114.0", "");
+    // A ClusterRole edited by mistake (403: the account is there, its
+    // rights are not), a throttling or failing API server: none of them
+    // says the DaemonSet is gone, so an exiting agent keeps the plugin.
+    for code in [403, 429, 500, 503] {
+        node.launch(true);
+        node.wait_ready("127.0.0.1:8000", "/readyz");
+        assert!(has_plugin(&node));
+        api.refuse(http::StatusCode::from_u16(code).unwrap());
+        // The agent asks again for 5 s while it gets 403.
+        node.lab.stop_within("node", Duration::from_secs(15));
+        assert!(
+            has_plugin(&node),
+            "an API answering {code} at exit uninstalled the plugin"
+        );
+        let log = node.log();
+        assert!(log.contains("keeping the CNI plugin"), "{code}: {log}");
+        api.serve_again();
+    }
+    // An uninstall deletes the DaemonSet, then the bindings (403), then
+    // the account (401) a moment later: the agent waits the 403 out, and
+    // the 401 removes the plugin.
+    node.launch(true);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    api.delete(Kind::DaemonSet, "istio-system", "ambit");
+    api.refuse(http::StatusCode::FORBIDDEN);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            std::thread::sleep(Duration::from_millis(1500));
+            api.revoke();
+        });
+        node.lab.stop_within("node", Duration::from_secs(15));
+    });
+    assert!(!has_plugin(&node), "uninstalled once the account was gone");
+    let refused = api.requests();
+    assert!(
+        refused.iter().any(|r| r.starts_with("REFUSED 403"))
+            && refused.iter().any(|r| r.starts_with("REFUSED 401")),
+        "{refused:?}"
     );
 }
 

@@ -255,20 +255,6 @@ impl Cluster {
         self.pods.state()
     }
 
-    /// The namespaces labelled ambient, sorted, excluded ones left out.
-    pub fn ambient_namespaces(&self, excluded: &[String]) -> Vec<String> {
-        let mut names: Vec<String> = self
-            .namespaces
-            .state()
-            .iter()
-            .filter(|n| label(&n.metadata.labels, DATAPLANE_MODE) == Some("ambient"))
-            .filter_map(|n| n.metadata.name.clone())
-            .filter(|n| !excluded.contains(n))
-            .collect();
-        names.sort();
-        names
-    }
-
     /// Whether the watched pod should be enrolled.
     pub fn should_enroll(&self, pod: &Pod, excluded: &[String]) -> bool {
         let ns = pod.metadata.namespace.as_deref().unwrap_or("default");
@@ -342,39 +328,68 @@ impl Cluster {
     /// too. A deleted DaemonSet, a deleted node, or a node the DaemonSet's
     /// node selector or required node affinity no longer matches gets no
     /// agent back, so its plugin goes and new pods start unmeshed.
+    ///
+    /// Only 401 (the agent's account no longer authenticates: deleted, as
+    /// by an uninstall) counts as gone. A 403 proves the account still
+    /// exists and only its rights went, which an uninstall passes through
+    /// on its way to 401 (Helm deletes the bindings before the account) and
+    /// a ClusterRole edited by mistake stays in: the agent asks again for up
+    /// to [`FORBIDDEN_WAIT`], and if the answer is still 403 the plugin
+    /// stays. 429, 5xx and no answer keep it too.
     pub async fn daemonset_remains(&self, namespace: &str, pod: &str) -> bool {
-        let verdict = async {
-            let pods = Api::<Pod>::namespaced(self.client.clone(), namespace);
-            let Some(own) = get_within(&pods, pod).await.or_else(denied_is_gone)? else {
-                return Ok(false);
-            };
-            let owner = own.metadata.owner_references.unwrap_or_default();
-            let Some(ds) = owner.iter().find(|o| o.kind == "DaemonSet") else {
-                return Ok(false);
-            };
-            let dss = Api::<DaemonSet>::namespaced(self.client.clone(), namespace);
-            let ds = match get_within(&dss, &ds.name).await.or_else(denied_is_gone)? {
-                Some(d) if d.metadata.deletion_timestamp.is_none() => d,
-                _ => return Ok(false),
-            };
-            // No right to read nodes (an older ClusterRole) is no verdict:
-            // the DaemonSet exists, so the plugin stays.
-            let nodes = Api::<Node>::all(self.client.clone());
-            let Some(node) = get_within(&nodes, &self.node).await.map_err(|e| e.reason)? else {
-                return Ok(false);
-            };
-            let template = ds.spec.and_then(|s| s.template.spec);
-            Ok::<_, String>(schedules_on(template.as_ref(), &node))
-        };
-        match verdict.await {
-            Ok(remains) => remains,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot tell whether the agent's DaemonSet remains; keeping the CNI plugin");
-                true
+        let deadline = tokio::time::Instant::now() + FORBIDDEN_WAIT;
+        loop {
+            match self.daemonset_verdict(namespace, pod).await {
+                Ok(remains) => return remains,
+                Err(e) if e.forbidden && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(FORBIDDEN_WAIT / 10).await;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e.reason, "cannot tell whether the agent's DaemonSet remains; keeping the CNI plugin");
+                    return true;
+                }
             }
         }
     }
+
+    async fn daemonset_verdict(&self, namespace: &str, pod: &str) -> Result<bool, GetError> {
+        let pods = Api::<Pod>::namespaced(self.client.clone(), namespace);
+        let Some(own) = get_within(&pods, pod).await.or_else(unauthorized_is_gone)? else {
+            return Ok(false);
+        };
+        let owner = own.metadata.owner_references.unwrap_or_default();
+        let Some(ds) = owner.iter().find(|o| o.kind == "DaemonSet") else {
+            return Ok(false);
+        };
+        let dss = Api::<DaemonSet>::namespaced(self.client.clone(), namespace);
+        let ds = match get_within(&dss, &ds.name)
+            .await
+            .or_else(unauthorized_is_gone)?
+        {
+            Some(d) if d.metadata.deletion_timestamp.is_none() => d,
+            _ => return Ok(false),
+        };
+        // No right to read nodes (an older ClusterRole) is no verdict:
+        // the DaemonSet exists, so the plugin stays.
+        let nodes = Api::<Node>::all(self.client.clone());
+        let node = match get_within(&nodes, &self.node).await {
+            Ok(Some(node)) => node,
+            Ok(None) => return Ok(false),
+            Err(e) => {
+                return Err(GetError {
+                    forbidden: false,
+                    ..e
+                })
+            }
+        };
+        let template = ds.spec.and_then(|s| s.template.spec);
+        Ok(schedules_on(template.as_ref(), &node))
+    }
 }
+
+/// How long an exiting agent asks again while the API answers 403 (see
+/// [`Cluster::daemonset_remains`]).
+pub const FORBIDDEN_WAIT: Duration = Duration::from_secs(5);
 
 /// Whether a pod with `spec` may be placed on `node` by its labels and name:
 /// the node selector and the required node affinity, as the scheduler reads
@@ -441,8 +456,11 @@ fn requirement_matches(r: &NodeSelectorRequirement, value: Option<&str>) -> bool
 /// Why a GET got no object and no "not found" either.
 #[derive(Debug)]
 struct GetError {
-    /// 401/403: the caller's account or its rights are gone (or never were).
-    denied: bool,
+    /// 401: the caller's account no longer authenticates (deleted).
+    unauthorized: bool,
+    /// 403: the account exists and may not read this (its rights are gone,
+    /// or never were).
+    forbidden: bool,
     reason: String,
 }
 
@@ -472,21 +490,26 @@ async fn get_within<K>(api: &Api<K>, name: &str) -> Result<Option<K>, GetError>
 where
     K: Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
-    within_budget(api.get_opt(name))
-        .await
-        .map_err(|e| GetError {
-            denied: matches!(&e, kube::Error::Api(s) if matches!(s.code, 401 | 403)),
+    within_budget(api.get_opt(name)).await.map_err(|e| {
+        let code = match &e {
+            kube::Error::Api(s) => s.code,
+            _ => 0,
+        };
+        GetError {
+            unauthorized: code == 401,
+            forbidden: code == 403,
             reason: format!("{name}: {e}"),
-        })
+        }
+    })
 }
 
-/// For objects the agent's own account reads: a denied GET means that
-/// account is gone, as after an uninstall, so the object counts as gone too.
-fn denied_is_gone<K>(e: GetError) -> Result<Option<K>, String> {
-    if e.denied {
+/// For objects the agent's own account reads: a 401 means that account is
+/// gone, as after an uninstall, so the object counts as gone too.
+fn unauthorized_is_gone<K>(e: GetError) -> Result<Option<K>, GetError> {
+    if e.unauthorized {
         Ok(None)
     } else {
-        Err(e.reason)
+        Err(e)
     }
 }
 

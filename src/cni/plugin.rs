@@ -548,10 +548,10 @@ impl std::fmt::Display for AgentError {
     }
 }
 
-/// File in the agent's run dir listing the namespaces labelled ambient, which
-/// the agent keeps current in Kubernetes mode. With no agent to ask, the
-/// plugin lets pods of other namespaces start (the agent captures the odd
-/// pod labelled ambient itself once it is back) and fails the rest closed.
+/// File in the agent's run dir where agents before 2026-12-05 listed the
+/// namespaces labelled ambient for the plugin's fallback. A pod can opt in
+/// by its own label in any namespace, so the list could start such a pod
+/// outside the mesh; it is no longer written or read, only removed.
 pub const AMBIENT_NAMESPACES_FILE: &str = "ambient-namespaces.json";
 
 /// Kubeconfig the agent leaves in its run dir (0600) so the plugin can ask
@@ -559,30 +559,17 @@ pub const AMBIENT_NAMESPACES_FILE: &str = "ambient-namespaces.json";
 pub const PLUGIN_KUBECONFIG_FILE: &str = "plugin-kubeconfig";
 
 /// Whether a pod may start while the agent is unreachable: only in
-/// Kubernetes mode; then as the API server says when it could be asked,
-/// otherwise only if the agent's last list of ambient namespaces exists and
-/// does not name the pod's namespace.
-fn may_start_without_agent(cfg: &PluginConfig, namespace: &str, must_enroll: Option<bool>) -> bool {
-    if !matches!(cfg.enroll, Enrollment::Kubernetes { .. }) {
-        return false;
-    }
-    if let Some(must) = must_enroll {
-        return !must;
-    }
-    let path = std::path::Path::new(&cfg.cni_agent_run_dir).join(AMBIENT_NAMESPACES_FILE);
-    let Ok(text) = std::fs::read_to_string(path) else {
-        return false;
-    };
-    match serde_json::from_str::<Vec<String>>(&text) {
-        Ok(ambient) => !ambient.iter().any(|n| n == namespace),
-        Err(_) => false,
-    }
+/// Kubernetes mode, and only when the API server itself said the pod is not
+/// to be enrolled. No answer (no kubeconfig, a token it refuses, no answer
+/// in time) is no permission: the ADD fails closed, and the kubelet retries.
+fn may_start_without_agent(cfg: &PluginConfig, must_enroll: Option<bool>) -> bool {
+    matches!(cfg.enroll, Enrollment::Kubernetes { .. }) && must_enroll == Some(false)
 }
 
 /// Runs one plugin invocation and returns its stdout. `post` delivers an [`AddEvent`] to the
 /// agent whose run dir is given; a failure fails the ADD (fail closed) with code 100, except
-/// for a pod outside the ambient namespaces while no agent runs (Kubernetes mode). DEL and
-/// CHECK have no side effects: removal is the agent's job.
+/// for a pod the API server says is not to be enrolled while no agent runs (Kubernetes
+/// mode). DEL and CHECK have no side effects: removal is the agent's job.
 pub fn handle(
     env: &CniEnv,
     stdin: &[u8],
@@ -603,7 +590,7 @@ pub fn handle(
             if let Decision::Enroll(event) = decide(&cfg, env, &pod) {
                 match post(&event, &cfg.cni_agent_run_dir) {
                     Err(AgentError::Unreachable { why, must_enroll })
-                        if may_start_without_agent(&cfg, &event.pod_namespace, must_enroll) =>
+                        if may_start_without_agent(&cfg, must_enroll) =>
                     {
                         eprintln!(
                             "ambit-cni: {why}; pod {}/{} is not to be enrolled, so it starts now",

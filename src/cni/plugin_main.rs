@@ -28,13 +28,22 @@ fn post(event: &AddEvent, run_dir: &str) -> Result<(), AgentError> {
     let stream = match rt.block_on(tokio::net::UnixStream::connect(&sock)) {
         Ok(s) => s,
         Err(e) => {
-            let must_enroll = rt.block_on(ask_api(event, Path::new(run_dir)));
-            return Err(AgentError::Unreachable {
-                why: format!(
-                    "agent socket {}: {e} — is the Ambit agent running?",
-                    sock.display()
-                ),
-                must_enroll,
+            let asked = rt.block_on(ask_api(event, Path::new(run_dir)));
+            let agent = format!(
+                "agent socket {}: {e} — is the Ambit agent running?",
+                sock.display()
+            );
+            return Err(match asked {
+                Ok(must) => AgentError::Unreachable {
+                    why: agent,
+                    must_enroll: Some(must),
+                },
+                Err(api) => AgentError::Unreachable {
+                    why: format!(
+                        "{agent}; and the API server could not say whether the pod is in the mesh: {api}"
+                    ),
+                    must_enroll: None,
+                },
             });
         }
     };
@@ -77,34 +86,38 @@ fn post(event: &AddEvent, run_dir: &str) -> Result<(), AgentError> {
 }
 
 /// With no agent to ask: whether the API server says the pod must be
-/// enrolled, using the kubeconfig the agent left in its run dir. `None` when
-/// there is none or the API does not answer within 3 s.
-async fn ask_api(event: &AddEvent, run_dir: &Path) -> Option<bool> {
+/// enrolled, using the kubeconfig the agent left in its run dir; why not,
+/// when it cannot be had (no kubeconfig, the API refuses or does not answer
+/// within 3 s).
+async fn ask_api(event: &AddEvent, run_dir: &Path) -> Result<bool, String> {
     use k8s_openapi::api::core::v1::{Namespace, Pod};
     let path = run_dir.join(plugin::PLUGIN_KUBECONFIG_FILE);
     if !path.exists() {
-        return None;
+        return Err(format!(
+            "no kubeconfig from the agent at {}",
+            path.display()
+        ));
     }
     let lookup = async {
-        let kubeconfig = kube::config::Kubeconfig::read_from(&path).ok()?;
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path)
+            .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?;
         let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
             .await
-            .ok()?;
-        let client = kube::Client::try_from(config).ok()?;
+            .map_err(|e| format!("kubeconfig {}: {e}", path.display()))?;
+        let client = kube::Client::try_from(config).map_err(|e| e.to_string())?;
         let pod = kube::Api::<Pod>::namespaced(client.clone(), &event.pod_namespace)
             .get(&event.pod_name)
             .await
-            .ok()?;
+            .map_err(|e| format!("pod {}/{}: {e}", event.pod_namespace, event.pod_name))?;
         let ns = kube::Api::<Namespace>::all(client)
             .get_opt(&event.pod_namespace)
             .await
-            .ok()?;
-        Some(super::kube::should_enroll(&pod, ns.as_ref(), &[]))
+            .map_err(|e| format!("namespace {}: {e}", event.pod_namespace))?;
+        Ok(super::kube::should_enroll(&pod, ns.as_ref(), &[]))
     };
     tokio::time::timeout(Duration::from_secs(3), lookup)
         .await
-        .ok()
-        .flatten()
+        .unwrap_or_else(|_| Err("no answer within 3s".into()))
 }
 
 /// Runs the plugin and returns the process exit code.

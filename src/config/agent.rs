@@ -116,16 +116,22 @@ pub static AGENT_KEYS: &[Key] = &[
         help: "enrolled pods, kept across restarts",
     },
     Key {
+        name: "pod_ip",
+        env: &["POD_IP"],
+        default: "",
+        help: "the agent pod's IP (on the host network: the node's); the side ports bind to it rather than to every host interface",
+    },
+    Key {
         name: "readiness_addr",
         env: &["AMBIT_AGENT_READINESS_ADDR"],
-        default: "0.0.0.0:8000",
-        help: "/healthz and /readyz",
+        default: "",
+        help: "/healthz and /readyz; empty: pod_ip:8000, or 0.0.0.0:8000 without pod_ip",
     },
     Key {
         name: "metrics_addr",
         env: &["MONITORING_PORT_ADDR", "AMBIT_AGENT_METRICS_ADDR"],
-        default: "0.0.0.0:15014",
-        help: "Prometheus metrics (/metrics)",
+        default: "",
+        help: "Prometheus metrics (/metrics); empty: pod_ip:15014, or 0.0.0.0:15014 without pod_ip",
     },
     super::LOG_FORMAT_KEY,
     super::LOG_LEVEL_KEY,
@@ -175,6 +181,11 @@ impl AgentConfig {
 
     pub fn from_layers(l: &Layers) -> Result<Self, ConfigError> {
         let path = |s: &str| Some(PathBuf::from(s));
+        // The side ports' host: the pod's IP when given (on the host
+        // network, every other interface of the node stays closed), else all.
+        let side_ip = l
+            .get("pod_ip", "an IP", |s| s.parse::<std::net::IpAddr>().ok())?
+            .unwrap_or(std::net::Ipv4Addr::UNSPECIFIED.into());
         Ok(AgentConfig {
             run_dir: l.require("run_dir", "a directory path", path)?,
             zds_path: l.require("zds_path", "a socket path", path)?,
@@ -204,12 +215,16 @@ impl AgentConfig {
                 .unwrap_or_default(),
             host_proc: l.require("host_proc", "a directory path", path)?,
             state_file: l.require("state_file", "a file path", path)?,
-            readiness_addr: l.require("readiness_addr", "an address like 0.0.0.0:8000", |s| {
-                s.parse().ok()
-            })?,
-            metrics_addr: l.require("metrics_addr", "an address like 0.0.0.0:15014", |s| {
-                s.parse().ok()
-            })?,
+            readiness_addr: l
+                .get("readiness_addr", "an address like 10.0.0.5:8000", |s| {
+                    s.parse().ok()
+                })?
+                .unwrap_or(SocketAddr::new(side_ip, 8000)),
+            metrics_addr: l
+                .get("metrics_addr", "an address like 10.0.0.5:15014", |s| {
+                    s.parse().ok()
+                })?
+                .unwrap_or(SocketAddr::new(side_ip, 15014)),
             log_format: l.require("log_format", "text or json", super::parse_log_format)?,
             log_level: l.require("log_level", "a tracing filter", |s| Some(s.to_string()))?,
         })
@@ -219,6 +234,40 @@ impl AgentConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_side_ports_bind_to_the_pods_ip_when_given_else_every_interface() {
+        let config = |env: &[(&str, &str)]| {
+            let env: Vec<(String, String)> = env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let layers = Layers::resolve(AGENT_KEYS, &CommandLine::default(), |k| {
+                env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
+            })
+            .unwrap();
+            AgentConfig::from_layers(&layers).unwrap()
+        };
+        let on = |addr: &str| addr.parse::<SocketAddr>().unwrap();
+        let c = config(&[("POD_IP", "10.0.0.5")]);
+        assert_eq!(c.readiness_addr, on("10.0.0.5:8000"));
+        assert_eq!(c.metrics_addr, on("10.0.0.5:15014"));
+        let c = config(&[("POD_IP", "fd00::5")]);
+        assert_eq!(c.readiness_addr, on("[fd00::5]:8000"));
+        let c = config(&[]);
+        assert_eq!(c.readiness_addr, on("0.0.0.0:8000"));
+        assert_eq!(c.metrics_addr, on("0.0.0.0:15014"));
+        let c = config(&[
+            ("POD_IP", "10.0.0.5"),
+            ("AMBIT_AGENT_READINESS_ADDR", "127.0.0.1:9000"),
+        ]);
+        assert_eq!(
+            c.readiness_addr,
+            on("127.0.0.1:9000"),
+            "an address given wins"
+        );
+        assert_eq!(c.metrics_addr, on("10.0.0.5:15014"));
+    }
 
     #[test]
     fn enrollment_rules_parse() {

@@ -71,8 +71,8 @@ struct Inner {
     watches: Vec<Watch>,
     patches: Vec<(String, Value)>,
     requests: Vec<String>,
-    /// Every request gets 401 (the client's account was deleted).
-    revoked: bool,
+    /// Every request gets this status (see [`FakeApi::refuse`]).
+    refusing: Option<StatusCode>,
     /// Requests for one object are held unanswered (see [`FakeApi::stall`]).
     stalled: bool,
 }
@@ -160,6 +160,39 @@ impl Inner {
         self.objects.insert(key, obj.clone());
         self.event(kind, typ, obj);
     }
+}
+
+/// Every request refused with `code`, in kube-apiserver's words.
+fn refusal(code: StatusCode, req: &Request<Incoming>) -> Response<Body> {
+    let parts: Vec<&str> = req
+        .uri()
+        .path()
+        .trim_start_matches('/')
+        .split('/')
+        .collect();
+    // .../namespaces/<ns>/<resource>/<name>, or .../<resource>/<name>
+    let (resource, name) = match parts.as_slice() {
+        [.., "namespaces", _, resource, name] | [_, _, resource, name] => (*resource, *name),
+        [.., resource] => (*resource, ""),
+        [] => ("", ""),
+    };
+    let user = "system:serviceaccount:istio-system:ambit";
+    let (reason, message) = match code.as_u16() {
+        401 => ("Unauthorized", "Unauthorized".to_string()),
+        403 => (
+            "Forbidden",
+            format!("{resource} \"{name}\" is forbidden: User \"{user}\" cannot get resource \"{resource}\" in API group \"\""),
+        ),
+        429 => ("TooManyRequests", "Too many requests, please try again later.".to_string()),
+        503 => ("ServiceUnavailable", "service unavailable".to_string()),
+        _ => ("InternalError", "Internal error occurred: etcdserver: request timed out".to_string()),
+    };
+    let mut resp = reply(code, &status(code, reason, &message));
+    if code == StatusCode::TOO_MANY_REQUESTS {
+        resp.headers_mut()
+            .insert("retry-after", http::HeaderValue::from_static("1"));
+    }
+    resp
 }
 
 fn status(code: StatusCode, reason: &str, message: &str) -> Value {
@@ -352,7 +385,20 @@ impl FakeApi {
     /// From now on every request gets 401 Unauthorized, as when the
     /// client's ServiceAccount has been deleted.
     pub fn revoke(&self) {
-        self.lock().revoked = true;
+        self.refuse(StatusCode::UNAUTHORIZED);
+    }
+
+    /// From now on every request gets `code`, worded as kube-apiserver
+    /// words it: 401 (the account is gone), 403 (the account is there, its
+    /// rights are not: a ClusterRole edited, or an uninstall's bindings
+    /// deleted before its account), 429 (with `Retry-After`), 5xx.
+    pub fn refuse(&self, code: StatusCode) {
+        self.lock().refusing = Some(code);
+    }
+
+    /// Answers requests again.
+    pub fn serve_again(&self) {
+        self.lock().refusing = None;
     }
 
     /// From now on every request for one object (GET, PATCH) is read,
@@ -381,11 +427,12 @@ impl FakeApi {
 
 async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
     let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
-    if lock().revoked {
-        return reply(
-            StatusCode::UNAUTHORIZED,
-            &status(StatusCode::UNAUTHORIZED, "Unauthorized", "Unauthorized"),
-        );
+    let refusing = lock().refusing;
+    if let Some(code) = refusing {
+        lock()
+            .requests
+            .push(format!("REFUSED {} {}", code.as_u16(), req.uri().path()));
+        return refusal(code, &req);
     }
     let path = req.uri().path().to_string();
     let q = query(req.uri());

@@ -144,8 +144,22 @@ impl Node {
 
     /// `ambit <role>` inside the node netns with this node's environment.
     pub fn command(&self, role: &str) -> Command {
+        self.command_through(role, &[])
+    }
+
+    /// [`Node::command`] started through `wrapper` (a program and its
+    /// arguments, `setpriv` with a capability set, say), which runs `ambit`.
+    pub fn command_through(&self, role: &str, wrapper: &[&str]) -> Command {
         let dir = &self.dir;
-        let mut cmd = self.lab.node.command(self.lab.binary());
+        let binary = self.lab.binary().to_string_lossy().into_owned();
+        let mut cmd = match wrapper.split_first() {
+            Some((program, args)) => {
+                let mut cmd = self.lab.node.command(program);
+                cmd.args(args).arg(&binary);
+                cmd
+            }
+            None => self.lab.node.command(&binary),
+        };
         cmd.arg(role)
             .env("CNI_BIN_DIR", &self.bin_dir)
             .env("CNI_NET_DIR", &self.conf_dir)

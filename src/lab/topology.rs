@@ -257,12 +257,17 @@ impl Lab {
 
     /// Stops a spawned process (SIGTERM, then SIGKILL).
     pub fn stop(&self, label: &str) {
+        self.stop_within(label, Duration::from_secs(2));
+    }
+
+    /// [`Lab::stop`], waiting up to `grace` for the exit before SIGKILL.
+    pub fn stop_within(&self, label: &str, grace: Duration) {
         let mut children = self.children.lock().unwrap_or_else(|e| e.into_inner());
         children.retain_mut(|(l, child)| {
             if l != label {
                 return true;
             }
-            stop_child(child);
+            stop_child(child, grace);
             false
         });
     }
@@ -346,12 +351,12 @@ impl Lab {
     }
 }
 
-fn stop_child(child: &mut Child) {
+fn stop_child(child: &mut Child, grace: Duration) {
     // SAFETY: kill(2) on a pid we spawned and have not reaped yet.
     unsafe {
         libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
     }
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + grace;
     while Instant::now() < deadline {
         if let Ok(Some(_)) = child.try_wait() {
             return;
@@ -370,7 +375,7 @@ impl Drop for Lab {
             .unwrap_or_else(|e| e.into_inner())
             .iter_mut()
         {
-            stop_child(child);
+            stop_child(child, Duration::from_secs(2));
         }
         for pod in &self.pods {
             let _ = ip(&["netns", "del", &pod.netns_name]);

@@ -120,6 +120,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         congestion_control: cfg.congestion_control.clone(),
     }
     .usable(cfg.congestion_control_chosen)?;
+    sockets.check_privileges(cfg.mode == ProxyMode::Shared)?;
     let mut registry = Registry::default();
     let budget = cfg
         .memory_budget

@@ -136,6 +136,9 @@ async fn tcp_to_h2(
                 return Err(e);
             }
         };
+        // A source that never runs dry still lets the worker's other tasks
+        // run: its reads do not go through tokio's (budgeted) `poll_read`.
+        tokio::task::consume_budget().await;
         if n == 0 {
             return dst
                 .send_data(Bytes::new(), true)

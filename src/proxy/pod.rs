@@ -65,6 +65,33 @@ impl SocketOptions {
 
     /// Whether this kernel lets the proxy set its congestion control: a
     /// clear error at start rather than a warning at the first connection.
+    /// Whether this process may do what every pod socket needs: the mark
+    /// (`SO_MARK`, like `IP_TRANSPARENT` and `SOCK_DESTROY`: CAP_NET_ADMIN)
+    /// and, for a proxy that `enters_pods` (shared), `setns` into a pod's
+    /// network namespace (CAP_SYS_ADMIN). Checked at start, as ztunnel does,
+    /// so a container given too few capabilities fails saying which, not
+    /// each connection later.
+    pub fn check_privileges(&self, enters_pods: bool) -> anyhow::Result<()> {
+        let probe = Socket::new(Domain::IPV4, Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| anyhow::anyhow!("cannot open a socket: {e}"))?;
+        probe.set_mark(self.mark).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot mark sockets (SO_MARK {:#x}): {e}; the proxy needs CAP_NET_ADMIN",
+                self.mark
+            )
+        })?;
+        if enters_pods {
+            let here = crate::netns::Netns::current()
+                .map_err(|e| anyhow::anyhow!("cannot open this thread's netns: {e}"))?;
+            here.enter().map_err(|e| {
+                anyhow::anyhow!(
+                    "cannot enter network namespaces (setns): {e}; a shared proxy needs CAP_SYS_ADMIN"
+                )
+            })?;
+        }
+        Ok(())
+    }
+
     fn check(&self) -> anyhow::Result<()> {
         let Some(cc) = &self.congestion_control else {
             return Ok(());

@@ -14,3 +14,4 @@ mod dns;
 mod enrollment;
 mod fail_closed;
 mod peers;
+mod privilege;

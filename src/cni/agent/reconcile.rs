@@ -10,7 +10,7 @@ use super::discover::find_netns;
 use super::Agent;
 use crate::backoff::Backoff;
 use crate::cni::install;
-use crate::cni::kube::{self, Cluster, Wanted};
+use crate::cni::kube::{self, Wanted};
 use crate::cni::plugin::{AMBIENT_NAMESPACES_FILE, PLUGIN_KUBECONFIG_FILE};
 use crate::netns::Netns;
 
@@ -47,7 +47,7 @@ impl Agent {
     pub(super) async fn reconcile(&self) {
         let Some(cluster) = &self.cluster else { return };
         let excluded = &self.cfg.exclude_namespaces;
-        self.write_plugin_files(cluster);
+        self.write_plugin_files();
         let watched = cluster.pods();
         // Held pods the API no longer wants: relabelled, finished or deleted.
         for rec in self.store.records() {
@@ -203,10 +203,11 @@ fn plugin_kubeconfig(ca_path: &Path) -> Option<(String, Option<Vec<u8>>)> {
 /// The CA of the API server, beside the plugin's kubeconfig in the run dir.
 const PLUGIN_CA_FILE: &str = "plugin-ca.crt";
 
-/// The files the agent leaves in `run_dir` for the plugin: the namespaces
-/// labelled ambient, the kubeconfig (which holds the agent's token) and the
-/// API server's CA. Only the agent's container mounts the run dir; the
-/// proxy's pod mounts the ZDS socket's directory alone.
+/// The files the agent leaves in `run_dir` for the plugin: the kubeconfig
+/// (which holds the agent's token) and the API server's CA; and the list of
+/// ambient namespaces older agents left, removed with them. Only the
+/// agent's container mounts the run dir; the proxy's pod mounts the ZDS
+/// socket's directory alone.
 fn plugin_files(run_dir: &Path) -> [std::path::PathBuf; 3] {
     [
         run_dir.join(AMBIENT_NAMESPACES_FILE),
@@ -229,15 +230,18 @@ pub(super) fn remove_plugin_files(run_dir: &Path) -> Vec<(std::path::PathBuf, st
 
 impl Agent {
     /// Keeps the files the plugin reads while no agent runs current (0600,
-    /// rewritten only when they change): the namespaces labelled ambient, and
-    /// a kubeconfig to ask the API server whether a pod is enrolled.
-    fn write_plugin_files(&self, cluster: &Cluster) {
+    /// rewritten only when they change): a kubeconfig to ask the API server
+    /// whether a pod is enrolled.
+    fn write_plugin_files(&self) {
         let [namespaces, kubeconfig_path, ca_path] = plugin_files(&self.cfg.run_dir);
-        let ambient = cluster.ambient_namespaces(&self.cfg.exclude_namespaces);
-        let mut files = vec![(
-            namespaces,
-            serde_json::to_vec(&ambient).unwrap_or_else(|_| b"[]".to_vec()),
-        )];
+        // Older agents' list, which could start a pod labelled ambient in a
+        // plain namespace outside the mesh: gone.
+        if let Err(e) = std::fs::remove_file(&namespaces) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(file = %namespaces.display(), error = %e, "old list of ambient namespaces not removed");
+            }
+        }
+        let mut files = Vec::new();
         if let Some((kubeconfig, ca)) = plugin_kubeconfig(&ca_path) {
             files.extend(ca.map(|ca| (ca_path, ca)));
             files.push((kubeconfig_path, kubeconfig.into_bytes()));

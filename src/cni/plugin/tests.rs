@@ -303,7 +303,7 @@ fn kubernetes_mode_asks_the_agent_except_for_its_own_pods() {
 }
 
 #[test]
-fn without_an_agent_only_pods_outside_ambient_namespaces_start() {
+fn without_an_agent_a_pod_starts_only_when_the_api_server_says_it_is_not_in_the_mesh() {
     let dir = std::env::temp_dir().join(format!("ambit-plugin-snap-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let stdin = |mode: &str| {
@@ -315,51 +315,33 @@ fn without_an_agent_only_pods_outside_ambient_namespaces_start() {
             ),
         )
     };
-    let gone = Err(AgentError::Unreachable {
-        why: "no socket".into(),
-        must_enroll: None,
-    });
+    let api = |must: Option<bool>| {
+        Err(AgentError::Unreachable {
+            why: "no socket".into(),
+            must_enroll: must,
+        })
+    };
     let add = |ns: &str| env("ADD", &format!("K8S_POD_NAMESPACE={ns};K8S_POD_NAME=web-1"));
-    // No list of ambient namespaces from the agent: every pod fails closed.
-    let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), gone.clone());
-    assert_eq!(code_of(out), 100);
+    // The API server could not be asked: every pod fails closed, even with
+    // an older agent's list saying its namespace is not ambient (the pod
+    // may opt in by its own label).
     std::fs::write(dir.join(AMBIENT_NAMESPACES_FILE), r#"["mesh"]"#).unwrap();
-    let (out, posted) = run_with(&add("shop"), &stdin("kubernetes"), gone.clone());
+    let (out, posted) = run_with(&add("shop"), &stdin("kubernetes"), api(None));
     assert_eq!(posted.len(), 1, "the agent was tried first");
+    assert_eq!(code_of(out), 100, "no answer is no permission");
+    // When the API server answered, its verdict decides.
+    let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), api(Some(true)));
+    assert_eq!(code_of(out), 100, "a pod labelled ambient fails closed");
+    let (out, _) = run_with(&add("mesh"), &stdin("kubernetes"), api(Some(false)));
     assert_eq!(
-        json_of(&out.expect("plain namespace starts")),
+        json_of(&out.expect("a pod the API says is not enrolled starts")),
         json_of(PREV_V1)
     );
-    let (out, _) = run_with(&add("mesh"), &stdin("kubernetes"), gone.clone());
-    assert_eq!(code_of(out), 100, "an ambient namespace fails closed");
     // An agent that answers with an error is never bypassed, nor is another mode.
     let refused = Err(AgentError::Refused("agent answered 500".into()));
     let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), refused);
     assert_eq!(code_of(out), 100);
-    let (out, _) = run_with(&add("shop"), &stdin("all"), gone);
-    assert_eq!(code_of(out), 100);
-    std::fs::write(dir.join(AMBIENT_NAMESPACES_FILE), "not json").unwrap();
-    let (out, _) = run_with(
-        &add("shop"),
-        &stdin("kubernetes"),
-        Err(AgentError::Unreachable {
-            why: "no socket".into(),
-            must_enroll: None,
-        }),
-    );
-    assert_eq!(code_of(out), 100, "an unreadable list fails closed");
-    // When the plugin could ask the API server, its verdict decides.
-    let api = |must: bool| {
-        Err(AgentError::Unreachable {
-            why: "no socket".into(),
-            must_enroll: Some(must),
-        })
-    };
-    let (out, _) = run_with(&add("shop"), &stdin("kubernetes"), api(true));
-    assert_eq!(code_of(out), 100, "a pod labelled ambient fails closed");
-    let (out, _) = run_with(&add("mesh"), &stdin("kubernetes"), api(false));
-    assert!(out.is_ok(), "a pod the API says is not enrolled starts");
-    let (out, _) = run_with(&add("shop"), &stdin("all"), api(false));
+    let (out, _) = run_with(&add("shop"), &stdin("all"), api(Some(false)));
     assert_eq!(code_of(out), 100, "only Kubernetes mode asks the API");
     let _ = std::fs::remove_dir_all(&dir);
 }

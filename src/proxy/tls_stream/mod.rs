@@ -41,12 +41,14 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
 mod handshake;
+mod meter;
 mod records;
 #[cfg(test)]
 mod tests;
 
 use handshake::Handshaken;
 pub use handshake::{accept, connect};
+use meter::FrameMeter;
 use records::*;
 
 /// Empty receive buffers of one record's room kept per worker thread. A
@@ -110,6 +112,8 @@ pub struct TlsStream {
     bulk: bool,
     close_sent: bool,
     write_limit: usize,
+    /// HTTP/2 frames in what is opened, for the cooperative budget.
+    frames: FrameMeter,
 }
 
 impl TlsStream {
@@ -151,6 +155,11 @@ impl TlsStream {
             received: rest.received,
             plain: 0..0,
             plain_record_end: 0,
+            frames: {
+                let mut frames = FrameMeter::new(!client);
+                frames.count(&rest.early);
+                frames
+            },
             early: rest.early,
             bulk: false,
             close_sent: false,
@@ -244,6 +253,17 @@ impl TlsStream {
     }
 }
 
+/// Takes up to `units` more of the task's cooperative budget; what the
+/// budget cannot give is forgiven: the task yields before its next record.
+fn charge(cx: &mut Context<'_>, units: usize) {
+    for _ in 0..units {
+        match tokio::task::coop::poll_proceed(cx) {
+            Poll::Ready(unit) => unit.made_progress(),
+            Poll::Pending => return,
+        }
+    }
+}
+
 impl AsyncRead for TlsStream {
     fn poll_read(
         self: Pin<&mut Self>,
@@ -283,7 +303,26 @@ impl AsyncRead for TlsStream {
             if this.rx.closed {
                 return Poll::Ready(Ok(()));
             }
-            match this.rx.open(&mut this.received) {
+            // Each record opened is a unit of the task's cooperative budget
+            // (tokio's: 128 a turn), as each read of tokio's own sockets is,
+            // and so is each HTTP/2 frame in it: a peer whose records arrive
+            // faster than they are parsed (empty ones, PRIORITY or PING
+            // frames) would otherwise keep this loop, and the worker under
+            // it, for as long as it sends.
+            let coop = match tokio::task::coop::poll_proceed(cx) {
+                Poll::Ready(coop) => coop,
+                Poll::Pending if delivered => return Poll::Ready(Ok(())),
+                Poll::Pending => return Poll::Pending,
+            };
+            let opened = this.rx.open(&mut this.received);
+            if let Ok(Some((_, opened))) = &opened {
+                coop.made_progress();
+                if let Opened::Data(range) = opened {
+                    let frames = this.frames.count(&this.received[range.clone()]);
+                    charge(cx, frames);
+                }
+            }
+            match opened {
                 Ok(Some((used, opened))) => match opened {
                     Opened::Data(range) if !range.is_empty() => {
                         this.plain = range;
