@@ -42,11 +42,20 @@ impl FileWatch {
         };
         // One pending wake-up is enough: the owner rereads the file whole.
         let (tx, events) = tokio::sync::mpsc::channel(1);
+        let name = path.file_name().map(|n| n.to_os_string());
         let wake = move |event: notify::Result<notify::Event>| {
             match &event {
                 // Opening and closing change nothing, and the owner's own
                 // reading of the file would wake it again.
                 Ok(e) if matches!(e.kind, notify::EventKind::Access(_)) => return,
+                // Other files of the directory (a log written beside the
+                // file, say) are none of its business.
+                Ok(e)
+                    if !e.need_rescan()
+                        && !e.paths.iter().any(|p| concerns(p, name.as_deref())) =>
+                {
+                    return
+                }
                 Ok(_) => {}
                 Err(e) => tracing::debug!(error = %e, "file watch error; the file is read again"),
             }
@@ -75,18 +84,34 @@ impl FileWatch {
         })
     }
 
-    /// Waits until the file's directory changed and the burst settled.
-    /// `false` once the watch can tell nothing more.
+    /// Waits until the file changed and the burst settled (or went on for
+    /// [`SETTLE_AT_MOST`]). `false` once the watch can tell nothing more.
     pub async fn changed(&mut self) -> bool {
         if self.events.recv().await.is_none() {
             return false;
         }
-        loop {
+        let until = tokio::time::Instant::now() + SETTLE_AT_MOST;
+        while tokio::time::Instant::now() < until {
             match tokio::time::timeout(SETTLE, self.events.recv()).await {
                 Ok(Some(())) => continue,
-                Ok(None) | Err(_) => return true,
+                Ok(None) | Err(_) => break,
             }
         }
+        true
+    }
+}
+
+/// A burst of writes is waited out this long at most.
+const SETTLE_AT_MOST: Duration = Duration::from_secs(1);
+
+/// Whether an event on `changed` concerns the watched file `name`: the file
+/// itself (written, created, renamed over), or a Kubernetes volume's
+/// `..data` link and the `..<timestamp>` directory it points to.
+fn concerns(changed: &Path, name: Option<&std::ffi::OsStr>) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    match changed.file_name() {
+        Some(n) => Some(n) == name || n.as_bytes().starts_with(b".."),
+        None => true,
     }
 }
 
@@ -96,7 +121,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_write_a_rename_and_a_symlink_swap_are_each_seen() {
-        let dir = std::env::temp_dir().join(format!("ambit-watch-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("ambit-filewatch-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("crl.pem");
         std::fs::write(&file, "one").unwrap();
@@ -114,8 +139,10 @@ mod tests {
         std::os::unix::fs::symlink("v1", dir.join("..data_tmp")).unwrap();
         std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
         assert!(seen(&mut watch).await, "a symlink swapped");
-        // Quiet: no wake-up of its own, nor from the file being read.
+        // Quiet: no wake-up of its own, nor from the file being read, nor
+        // from other files of the directory being written.
         std::fs::read(&file).unwrap();
+        std::fs::write(dir.join("proxy.log"), "a line").unwrap();
         let quiet = tokio::time::timeout(Duration::from_millis(300), watch.changed()).await;
         assert!(quiet.is_err(), "woke with nothing changed");
         std::fs::remove_dir_all(&dir).unwrap();

@@ -112,13 +112,17 @@ fn stamp(path: &Path) -> Option<(SystemTime, u64, u64)> {
     Some((m.modified().ok()?, m.len(), m.ino()))
 }
 
-/// How often the file is checked for changes.
+/// How often the file is checked for changes where its directory cannot be
+/// watched at all (it is watched with inotify otherwise, see `watch`).
 pub const WATCH_INTERVAL: Duration = Duration::from_millis(200);
 
 /// Watches `path` forever, swapping each good version into `state`.
 ///
-/// Polling the file's (mtime, size, inode) catches in-place edits, editor
-/// rename-over saves and Kubernetes ConfigMap symlink swaps alike.
+/// The file's directory is watched with inotify ([`crate::watch`]): an idle
+/// proxy does not wake for it. On each change in the directory the file's
+/// (mtime, size, inode) is compared, which tells in-place edits, editor
+/// rename-over saves and Kubernetes ConfigMap symlink swaps from changes to
+/// other files.
 pub async fn watch(path: PathBuf, state: StateHandle) {
     watch_as(path, state, OnBadResource::RejectFile).await
 }
@@ -126,9 +130,25 @@ pub async fn watch(path: PathBuf, state: StateHandle) {
 /// [`watch`], with a bad resource handled as `on_bad` says.
 pub async fn watch_as(path: PathBuf, state: StateHandle, on_bad: OnBadResource) {
     let mut last = stamp(&path);
+    let mut watch = match crate::watch::FileWatch::new(&path) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(file = %path.display(), error = %e, every = ?WATCH_INTERVAL, "cannot watch the local config's directory; checking the file on a timer");
+            None
+        }
+    };
     let mut ticker = tokio::time::interval(WATCH_INTERVAL);
     loop {
-        ticker.tick().await;
+        match &mut watch {
+            Some(w) => {
+                if !w.changed().await {
+                    watch = None;
+                }
+            }
+            None => {
+                ticker.tick().await;
+            }
+        }
         let now = stamp(&path);
         if now == last {
             continue;
