@@ -144,7 +144,15 @@ fn chart_renders_to_the_checked_in_manifests_which_pass_the_kubernetes_schemas()
     );
     assert_eq!(
         rules(&docs[3]),
-        [(v(&["apps"]), v(&["daemonsets"]), v(&["get"]))]
+        [
+            (v(&["apps"]), v(&["daemonsets"]), v(&["get"])),
+            (v(&[""]), v(&["serviceaccounts/token"]), v(&["create"])),
+        ]
+    );
+    // A token for its own account only.
+    assert_eq!(
+        strs(&docs[3]["rules"][1]["resourceNames"]),
+        [docs[0]["metadata"]["name"].as_str().expect("account name")]
     );
     // The agent on the host network; the proxy on the pod network, upgraded
     // with a surge so a new proxy is up before the old one drains.

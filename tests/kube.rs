@@ -183,6 +183,12 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     node.lab.stop("node");
     assert!(has_plugin(&node), "CNI plugin kept across an upgrade");
     assert!(node.log().contains("CNI plugin left in place"));
+    // The DaemonSet controller deletes the old agent's pod, and with it the
+    // API server stops honouring that pod's token. The plugin's kubeconfig
+    // carries a token of the agent's ServiceAccount bound to no pod
+    // (TokenRequest), so the plugin can still ask.
+    assert!(api.issued_tokens() >= 1, "{:?}", api.requests());
+    api.delete(Kind::Pod, "istio-system", "ambit-q8x2z");
     // In the gap, a pod of an ambient namespace fails closed (kubelet
     // retries it); a pod of a plain namespace starts, once the API server
     // (which the plugin asks itself) says it is not in the mesh.

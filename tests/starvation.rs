@@ -49,10 +49,10 @@ fn at(sorted: &[Duration], q: f64) -> Duration {
 /// loops on a peer that never runs dry, a round trip waits as long as the
 /// flood lasts.
 /// Measured on a 2-core machine where the two flooding connections' own
-/// threads share the cores with the proxy: p99 17–25 ms, the slowest 18–46
-/// ms; before, every round trip waited out the flood (10 s, the timeout),
-/// and with a budget charged per record rather than per 512 bytes, p99 was
-/// 380 ms.
+/// threads share the cores with the proxy: p99 5.8–8.4 ms, the slowest
+/// 8.6–10 ms; before, every round trip waited out the flood (10 s, the
+/// timeout); with a budget charged per record alone, p99 was 375–491 ms,
+/// and per 512 bytes 16–25 ms (docs/perf-log.md, 2026-12-05).
 const P99_BOUND: Duration = Duration::from_millis(50);
 const MAX_BOUND: Duration = Duration::from_millis(250);
 

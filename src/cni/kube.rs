@@ -16,10 +16,11 @@ use anyhow::Context;
 use crate::backoff::Backoff;
 use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
-    Namespace, Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec,
+    Namespace, Node, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, ServiceAccount,
 };
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::watcher;
 use kube::Client;
@@ -320,6 +321,43 @@ impl Cluster {
 }
 
 impl Cluster {
+    /// A token of the ServiceAccount `namespace/account` for the CNI plugin,
+    /// asked of the API (TokenRequest) for `life` and bound to no pod: it
+    /// keeps working after this agent's pod is deleted (an upgrade), until
+    /// it expires or the account is deleted (an uninstall). The agent pod's
+    /// own token, which istio-cni hands its plugin, is refused by the API
+    /// server as soon as that pod is gone. Returns the token and how long
+    /// the server says it lives.
+    pub async fn plugin_token(
+        &self,
+        namespace: &str,
+        account: &str,
+        life: Duration,
+    ) -> Result<(String, Duration), String> {
+        let api = Api::<ServiceAccount>::namespaced(self.client.clone(), namespace);
+        let request = TokenRequest {
+            spec: TokenRequestSpec {
+                expiration_seconds: Some(i64::try_from(life.as_secs()).unwrap_or(i64::MAX)),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let answer =
+            within_budget(api.create_token_request(account, &PostParams::default(), &request))
+                .await
+                .map_err(|e| format!("TokenRequest for {namespace}/{account}: {e}"))?;
+        let status = answer.status.ok_or_else(|| {
+            format!("TokenRequest for {namespace}/{account}: no token in the answer")
+        })?;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let until = Duration::from_secs(
+            u64::try_from(status.expiration_timestamp.0.as_second()).unwrap_or(0),
+        );
+        Ok((status.token, until.saturating_sub(now)))
+    }
+
     /// Whether the DaemonSet that owns the agent's pod `namespace/pod` is
     /// still there (not deleted, not being deleted) and still selects this
     /// node: then an exit is an upgrade or a restart, and the CNI plugin must

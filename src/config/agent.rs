@@ -116,6 +116,12 @@ pub static AGENT_KEYS: &[Key] = &[
         help: "enrolled pods, kept across restarts",
     },
     Key {
+        name: "service_account",
+        env: &["SERVICE_ACCOUNT"],
+        default: "",
+        help: "the agent's ServiceAccount (Kubernetes mode): the CNI plugin gets a token of its own for it, bound to no pod, so it outlives this agent's pod; empty: the plugin gets the agent pod's token",
+    },
+    Key {
         name: "pod_ip",
         env: &["POD_IP"],
         default: "",
@@ -152,6 +158,8 @@ pub struct AgentConfig {
     pub local_xds_path: Option<PathBuf>,
     pub node_name: String,
     pub pod_namespace: String,
+    /// The agent's ServiceAccount; empty: unknown.
+    pub service_account: String,
     pub pod_name: String,
     pub host_proc: PathBuf,
     pub state_file: PathBuf,
@@ -210,6 +218,11 @@ impl AgentConfig {
                 .get("node_name", "a name", |s| Some(s.to_string()))?
                 .unwrap_or_default(),
             pod_namespace: l.require("pod_namespace", "a namespace", |s| Some(s.to_string()))?,
+            service_account: l
+                .get("service_account", "a ServiceAccount name", |s| {
+                    Some(s.to_string())
+                })?
+                .unwrap_or_default(),
             pod_name: l
                 .get("pod_name", "a pod name", |s| Some(s.to_string()))?
                 .unwrap_or_default(),

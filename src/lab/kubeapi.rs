@@ -75,6 +75,27 @@ struct Inner {
     refusing: Option<StatusCode>,
     /// Requests for one object are held unanswered (see [`FakeApi::stall`]).
     stalled: bool,
+    /// Tokens issued by TokenRequest (`issued-<n>`), each with the pod it
+    /// is bound to, if any; and the pod the kubeconfig's `fake-token` is
+    /// bound to, as a pod's projected token is (see
+    /// [`FakeApi::bind_kubeconfig_token`]).
+    tokens: BTreeMap<String, Option<(String, String)>>,
+    kubeconfig_token_pod: Option<(String, String)>,
+}
+
+impl Inner {
+    /// Whether `token` authenticates: known, and its pod (if it is bound to
+    /// one) still there, as kube-apiserver checks a bound token.
+    fn authenticates(&self, token: &str) -> bool {
+        let bound = match token {
+            "fake-token" => self.kubeconfig_token_pod.clone(),
+            t => match self.tokens.get(t) {
+                Some(bound) => bound.clone(),
+                None => return false,
+            },
+        };
+        bound.is_none_or(|(ns, name)| self.objects.contains_key(&key(Kind::Pod, &ns, &name)))
+    }
 }
 
 /// A running fake API server (plain HTTP on 127.0.0.1 inside a netns).
@@ -160,6 +181,43 @@ impl Inner {
         self.objects.insert(key, obj.clone());
         self.event(kind, typ, obj);
     }
+}
+
+/// A TokenRequest for `namespace/account`: a new token, bound to the pod the
+/// request names in `boundObjectRef` (if any), living what it asks (an
+/// hour by default, as the API server's).
+fn token_request(inner: &mut Inner, namespace: &str, account: &str, body: &[u8]) -> Response<Body> {
+    use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestStatus};
+    let Ok(mut request) = serde_json::from_slice::<TokenRequest>(body) else {
+        return reply(
+            StatusCode::BAD_REQUEST,
+            &status(StatusCode::BAD_REQUEST, "BadRequest", "not a TokenRequest"),
+        );
+    };
+    inner.requests.push(format!("TOKEN {namespace}/{account}"));
+    let bound = request
+        .spec
+        .bound_object_ref
+        .as_ref()
+        .filter(|r| r.kind.as_deref() == Some("Pod"))
+        .and_then(|r| r.name.clone())
+        .map(|name| (namespace.to_string(), name));
+    let token = format!("issued-{}", inner.tokens.len() + 1);
+    inner.tokens.insert(token.clone(), bound);
+    let life = request.spec.expiration_seconds.unwrap_or(3600);
+    request.spec.expiration_seconds = Some(life);
+    let expires =
+        k8s_openapi::jiff::Timestamp::now() + k8s_openapi::jiff::SignedDuration::from_secs(life);
+    request.status = Some(TokenRequestStatus {
+        token,
+        expiration_timestamp: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(expires),
+    });
+    request.metadata.name = Some(account.to_string());
+    request.metadata.namespace = Some(namespace.to_string());
+    reply(
+        StatusCode::CREATED,
+        &serde_json::to_value(&request).unwrap_or_default(),
+    )
 }
 
 /// Every request refused with `code`, in kube-apiserver's words.
@@ -401,6 +459,18 @@ impl FakeApi {
         self.lock().refusing = None;
     }
 
+    /// Binds the kubeconfig's token to pod `namespace/name`, as a pod's
+    /// projected ServiceAccount token is: once that pod is deleted, the
+    /// token gets 401.
+    pub fn bind_kubeconfig_token(&self, namespace: &str, name: &str) {
+        self.lock().kubeconfig_token_pod = Some((namespace.to_string(), name.to_string()));
+    }
+
+    /// Tokens issued by TokenRequest so far.
+    pub fn issued_tokens(&self) -> usize {
+        self.lock().tokens.len()
+    }
+
     /// From now on every request for one object (GET, PATCH) is read,
     /// recorded and never answered, as from a wedged API server; lists and
     /// watches, open or new, still serve, so the client sees changes and
@@ -434,9 +504,34 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
             .push(format!("REFUSED {} {}", code.as_u16(), req.uri().path()));
         return refusal(code, &req);
     }
+    let bearer = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("")
+        .to_string();
+    if !lock().authenticates(&bearer) {
+        lock()
+            .requests
+            .push(format!("UNAUTHORIZED {}", req.uri().path()));
+        return refusal(StatusCode::UNAUTHORIZED, &req);
+    }
     let path = req.uri().path().to_string();
     let q = query(req.uri());
     let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    if let (["api", "v1", "namespaces", ns, "serviceaccounts", account, "token"], &Method::POST) =
+        (parts.as_slice(), req.method())
+    {
+        let (ns, account) = (ns.to_string(), account.to_string());
+        let body = req
+            .into_body()
+            .collect()
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        return token_request(&mut lock(), &ns, &account, &body);
+    }
     let watch = q.get("watch").is_some_and(|v| v == "true" || v == "1");
     let kind = match parts.as_slice() {
         ["api", "v1", "pods"] => Some(Kind::Pod),

@@ -106,6 +106,7 @@ pub fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
             ("NODE_NAME", "node-a".into()),
             ("POD_NAMESPACE", "istio-system".into()),
             ("POD_NAME", "ambit-q8x2z".into()),
+            ("SERVICE_ACCOUNT", "ambit".into()),
         ]
         .map(|(k, v)| (k.to_string(), v)),
     );
@@ -119,6 +120,9 @@ pub fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
         api.put(Kind::Namespace, namespace(name, ambient));
     }
     agent_objects(&api);
+    // The agent's token is its pod's, as a projected one is: once the pod
+    // is deleted, the API server refuses it.
+    api.bind_kubeconfig_token("istio-system", "ambit-q8x2z");
     (node, api)
 }
 

@@ -71,6 +71,9 @@ pub struct Agent {
     /// Set at exit: the reconcile loop ends, and a pass in progress
     /// starts no work on another pod.
     stopping: tokio::sync::watch::Sender<bool>,
+    /// The CNI plugin's own token (Kubernetes mode), and when to ask for
+    /// the next one.
+    plugin_token: Mutex<Option<(String, std::time::Instant)>>,
 }
 
 /// Runs the agent until SIGTERM/SIGINT.
@@ -194,6 +197,7 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         rules,
         ops: Default::default(),
         stopping: tokio::sync::watch::Sender::new(false),
+        plugin_token: Default::default(),
     });
     agent.save();
     // Stopped before the plugin's files are removed at exit: a pass still

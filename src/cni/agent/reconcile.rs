@@ -10,7 +10,7 @@ use super::discover::find_netns;
 use super::Agent;
 use crate::backoff::Backoff;
 use crate::cni::install;
-use crate::cni::kube::{self, Wanted};
+use crate::cni::kube::{self, Cluster, Wanted};
 use crate::cni::plugin::{AMBIENT_NAMESPACES_FILE, PLUGIN_KUBECONFIG_FILE};
 use crate::netns::Netns;
 
@@ -47,7 +47,8 @@ impl Agent {
     pub(super) async fn reconcile(&self) {
         let Some(cluster) = &self.cluster else { return };
         let excluded = &self.cfg.exclude_namespaces;
-        self.write_plugin_files();
+        let token = self.plugin_token(cluster).await;
+        self.write_plugin_files(token.as_deref());
         let watched = cluster.pods();
         // Held pods the API no longer wants: relabelled, finished or deleted.
         for rec in self.store.records() {
@@ -177,15 +178,19 @@ impl Agent {
 /// The kubeconfig for the plugin: the agent's own (`KUBECONFIG`), or one
 /// built from the in-cluster service account, with that account's CA to be
 /// written beside it at `ca_path` (the run dir has the same path on the host).
-fn plugin_kubeconfig(ca_path: &Path) -> Option<(String, Option<Vec<u8>>)> {
+fn plugin_kubeconfig(ca_path: &Path, token: Option<&str>) -> Option<(String, Option<Vec<u8>>)> {
     if let Some(path) = std::env::var_os("KUBECONFIG").filter(|p| !p.is_empty()) {
         let first = std::env::split_paths(&path).next()?;
-        return Some((std::fs::read_to_string(first).ok()?, None));
+        let text = std::fs::read_to_string(first).ok()?;
+        return Some((with_token(&text, token)?, None));
     }
     let host = std::env::var("KUBERNETES_SERVICE_HOST").ok()?;
     let port = std::env::var("KUBERNETES_SERVICE_PORT").unwrap_or_else(|_| "443".into());
     let sa = Path::new("/var/run/secrets/kubernetes.io/serviceaccount");
-    let token = std::fs::read_to_string(sa.join("token")).ok()?;
+    let token = match token {
+        Some(t) => t.to_string(),
+        None => std::fs::read_to_string(sa.join("token")).ok()?,
+    };
     let ca = std::fs::read(sa.join("ca.crt")).ok()?;
     let host = if host.contains(':') {
         format!("[{host}]")
@@ -199,6 +204,23 @@ fn plugin_kubeconfig(ca_path: &Path) -> Option<(String, Option<Vec<u8>>)> {
     );
     Some((text, Some(ca)))
 }
+
+/// The agent's own kubeconfig `text` with every user's credentials
+/// replaced by `token`, if there is one.
+fn with_token(text: &str, token: Option<&str>) -> Option<String> {
+    let Some(token) = token else {
+        return Some(text.to_string());
+    };
+    let mut config: serde_yaml::Value = serde_yaml::from_str(text).ok()?;
+    for user in config["users"].as_sequence_mut()? {
+        user["user"] =
+            serde_yaml::to_value(std::collections::BTreeMap::from([("token", token)])).ok()?;
+    }
+    serde_yaml::to_string(&config).ok()
+}
+
+/// How long the plugin's own token is asked for (renewed at half).
+const PLUGIN_TOKEN_LIFE: Duration = Duration::from_secs(24 * 3600);
 
 /// The CA of the API server, beside the plugin's kubeconfig in the run dir.
 const PLUGIN_CA_FILE: &str = "plugin-ca.crt";
@@ -232,7 +254,52 @@ impl Agent {
     /// Keeps the files the plugin reads while no agent runs current (0600,
     /// rewritten only when they change): a kubeconfig to ask the API server
     /// whether a pod is enrolled.
-    fn write_plugin_files(&self) {
+    /// The token the plugin's kubeconfig carries: one of the agent's own
+    /// ServiceAccount bound to no pod ([`Cluster::plugin_token`]), asked
+    /// again once half its life has passed; `None` (the plugin then gets the
+    /// agent pod's token, with a warning) when the account is not known or
+    /// the API refuses.
+    async fn plugin_token(&self, cluster: &Cluster) -> Option<String> {
+        let account = &self.cfg.service_account;
+        if account.is_empty() {
+            return None;
+        }
+        let now = std::time::Instant::now();
+        {
+            let held = self.plugin_token.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((token, renew_at)) = held.as_ref() {
+                if now < *renew_at {
+                    return Some(token.clone());
+                }
+            }
+        }
+        match cluster
+            .plugin_token(&self.cfg.pod_namespace, account, PLUGIN_TOKEN_LIFE)
+            .await
+        {
+            Ok((token, life)) => {
+                // Asked again at half its life; a refused renewal keeps the
+                // one in hand and is tried again a minute later.
+                let renew_at = now + (life / 2).max(Duration::from_secs(60));
+                *self.plugin_token.lock().unwrap_or_else(|e| e.into_inner()) =
+                    Some((token.clone(), renew_at));
+                tracing::debug!(account = %account, life = ?life, "CNI plugin token issued");
+                Some(token)
+            }
+            Err(e) => {
+                let mut held = self.plugin_token.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some((token, renew_at)) = held.as_mut() {
+                    *renew_at = now + Duration::from_secs(60);
+                    tracing::warn!(error = %e, "CNI plugin token not renewed; the current one stays");
+                    return Some(token.clone());
+                }
+                tracing::warn!(error = %e, "no token of its own for the CNI plugin: it gets the agent pod's, which the API server refuses once this pod is deleted");
+                None
+            }
+        }
+    }
+
+    fn write_plugin_files(&self, token: Option<&str>) {
         let [namespaces, kubeconfig_path, ca_path] = plugin_files(&self.cfg.run_dir);
         // Older agents' list, which could start a pod labelled ambient in a
         // plain namespace outside the mesh: gone.
@@ -242,7 +309,7 @@ impl Agent {
             }
         }
         let mut files = Vec::new();
-        if let Some((kubeconfig, ca)) = plugin_kubeconfig(&ca_path) {
+        if let Some((kubeconfig, ca)) = plugin_kubeconfig(&ca_path, token) {
             files.extend(ca.map(|ca| (ca_path, ca)));
             files.push((kubeconfig_path, kubeconfig.into_bytes()));
         }
