@@ -353,8 +353,21 @@ mod tests {
             Arc::ptr_eq(&h, &mgr.get(&id).await.unwrap()),
             "one handle per identity"
         );
-        // A 2s certificate (backdated 0.2s) is due at 0.9s.
-        tokio::time::sleep(Duration::from_millis(1500)).await;
-        assert_ne!(h.load().cert.chain[0], first, "certificate was not rotated");
+        // A 2s certificate (backdated 0.2s) is due at 0.9s: polled for,
+        // and not before it is due.
+        let issued = std::time::Instant::now();
+        let deadline = issued + Duration::from_secs(5);
+        while h.load().cert.chain[0] == first {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "certificate was not rotated"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(
+            issued.elapsed() >= Duration::from_millis(500),
+            "rotated long before half its life: {:?}",
+            issued.elapsed()
+        );
     }
 }
