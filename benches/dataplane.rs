@@ -279,12 +279,28 @@ fn echo_intact(lab: &Lab, path: &Path, bytes: usize) {
     println!("{}: {bytes} bytes echoed intact", path.name);
 }
 
-/// RSS in kB of the path's proxies together.
+/// RSS in kB of the path's proxies together. A proxy that is gone stops
+/// the run: its RSS would read as 0, a win that is not one.
 fn proxies_rss(lab: &Lab, path: &Path) -> (u64, u64) {
     path.proxies
         .iter()
-        .filter_map(|l| lab.pid(l))
+        .map(|l| alive(lab, l))
         .fold((0, 0), |(r, a), p| (r + rss_kb(p), a + anon_kb(p)))
+}
+
+/// The pid of the proxy `label`, which must still run (not exited, not a
+/// zombie); else the bench stops, with the proxy's log.
+fn alive(lab: &Lab, label: &str) -> u32 {
+    let running = lab.pid(label).filter(|p| {
+        std::fs::read_to_string(format!("/proc/{p}/status")).is_ok_and(|s| {
+            s.lines()
+                .any(|l| l.starts_with("State:") && !l.contains("zombie"))
+        })
+    });
+    running.unwrap_or_else(|| {
+        let log = std::fs::read_to_string(lab.log_path(label)).unwrap_or_default();
+        panic!("proxy {label} is not running: its figures would be read as zeros; its log:\n{log}")
+    })
 }
 
 /// Each of the path's proxies' RSS and its private part, for the log.
@@ -365,9 +381,10 @@ fn under_perf<T>(args: &[&str], pids: &[u32], f: impl FnOnce() -> T) -> (T, Opti
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn();
-    let Ok(perf) = perf else {
-        return (f(), None);
-    };
+    // No perf is no figure, said loudly: a count of 0 would read as a win.
+    let perf = perf.unwrap_or_else(|e| {
+        panic!("cannot run perf ({e}): the bench counts the proxies' system calls and context switches with it (Debian: linux-perf)")
+    });
     std::thread::sleep(Duration::from_millis(500)); // perf attaches
     let value = f();
     // SAFETY: kill(2) on the child we spawned and have not reaped.
@@ -392,6 +409,9 @@ fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
             .and_then(|l| l.split(',').next()?.parse::<f64>().ok())
     };
     let counts = count("raw_syscalls:sys_enter").zip(count("context-switches"));
+    if counts.is_none() && !pids.is_empty() {
+        panic!("perf stat counted nothing for {pids:?} (a proxy gone, or perf not allowed to count): {text}");
+    }
     (value, counts)
 }
 

@@ -117,9 +117,9 @@ fn a_removed_zds_socket_file_is_bound_again_and_a_new_proxy_connects() {
 
 /// Fault: the plugin event socket file is removed under a running agent.
 /// Until it is bound again, an ADD that must be enrolled fails closed (the
-/// pod gets no network rather than one outside the mesh); the agent binds
-/// it again within a couple of checks, says so, and the next ADD is
-/// enrolled and served.
+/// pod gets no network rather than one outside the mesh), which an ADD sent
+/// in the gap shows; the agent binds it again within a couple of checks,
+/// says so, and the next ADD is enrolled and served.
 #[test]
 fn a_removed_plugin_event_socket_is_bound_again_and_the_next_add_is_served() {
     let mut node = Node::start_with(BIN, "evgone", "namespaces:default", false);
@@ -134,6 +134,27 @@ fn a_removed_plugin_event_socket_is_bound_again_and_the_next_add_is_served() {
         served(&node, &late, echo.addr)
     });
     println!("plugin event socket removed: bound again after {rebound:?}; the next ADD served");
+    // While the file is gone (the agent looks once a second), an ADD that
+    // must be enrolled fails closed. Tried until one lands in the gap.
+    let mut refused = None;
+    for attempt in 0..10 {
+        let bound = inode(&sock).expect("the socket is bound");
+        std::fs::remove_file(&sock).unwrap();
+        // An ADD that came after the agent bound the file again succeeds:
+        // then the file is removed again.
+        if let Err(e) = node.add_pod(&format!("gap{attempt}"), "default") {
+            refused = Some(e);
+            break;
+        }
+        wait_until("the socket bound again", REBIND_LIMIT, || {
+            inode(&sock).is_some_and(|i| i != bound)
+        });
+    }
+    let refused = refused.expect("no ADD landed while the socket file was gone in 10 tries");
+    assert!(
+        refused.contains("\"code\":100") && refused.contains("is the Ambit agent running?"),
+        "{refused}"
+    );
 }
 
 /// Removes the agent's socket file at `sock` (the agent calls it `what`),
