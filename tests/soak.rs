@@ -150,6 +150,8 @@ const SPARE_PIPE_FDS: usize = 4 * 2 * 2;
 struct Counts {
     adds: usize,
     adds_failed: usize,
+    /// Failed ADDs that no fault of this test explains.
+    adds_failed_uninjected: usize,
     deletes: usize,
     proxy_kills: usize,
     agent_kills: usize,
@@ -567,6 +569,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
                     }
                     Err(e) => {
                         counts.adds_failed += 1;
+                        counts.adds_failed_uninjected += 1;
                         eprintln!("ADD of {name} failed: {e}");
                         pods.delete(&mut node, &name);
                         gone.push(pod_uid(&name));
@@ -658,6 +661,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
                         if killed && (e.contains("signal: 9") || e.contains("Broken pipe")) {
                             counts.cni_kills += 1;
                         } else {
+                            counts.adds_failed_uninjected += 1;
                             eprintln!("ADD of {name} failed: {e}");
                         }
                         counts.adds_failed += 1;
@@ -860,6 +864,44 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
     assert!(
         serve_failures.is_empty(),
         "pods never served: {serve_failures:?}"
+    );
+    // What it counts, it asserts: no ADD failed but those it broke itself;
+    // every kind of fault happened; the long flow kept going, breaking at
+    // most twice per proxy kill (the kill, and a reconnect in its window).
+    assert_eq!(
+        counts.adds_failed_uninjected, 0,
+        "ADDs failed that no fault explains (see the log above)"
+    );
+    assert!(
+        counts.proxy_kills > 0 && counts.agent_kills > 0 && counts.cni_kill_tries > 0,
+        "a kind of kill never happened: proxy {} agent {} ambit-cni tries {}",
+        counts.proxy_kills,
+        counts.agent_kills,
+        counts.cni_kill_tries
+    );
+    // Catching ambit-cni inside an ADD is a race the hunter wins now and
+    // then: over a long soak it must have won.
+    if churn_secs >= 120.0 {
+        assert!(
+            counts.cni_kills > 0,
+            "ambit-cni was never killed mid-ADD in {} tries",
+            counts.cni_kill_tries
+        );
+    }
+    if with_cp || api.is_some() {
+        assert!(
+            counts.cp_kills > 0,
+            "the control plane or API server was never killed"
+        );
+    }
+    assert!(
+        trips as f64 >= churn_secs * 5.0,
+        "the long flow made {trips} round trips in {churn_secs:.0} s (one every 100 ms is asked)"
+    );
+    assert!(
+        breaks <= 2 * counts.proxy_kills + 1,
+        "the long flow broke {breaks} times for {} proxy kills",
+        counts.proxy_kills
     );
     assert!(
         flips.failures.is_empty(),
