@@ -301,45 +301,58 @@ impl ServerCertVerifier for ChainVerifier {
     }
 }
 
+/// One HBONE TLS handshake over a pipe, `client` to `server`, each with its
+/// own revocation lists; the client's identity as the server saw it, or
+/// why either side refused. For tests here and in `crl`.
+#[cfg(test)]
+pub(crate) async fn test_handshake(
+    server: &WorkloadCert,
+    server_crls: Option<&Arc<Crls>>,
+    client: &WorkloadCert,
+    client_crls: Option<&Arc<Crls>>,
+) -> Result<Option<Identity>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (a, b) = tokio::io::duplex(64 * 1024);
+    let acceptor =
+        tokio_rustls::TlsAcceptor::from(Arc::new(server_config(server, server_crls).unwrap()));
+    let connector =
+        tokio_rustls::TlsConnector::from(Arc::new(client_config(client, client_crls).unwrap()));
+    let srv = tokio::spawn(async move {
+        let mut s = acceptor.accept(a).await.map_err(|e| e.to_string())?;
+        let peer = s
+            .get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .and_then(identity_of);
+        let mut buf = [0u8; 1];
+        s.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+        Ok::<_, String>(peer)
+    });
+    match connector.connect(hbone_server_name(), b).await {
+        Ok(mut c) => {
+            let _ = c.write_all(b"x").await;
+            let _ = c.flush().await;
+            srv.await.unwrap()
+        }
+        Err(e) => {
+            srv.abort();
+            Err(e.to_string())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::identity::ca::LocalCa;
     use std::time::Duration;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     async fn handshake(
         server: &WorkloadCert,
         client: &WorkloadCert,
     ) -> Result<Option<Identity>, String> {
-        let (a, b) = tokio::io::duplex(64 * 1024);
-        let acceptor =
-            tokio_rustls::TlsAcceptor::from(Arc::new(server_config(server, None).unwrap()));
-        let connector =
-            tokio_rustls::TlsConnector::from(Arc::new(client_config(client, None).unwrap()));
-        let srv = tokio::spawn(async move {
-            let mut s = acceptor.accept(a).await.map_err(|e| e.to_string())?;
-            let peer = s
-                .get_ref()
-                .1
-                .peer_certificates()
-                .and_then(|c| c.first())
-                .and_then(identity_of);
-            let mut buf = [0u8; 1];
-            s.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
-            Ok::<_, String>(peer)
-        });
-        match connector.connect(hbone_server_name(), b).await {
-            Ok(mut c) => {
-                let _ = c.write_all(b"x").await;
-                let _ = c.flush().await;
-                srv.await.unwrap()
-            }
-            Err(e) => {
-                srv.abort();
-                Err(e.to_string())
-            }
-        }
+        test_handshake(server, None, client, None).await
     }
 
     #[tokio::test]

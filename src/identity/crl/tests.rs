@@ -1,9 +1,7 @@
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-
 use super::*;
-use crate::identity::tls::{self, client_config, hbone_server_name, server_config};
+use crate::identity::tls;
 use crate::identity::{Identity, LocalCa, WorkloadCert};
 
 const DAY: Duration = Duration::from_secs(86_400);
@@ -40,28 +38,9 @@ async fn handshake(
     client: &WorkloadCert,
     client_crls: Option<&Arc<Crls>>,
 ) -> Result<(), String> {
-    let (a, b) = tokio::io::duplex(64 * 1024);
-    let acceptor =
-        tokio_rustls::TlsAcceptor::from(Arc::new(server_config(server, server_crls).unwrap()));
-    let connector =
-        tokio_rustls::TlsConnector::from(Arc::new(client_config(client, client_crls).unwrap()));
-    let srv = tokio::spawn(async move {
-        let mut s = acceptor.accept(a).await.map_err(|e| e.to_string())?;
-        let mut buf = [0u8; 1];
-        s.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
-        Ok::<_, String>(())
-    });
-    match connector.connect(hbone_server_name(), b).await {
-        Ok(mut c) => {
-            let _ = c.write_all(b"x").await;
-            let _ = c.flush().await;
-            srv.await.unwrap()
-        }
-        Err(e) => {
-            srv.abort();
-            Err(e.to_string())
-        }
-    }
+    tls::test_handshake(server, server_crls, client, client_crls)
+        .await
+        .map(|_| ())
 }
 
 #[test]
