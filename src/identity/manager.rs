@@ -121,9 +121,25 @@ pub struct CertManager {
     ttl: Duration,
     /// Revocation lists every configuration checks peers against.
     crls: Option<Arc<Crls>>,
-    held: Mutex<HashMap<Identity, TlsHandle>>,
+    held: Mutex<HashMap<Identity, Held>>,
     /// One issuance at a time per identity.
     fetching: tokio::sync::Mutex<()>,
+}
+
+/// An identity's certificate and the task that rotates it.
+struct Held {
+    handle: TlsHandle,
+    rotation: tokio::task::AbortHandle,
+}
+
+impl Drop for Held {
+    /// The rotation ends with the entry: a released identity's task would
+    /// otherwise sleep to its half-life (hours) holding the whole
+    /// certificate and its TLS configurations, one more for each time an
+    /// identity's pods all leave and come back.
+    fn drop(&mut self) {
+        self.rotation.abort();
+    }
 }
 
 /// Delay before retrying a failed rotation.
@@ -150,7 +166,7 @@ impl CertManager {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .get(id)
-            .cloned()
+            .map(|h| h.handle.clone())
     }
 
     /// The TLS material for `id`, issuing it (and starting its rotation) on first use.
@@ -165,11 +181,15 @@ impl CertManager {
         let current = TlsIdentity::new(self.ca.issue(id, self.ttl).await?, self.crls.as_ref())?;
         tracing::info!(identity = %id, expires = ?current.cert.not_after, "certificate issued");
         let handle: TlsHandle = Arc::new(ArcSwap::from_pointee(current));
+        let rotation = tokio::spawn(rotate(self.clone(), id.clone(), handle.clone()));
+        let held = Held {
+            handle: handle.clone(),
+            rotation: rotation.abort_handle(),
+        };
         self.held
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .insert(id.clone(), handle.clone());
-        tokio::spawn(rotate(self.clone(), id.clone(), handle.clone()));
+            .insert(id.clone(), held);
         Ok(handle)
     }
 
@@ -178,7 +198,7 @@ impl CertManager {
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let mut all: Vec<_> = held
             .iter()
-            .map(|(id, h)| (id.clone(), h.load_full()))
+            .map(|(id, h)| (id.clone(), h.handle.load_full()))
             .collect();
         all.sort_by(|a, b| a.0.cmp(&b.0));
         all
@@ -188,7 +208,7 @@ impl CertManager {
     pub fn summary(&self) -> Vec<(String, SystemTime)> {
         let held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         held.iter()
-            .map(|(id, h)| (id.to_string(), h.load().cert.not_after))
+            .map(|(id, h)| (id.to_string(), h.handle.load().cert.not_after))
             .collect()
     }
 }
@@ -233,12 +253,13 @@ impl Collector for CertExpiry {
 
 impl CertManager {
     /// Forgets identities no pod uses any more (only this manager and the
-    /// rotation task hold them); their rotation stops. Returns how many.
+    /// rotation task hold them); their rotation task ends now, and with it
+    /// the last hold on the certificate. Returns how many.
     pub fn release_unused(&self) -> usize {
         let mut held = self.held.lock().unwrap_or_else(|e| e.into_inner());
         let before = held.len();
         held.retain(|id, h| {
-            let used = Arc::strong_count(h) > 2;
+            let used = Arc::strong_count(&h.handle) > 2;
             if !used {
                 tracing::info!(identity = %id, "certificate dropped: its last pod left");
             }
@@ -336,8 +357,18 @@ mod tests {
         let pod_holds = mgr.get(&id).await.unwrap();
         assert_eq!(mgr.release_unused(), 0, "a pod still uses it");
         drop(pod_holds);
+        // The manager and the rotation task held it; now nothing does.
+        let gone = Arc::downgrade(&mgr.get(&id).await.unwrap());
         assert_eq!(mgr.release_unused(), 1);
         assert!(mgr.summary().is_empty());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while gone.strong_count() > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a released certificate is still held (its rotation task sleeps to half-life)"
+            );
+            tokio::task::yield_now().await;
+        }
     }
 
     #[tokio::test]

@@ -300,6 +300,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     .await
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
     crate::limits::register(&mut registry);
+    super::metrics::RuntimeTasks(tokio::runtime::Handle::current()).register(&mut registry);
     sideport::serve(
         cfg.metrics_addr,
         "metrics",

@@ -262,6 +262,37 @@ impl Drop for PodMetricsGuard {
     }
 }
 
+/// `ambit_runtime_tasks`: the proxy's live tasks, read at each scrape. A
+/// pod's listeners, its connections and each identity's rotation are
+/// tasks, so a count that climbs while pods come and go is state left
+/// behind (the churn test asserts it returns to where it was).
+#[derive(Debug)]
+pub struct RuntimeTasks(pub tokio::runtime::Handle);
+
+impl RuntimeTasks {
+    pub fn register(self, registry: &mut Registry) {
+        registry.register_collector(Box::new(self));
+    }
+}
+
+impl prometheus_client::collector::Collector for RuntimeTasks {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        let gauge = prometheus_client::metrics::gauge::ConstGauge::new(
+            self.0.metrics().num_alive_tasks() as i64,
+        );
+        gauge.encode(encoder.encode_descriptor(
+            "ambit_runtime_tasks",
+            "Tasks alive in the proxy's runtime",
+            None,
+            gauge.metric_type(),
+        )?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
