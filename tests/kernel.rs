@@ -161,8 +161,8 @@ fn short_connections_never_stall_on_a_reused_port_even_when_they_fail() {
 }
 
 /// After a bulk HBONE transfer, idle proxies give back the memory its
-/// buffers took (the allocator is trimmed every 10 s), though the pooled
-/// HBONE connection stays open.
+/// buffers took (jemalloc hands pages back 2 s after their last use),
+/// though the pooled HBONE connection stays open.
 #[test]
 fn after_a_bulk_transfer_idle_proxies_give_the_memory_back() {
     let (m, client, server, _echo) = common::meshed_pair("trim");

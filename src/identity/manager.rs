@@ -122,6 +122,8 @@ pub struct CertManager {
     /// Revocation lists every configuration checks peers against.
     crls: Option<Arc<Crls>>,
     held: Mutex<HashMap<Identity, Held>>,
+    /// Told when a pod that held a certificate goes (its [`PodLease`]).
+    left: Arc<tokio::sync::Notify>,
     /// One issuance at a time per identity.
     fetching: tokio::sync::Mutex<()>,
 }
@@ -142,6 +144,16 @@ impl Drop for Held {
     }
 }
 
+/// Held by each pod that uses a certificate; see [`CertManager::lease`].
+#[derive(Debug)]
+pub struct PodLease(Arc<tokio::sync::Notify>);
+
+impl Drop for PodLease {
+    fn drop(&mut self) {
+        self.0.notify_one();
+    }
+}
+
 /// Delay before retrying a failed rotation.
 const RETRY: Duration = Duration::from_secs(5);
 
@@ -157,6 +169,7 @@ impl CertManager {
             ttl,
             crls,
             held: Mutex::new(HashMap::new()),
+            left: Arc::default(),
             fetching: Default::default(),
         })
     }
@@ -268,13 +281,24 @@ impl CertManager {
         before - held.len()
     }
 
-    /// Runs [`CertManager::release_unused`] every `every`, for the life of the manager.
-    pub fn spawn_releaser(self: &Arc<Self>, every: Duration) {
+    /// A pod's hold on the manager's attention: dropped with the pod (after
+    /// its certificate handle), it has the releaser look for identities no
+    /// pod uses any more.
+    pub fn lease(&self) -> PodLease {
+        PodLease(self.left.clone())
+    }
+
+    /// Runs [`CertManager::release_unused`] `grace` after pods leave (a pod
+    /// replaced at once keeps its identity's certificate), for the life of
+    /// the manager. It sleeps while no pod leaves: no periodic wake-up.
+    pub fn spawn_releaser(self: &Arc<Self>, grace: Duration) {
         let weak = Arc::downgrade(self);
+        let left = self.left.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
             loop {
-                tick.tick().await;
+                // Pods that leave during the grace leave a permit: one more look.
+                left.notified().await;
+                tokio::time::sleep(grace).await;
                 match weak.upgrade() {
                     Some(mgr) => {
                         mgr.release_unused();
@@ -369,6 +393,25 @@ mod tests {
             );
             tokio::task::yield_now().await;
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_identity_is_released_a_grace_after_its_last_pod_leaves() {
+        let mgr = CertManager::new(
+            CertSource::Local(Box::new(LocalCa::generate("td").unwrap())),
+            Duration::from_secs(600),
+        );
+        mgr.spawn_releaser(Duration::from_secs(10));
+        let id = Identity::new("td", "ns", "sa");
+        let (tls, lease) = (mgr.get(&id).await.unwrap(), mgr.lease());
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        assert_eq!(mgr.summary().len(), 1, "held while its pod is");
+        drop(tls);
+        drop(lease);
+        tokio::time::sleep(Duration::from_secs(9)).await;
+        assert_eq!(mgr.summary().len(), 1, "kept through the grace");
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(mgr.summary().is_empty(), "released after the grace");
     }
 
     #[tokio::test]

@@ -13,5 +13,5 @@ pub use ca::{
     GENERATED_SERVING_KEY,
 };
 pub use crl::Crls;
-pub use manager::{CertManager, CertSource, TlsHandle, TlsIdentity};
+pub use manager::{CertManager, CertSource, PodLease, TlsHandle, TlsIdentity};
 pub use spiffe::Identity;

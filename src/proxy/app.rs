@@ -26,7 +26,6 @@ use crate::xds::{self, StateHandle};
 
 /// Runs the proxy role until SIGTERM, SIGINT, `/quitquitquit` or a fatal error.
 pub fn run(cfg: ProxyConfig) -> anyhow::Result<()> {
-    tune_allocator();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.worker_threads)
         .thread_name("ambit-proxy")
@@ -34,44 +33,6 @@ pub fn run(cfg: ProxyConfig) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async move { start(cfg).await?.wait().await })
 }
-
-/// Keeps glibc malloc from mapping and unmapping (and page-faulting in) the
-/// 16–256 KiB buffers the copy loops cycle through: without this, a bulk
-/// HBONE flow spends a tenth of its CPU in page faults (perf, measured).
-///
-/// The price was memory kept after a bulk flow ends: 6–8 MB after one HBONE
-/// iperf3 run, the free top of each worker thread's arena, which glibc gives
-/// back only past that threshold and which `malloc_trim` never touches in a
-/// thread arena. So all threads share the main arena (small allocations
-/// stay per thread in glibc's tcache), and every [`TRIM_EVERY`] a small
-/// thread hands its free pages back: a bulk flow keeps its buffers between
-/// two trims, an idle proxy returns to its size at start (measured: 8.4 MB
-/// of anonymous memory left after an HBONE run with the trim alone, 1.3 MB
-/// with both; HBONE throughput and connection rate unchanged within noise).
-fn tune_allocator() {
-    // SAFETY: mallopt only changes allocator parameters; called before any
-    // other thread exists.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 1 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 4 << 20);
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-    }
-    let trimmer = std::thread::Builder::new()
-        .name("ambit-trim".into())
-        .stack_size(64 * 1024)
-        .spawn(|| loop {
-            std::thread::sleep(TRIM_EVERY);
-            // SAFETY: malloc_trim only releases free memory; it takes the
-            // arenas' locks like any allocation.
-            unsafe { libc::malloc_trim(0) };
-        });
-    if let Err(e) = trimmer {
-        tracing::warn!(error = %e, "no trim thread: memory freed after bulk flows stays with the process");
-    }
-}
-
-/// How often free allocator memory goes back to the system.
-const TRIM_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Once the proxy is first ready, unmaps the binary's pages that start-up
 /// mapped (see `crate::resident`): what the proxy runs from then on maps
@@ -300,7 +261,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     .await
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
     crate::limits::register(&mut registry);
-    super::metrics::RuntimeTasks(tokio::runtime::Handle::current()).register(&mut registry);
+    super::metrics::RuntimeGauges(tokio::runtime::Handle::current()).register(&mut registry);
     sideport::serve(
         cfg.metrics_addr,
         "metrics",

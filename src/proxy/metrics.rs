@@ -262,34 +262,49 @@ impl Drop for PodMetricsGuard {
     }
 }
 
-/// `ambit_runtime_tasks`: the proxy's live tasks, read at each scrape. A
-/// pod's listeners, its connections and each identity's rotation are
-/// tasks, so a count that climbs while pods come and go is state left
+/// The runtime's gauges, with ztunnel's names, read at each scrape from
+/// tokio's stable runtime metrics (a few atomic loads each):
+/// `tokio_num_alive_tasks`, `tokio_num_workers`, `tokio_global_queue_depth`.
+/// A pod's listeners, its connections and each identity's rotation are
+/// tasks, so a task count that climbs while pods come and go is state left
 /// behind (the churn test asserts it returns to where it was).
 #[derive(Debug)]
-pub struct RuntimeTasks(pub tokio::runtime::Handle);
+pub struct RuntimeGauges(pub tokio::runtime::Handle);
 
-impl RuntimeTasks {
+impl RuntimeGauges {
     pub fn register(self, registry: &mut Registry) {
         registry.register_collector(Box::new(self));
     }
 }
 
-impl prometheus_client::collector::Collector for RuntimeTasks {
+impl prometheus_client::collector::Collector for RuntimeGauges {
     fn encode(
         &self,
         mut encoder: prometheus_client::encoding::DescriptorEncoder,
     ) -> std::fmt::Result {
         use prometheus_client::encoding::EncodeMetric;
-        let gauge = prometheus_client::metrics::gauge::ConstGauge::new(
-            self.0.metrics().num_alive_tasks() as i64,
-        );
-        gauge.encode(encoder.encode_descriptor(
-            "ambit_runtime_tasks",
-            "Tasks alive in the proxy's runtime",
-            None,
-            gauge.metric_type(),
-        )?)
+        let m = self.0.metrics();
+        for (name, help, value) in [
+            (
+                "tokio_num_alive_tasks",
+                "Tasks alive in the proxy's runtime",
+                m.num_alive_tasks(),
+            ),
+            (
+                "tokio_num_workers",
+                "Worker threads of the proxy's runtime",
+                m.num_workers(),
+            ),
+            (
+                "tokio_global_queue_depth",
+                "Tasks waiting in the runtime's global queue",
+                m.global_queue_depth(),
+            ),
+        ] {
+            let gauge = prometheus_client::metrics::gauge::ConstGauge::new(value as i64);
+            gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        Ok(())
     }
 }
 

@@ -15,7 +15,7 @@ use socket2::{Domain, Protocol, SockRef, Socket, TcpKeepalive, Type};
 use tokio::io::Interest;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 
-use crate::identity::{Identity, TlsHandle};
+use crate::identity::{Identity, PodLease, TlsHandle};
 use crate::netns::Netns;
 
 /// How long an outbound connect may take.
@@ -525,6 +525,9 @@ pub struct Pod {
     pub ips: Vec<IpAddr>,
     pub sockets: SocketFactory,
     pub tls: TlsHandle,
+    /// Dropped after `tls` (fields drop in order): the certificate manager
+    /// is told once this pod no longer holds its identity's certificate.
+    pub lease: PodLease,
     pub life: Lifecycle,
     /// Labels for metrics: the pod's canonical service and revision.
     pub canonical_service: String,

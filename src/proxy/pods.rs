@@ -170,6 +170,7 @@ impl ProxyShared {
             cluster,
             baggage,
             tls: self.certs.get(&identity).await?,
+            lease: self.certs.lease(),
             identity,
             ips,
             sockets,

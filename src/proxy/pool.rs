@@ -307,6 +307,9 @@ pub struct Pool {
     spread: usize,
     idle_timeout: Duration,
     dials: AtomicUsize,
+    /// Told when a key gains an entry: the evictor sleeps while the pool
+    /// holds nothing, and wakes for this.
+    filled: Arc<tokio::sync::Notify>,
 }
 
 impl Pool {
@@ -319,6 +322,7 @@ impl Pool {
             spread,
             idle_timeout,
             dials: AtomicUsize::new(0),
+            filled: Arc::default(),
         })
     }
 
@@ -340,13 +344,15 @@ impl Pool {
         Fut: Future<Output = Result<Arc<PooledConn>, E>>,
         E: std::fmt::Display,
     {
-        let entry = self
-            .entries
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(key)
-            .or_default()
-            .clone();
+        let entry = {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let was_empty = entries.is_empty();
+            let entry = entries.entry(key).or_default().clone();
+            if was_empty {
+                self.filled.notify_one();
+            }
+            entry
+        };
         let mut pick = entry.pick(self.max_streams, self.spread, true);
         if let Pick::Join(joined) = pick {
             let waiting = Waiting(joined);
@@ -452,19 +458,31 @@ impl Pool {
         tracing::debug!(connections = n, "HBONE client pool drained");
     }
 
-    /// Runs [`Pool::evict`] periodically for the life of the pool.
+    /// Runs [`Pool::evict`] periodically for the life of the pool, while
+    /// it holds anything: an empty pool's evictor sleeps until a key gains
+    /// an entry, so an idle proxy is not woken for it.
     pub fn spawn_evictor(self: &Arc<Self>) {
         let weak = Arc::downgrade(self);
+        let filled = self.filled.clone();
         let every =
             (self.idle_timeout / 2).clamp(Duration::from_millis(100), Duration::from_secs(30));
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
             loop {
-                tick.tick().await;
-                match weak.upgrade() {
-                    Some(pool) => pool.evict(),
+                let empty = match weak.upgrade() {
+                    Some(pool) => {
+                        pool.evict();
+                        pool.entries
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .is_empty()
+                    }
                     None => return,
+                };
+                if empty {
+                    // A key gained since the check left a permit: no loss.
+                    filled.notified().await;
                 }
+                tokio::time::sleep(every).await;
             }
         });
     }
