@@ -57,7 +57,8 @@ fn held(node: &Node, pid: u32) -> Held {
         anon_kb,
         fds,
         threads,
-        tasks: metric_value(&metrics, "tokio_num_alive_tasks").unwrap_or(-1.0) as u64,
+        tasks: metric_value(&metrics, "tokio_num_alive_tasks")
+            .expect("the proxy reports tokio_num_alive_tasks") as u64,
         series: metrics.lines().filter(|l| !l.starts_with('#')).count(),
     }
 }
