@@ -88,6 +88,18 @@ fn main() -> ExitCode {
         .first()
         .map(|a| a.rsplit('/').next().unwrap_or(a).to_string())
         .unwrap_or_default();
+    // Istio's key-exchange policy, for every TLS this process speaks. The
+    // plugin (run by the container runtime, whose environment does not
+    // carry it) keeps the default.
+    let policy = std::env::var("COMPLIANCE_POLICY").unwrap_or_default();
+    match ambit::identity::Compliance::parse(&policy) {
+        Ok(policy) => ambit::identity::set_compliance(policy),
+        Err(e) if argv0 != "ambit-cni" && std::env::var_os("CNI_COMMAND").is_none() => {
+            eprintln!("ambit: {e}");
+            return ExitCode::from(2);
+        }
+        Err(_) => ambit::identity::set_compliance(Default::default()),
+    }
     // The container runtime calls the plugin by its file name with CNI_COMMAND set.
     if argv0 == "ambit-cni" || (std::env::var_os("CNI_COMMAND").is_some() && args.len() == 1) {
         return ExitCode::from(ambit::cni::plugin_main::main() as u8);

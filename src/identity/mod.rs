@@ -15,3 +15,4 @@ pub use ca::{
 pub use crl::Crls;
 pub use manager::{CertManager, CertSource, PodLease, TlsHandle, TlsIdentity};
 pub use spiffe::Identity;
+pub use tls::{set_compliance, Compliance};

@@ -1,4 +1,5 @@
-//! rustls configurations for HBONE: TLS 1.3 only, AES-GCM suites, ALPN `h2`,
+//! rustls configurations for HBONE: TLS 1.3 only, AES-GCM suites (on
+//! aws-lc-rs, with post-quantum key exchange), ALPN `h2`,
 //! client certificate required, no SNI, no session resumption; and the SPIFFE
 //! checks on both sides (docs/wire.md §5).
 //!
@@ -24,14 +25,86 @@ use super::crl::{Crls, Side};
 use super::spiffe::Identity;
 use crate::constants::HBONE_ALPN;
 
-/// ring with the TLS 1.3 AES-GCM suites only.
+/// Which key exchanges TLS may use: Istio's `COMPLIANCE_POLICY`, as
+/// ztunnel reads it (the same variable and value).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Compliance {
+    /// The provider's groups, the post-quantum hybrid X25519MLKEM768 first:
+    /// two proxies that both have it use it without being told, and a peer
+    /// without it still connects over X25519 (the client sends a share of
+    /// each, so no extra round trip).
+    #[default]
+    Default,
+    /// `pqc`: X25519MLKEM768 only, in every role (HBONE both ways, the
+    /// control plane and CA clients, `ambit control-plane`).
+    Pqc,
+}
+
+impl Compliance {
+    /// `COMPLIANCE_POLICY`'s value: empty or unset is the default, `pqc`
+    /// the post-quantum policy. Istio's FIPS values are refused, not
+    /// ignored: this build has no FIPS module, and a proxy must not run as
+    /// if it had one.
+    pub fn parse(value: &str) -> Result<Compliance, String> {
+        match value.trim() {
+            "" => Ok(Compliance::Default),
+            "pqc" => Ok(Compliance::Pqc),
+            v @ ("fips-140-2" | "fips-140-3") => Err(format!(
+                "COMPLIANCE_POLICY={v}: this build of Ambit has no FIPS module; use a FIPS build, or unset it"
+            )),
+            v => Err(format!(
+                "COMPLIANCE_POLICY={v:?} is not a policy Ambit knows: use \"pqc\" (post-quantum key exchange only) or leave it unset"
+            )),
+        }
+    }
+
+    /// The groups this policy allows, by name, for messages.
+    pub fn groups(self) -> String {
+        provider_for(self)
+            .kx_groups
+            .iter()
+            .map(|g| format!("{:?}", g.name()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+static COMPLIANCE: std::sync::OnceLock<Compliance> = std::sync::OnceLock::new();
+
+/// Sets the process's policy, once, at start, before any TLS
+/// configuration is built. rustls' process-wide default, which the
+/// Kubernetes client uses, is aws-lc-rs with the default groups whatever
+/// the policy: the API server is not part of the mesh (Istio applies the
+/// policy to istiod, ztunnel and waypoints), and one built with Go before
+/// 1.24 (Kubernetes before 1.33) has no X25519MLKEM768 to agree on.
+pub fn set_compliance(policy: Compliance) {
+    let _ = COMPLIANCE.set(policy);
+    let _ = CryptoProvider::install_default(provider_for(Compliance::Default));
+}
+
+/// The process's policy (the default until [`set_compliance`]).
+pub fn compliance() -> Compliance {
+    COMPLIANCE.get().copied().unwrap_or_default()
+}
+
+/// aws-lc-rs with ztunnel's suites (TLS 1.3 AES-256-GCM, then AES-128-GCM)
+/// and the process's key-exchange policy.
 pub fn provider() -> Arc<CryptoProvider> {
-    let mut p = rustls::crypto::ring::default_provider();
+    Arc::new(provider_for(compliance()))
+}
+
+/// [`provider`] under `policy`.
+pub fn provider_for(policy: Compliance) -> CryptoProvider {
+    use rustls::crypto::aws_lc_rs::{cipher_suite, default_provider, kx_group};
+    let mut p = default_provider();
     p.cipher_suites = vec![
-        rustls::crypto::ring::cipher_suite::TLS13_AES_128_GCM_SHA256,
-        rustls::crypto::ring::cipher_suite::TLS13_AES_256_GCM_SHA384,
+        cipher_suite::TLS13_AES_256_GCM_SHA384,
+        cipher_suite::TLS13_AES_128_GCM_SHA256,
     ];
-    Arc::new(p)
+    if policy == Compliance::Pqc {
+        p.kx_groups = vec![kx_group::X25519MLKEM768];
+    }
+    p
 }
 
 /// The SPIFFE id in a certificate's URI SAN, if any.
@@ -66,7 +139,15 @@ pub fn server_config(
     cert: &WorkloadCert,
     crls: Option<&Arc<Crls>>,
 ) -> Result<ServerConfig, IdentityError> {
-    let provider = provider();
+    server_config_on(cert, crls, provider())
+}
+
+/// [`server_config`] on `provider`.
+pub(crate) fn server_config_on(
+    cert: &WorkloadCert,
+    crls: Option<&Arc<Crls>>,
+    provider: Arc<CryptoProvider>,
+) -> Result<ServerConfig, IdentityError> {
     let roots = Arc::new(roots(cert)?);
     let inner = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
@@ -100,7 +181,15 @@ pub fn client_config(
     cert: &WorkloadCert,
     crls: Option<&Arc<Crls>>,
 ) -> Result<ClientConfig, IdentityError> {
-    let provider = provider();
+    client_config_on(cert, crls, provider())
+}
+
+/// [`client_config`] on `provider`.
+pub(crate) fn client_config_on(
+    cert: &WorkloadCert,
+    crls: Option<&Arc<Crls>>,
+    provider: Arc<CryptoProvider>,
+) -> Result<ClientConfig, IdentityError> {
     let roots = Arc::new(roots(cert)?);
     let algs = provider.signature_verification_algorithms;
     let verifier = Arc::new(ChainVerifier {
@@ -353,6 +442,101 @@ mod tests {
         client: &WorkloadCert,
     ) -> Result<Option<Identity>, String> {
         test_handshake(server, None, client, None).await
+    }
+
+    /// A handshake between a server and a client on these providers: the
+    /// key-exchange group and suite the client's connection negotiated.
+    async fn negotiated(
+        server: CryptoProvider,
+        client: CryptoProvider,
+    ) -> Result<(rustls::NamedGroup, rustls::CipherSuite), String> {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let ttl = Duration::from_secs(600);
+        let s = ca
+            .issue(&Identity::new("cluster.local", "ns", "server"), ttl)
+            .unwrap();
+        let c = ca
+            .issue(&Identity::new("cluster.local", "ns", "client"), ttl)
+            .unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(
+            server_config_on(&s, None, Arc::new(server)).unwrap(),
+        ));
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(
+            client_config_on(&c, None, Arc::new(client)).unwrap(),
+        ));
+        let (a, b) = tokio::io::duplex(64 * 1024);
+        let srv = tokio::spawn(async move { acceptor.accept(a).await.map(|_| ()) });
+        let conn = connector.connect(hbone_server_name(), b).await;
+        let served = srv.await.unwrap();
+        let conn = conn.map_err(|e| e.to_string())?;
+        served.map_err(|e| e.to_string())?;
+        let tls = conn.get_ref().1;
+        Ok((
+            tls.negotiated_key_exchange_group().unwrap().name(),
+            tls.negotiated_cipher_suite().unwrap().suite(),
+        ))
+    }
+
+    /// A peer limited to X25519, as one without post-quantum groups.
+    fn x25519_only() -> CryptoProvider {
+        let mut p = provider_for(Compliance::Default);
+        p.kx_groups = vec![rustls::crypto::aws_lc_rs::kx_group::X25519];
+        p
+    }
+
+    #[tokio::test]
+    async fn key_exchange_is_post_quantum_by_default_and_only_that_under_pqc() {
+        use rustls::{CipherSuite, NamedGroup};
+        let (default, pqc) = (
+            || provider_for(Compliance::Default),
+            || provider_for(Compliance::Pqc),
+        );
+        let hybrid = Ok((
+            NamedGroup::X25519MLKEM768,
+            CipherSuite::TLS13_AES_256_GCM_SHA384,
+        ));
+        // Two proxies on the default get the hybrid without being told.
+        assert_eq!(negotiated(default(), default()).await, hybrid);
+        // A peer limited to the hybrid is served under either policy.
+        assert_eq!(negotiated(default(), pqc()).await, hybrid);
+        assert_eq!(negotiated(pqc(), default()).await, hybrid);
+        assert_eq!(negotiated(pqc(), pqc()).await, hybrid);
+        // A peer without it still connects under the default...
+        assert_eq!(
+            negotiated(default(), x25519_only()).await,
+            Ok((NamedGroup::X25519, CipherSuite::TLS13_AES_256_GCM_SHA384))
+        );
+        assert_eq!(
+            negotiated(x25519_only(), default()).await.map(|n| n.0),
+            Ok(NamedGroup::X25519)
+        );
+        // ...and is refused under pqc, either way round.
+        for refused in [
+            negotiated(pqc(), x25519_only()).await,
+            negotiated(x25519_only(), pqc()).await,
+        ] {
+            let err = refused.unwrap_err();
+            assert!(
+                err.contains("NoKxGroupsInCommon") || err.contains("HandshakeFailure"),
+                "{err}"
+            );
+        }
+    }
+
+    #[test]
+    fn compliance_policy_values_are_istios_and_the_fips_ones_are_refused_here() {
+        assert_eq!(Compliance::parse(""), Ok(Compliance::Default));
+        assert_eq!(Compliance::parse("pqc"), Ok(Compliance::Pqc));
+        assert_eq!(Compliance::Pqc.groups(), "X25519MLKEM768");
+        assert!(Compliance::Default
+            .groups()
+            .starts_with("X25519MLKEM768, X25519"));
+        for v in ["fips-140-2", "fips-140-3"] {
+            assert!(Compliance::parse(v).unwrap_err().contains("no FIPS module"));
+        }
+        for v in ["PQC", "pq", "yes"] {
+            assert!(Compliance::parse(v).unwrap_err().contains("not a policy"));
+        }
     }
 
     #[tokio::test]

@@ -20,6 +20,8 @@ pub(super) trait Handshaking: Sized {
     ) -> UnbufferedStatus<'c, 'i, Self::Data>;
     fn done(&self) -> bool;
     fn certificates(&self) -> Vec<CertificateDer<'static>>;
+    /// The key-exchange group and suite agreed, once done.
+    fn negotiated(&self) -> (Option<rustls::NamedGroup>, Option<rustls::CipherSuite>);
     fn into_keys(self) -> Result<(rustls::ExtractedSecrets, Keys), rustls::Error>;
 }
 
@@ -42,6 +44,12 @@ macro_rules! handshaking {
                     .map(<[_]>::to_vec)
                     .unwrap_or_default()
             }
+            fn negotiated(&self) -> (Option<rustls::NamedGroup>, Option<rustls::CipherSuite>) {
+                (
+                    self.negotiated_key_exchange_group().map(|g| g.name()),
+                    self.negotiated_cipher_suite().map(|s| s.suite()),
+                )
+            }
             fn into_keys(self) -> Result<(rustls::ExtractedSecrets, Keys), rustls::Error> {
                 self.dangerous_into_kernel_connection()
                     .map(|(s, k)| (s, $keys(k)))
@@ -62,7 +70,31 @@ handshaking!(
 );
 
 pub(super) fn tls_io(e: rustls::Error) -> io::Error {
-    io::Error::new(io::ErrorKind::InvalidData, e)
+    use crate::identity::tls::{compliance, Compliance};
+    use rustls::{AlertDescription, Error, PeerIncompatible};
+    let policy = compliance();
+    let allows = || {
+        format!(
+            "this proxy allows {} ({})",
+            policy.groups(),
+            match policy {
+                Compliance::Pqc => "COMPLIANCE_POLICY=pqc",
+                Compliance::Default => "the default groups",
+            }
+        )
+    };
+    let said = match &e {
+        Error::PeerIncompatible(PeerIncompatible::NoKxGroupsInCommon) => format!(
+            "the peer offers no key exchange group this proxy allows: {}",
+            allows()
+        ),
+        Error::AlertReceived(AlertDescription::HandshakeFailure) => format!(
+            "the peer refused the handshake (handshake_failure); if it allows none of this proxy's key exchange groups: {}",
+            allows()
+        ),
+        _ => return io::Error::new(io::ErrorKind::InvalidData, e),
+    };
+    io::Error::new(io::ErrorKind::InvalidData, said)
 }
 
 /// Sends the alert a failed handshake left queued, best effort.
@@ -208,6 +240,8 @@ pub(super) async fn handshake<C: Handshaking>(
         }
     }
     let peer_certificates = conn.certificates();
+    let (group, suite) = conn.negotiated();
+    tracing::debug!(group = ?group, suite = ?suite, "HBONE TLS handshake done");
     let (secrets, keys) = conn.into_keys().map_err(tls_io)?;
     let rest = Handshaken { received, early };
     let stream = TlsStream::new(tcp, keys, secrets, rest).map_err(io::Error::from)?;

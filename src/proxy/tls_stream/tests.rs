@@ -428,3 +428,33 @@ async fn garbage_instead_of_a_client_hello_is_refused_once_without_a_second_aler
         assert!(told.len() <= 7 * 2, "at most one alert record: {told:?}");
     }
 }
+
+/// A peer with no key-exchange group this side allows (one limited to
+/// X25519, against `COMPLIANCE_POLICY=pqc`) is refused at the handshake,
+/// and the error says so in words.
+#[tokio::test]
+async fn a_peer_without_an_allowed_key_exchange_group_is_refused_in_words() {
+    use crate::identity::tls::{client_config_on, provider_for, server_config_on, Compliance};
+    let ca = LocalCa::generate("cluster.local").unwrap();
+    let issue = |name: &str| {
+        ca.issue(
+            &Identity::new("cluster.local", "ns", name),
+            Duration::from_secs(600),
+        )
+        .unwrap()
+    };
+    let pqc = Arc::new(provider_for(Compliance::Pqc));
+    let mut x25519 = provider_for(Compliance::Default);
+    x25519.kx_groups = vec![rustls::crypto::aws_lc_rs::kx_group::X25519];
+    let server = Arc::new(server_config_on(&issue("server"), None, pqc).unwrap());
+    let client = Arc::new(client_config_on(&issue("client"), None, Arc::new(x25519)).unwrap());
+    let (a, b) = tcp_pair().await;
+    let connector = tokio_rustls::TlsConnector::from(client);
+    let (ours, theirs) = tokio::join!(accept(server, b), connector.connect(hbone_server_name(), a));
+    let err = ours.err().expect("refused").to_string();
+    assert!(
+        err.contains("the peer offers no key exchange group this proxy allows"),
+        "{err}"
+    );
+    assert!(theirs.is_err(), "the peer was told");
+}

@@ -1,0 +1,86 @@
+//! Key exchange as Istio meshes configure it (issue #52), through the real
+//! binary: two dedicated proxies in network namespaces carry a pod's
+//! connection over HBONE under `COMPLIANCE_POLICY`, and each proxy's log
+//! says which group and suite the handshake actually agreed (read from the
+//! connection, not from the config).
+
+mod common;
+
+use ambit::lab::{connect_from, echo_roundtrip, EchoServer};
+use common::{workload, Mesh};
+
+/// What a proxy logs once an HBONE handshake is done, under these groups.
+fn agreed(log: &str, group: &str) -> bool {
+    log.lines().any(|l| {
+        l.contains("HBONE TLS handshake done")
+            && l.contains(&format!("group=Some({group})"))
+            && l.contains("suite=Some(TLS13_AES_256_GCM_SHA384)")
+    })
+}
+
+/// A client and a server proxy, each with its own `COMPLIANCE_POLICY`
+/// (`None`: unset); returns whether a round trip made it, and both logs
+/// once it did (or did not).
+fn round_trip_under(
+    tag: &str,
+    client_policy: Option<&'static str>,
+    server_policy: Option<&'static str>,
+) -> (bool, String, String) {
+    let mut m = Mesh::new(tag);
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    let env = |policy: Option<&'static str>| {
+        let mut env = vec![("RUST_LOG", "info,ambit::proxy::tls_stream=debug")];
+        if let Some(p) = policy {
+            env.push(("COMPLIANCE_POLICY", p));
+        }
+        env
+    };
+    m.mesh_env(&client, "client-sa", &env(client_policy));
+    m.mesh_env(&server, "server-sa", &env(server_policy));
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let ok = connect_from(&client, echo.addr)
+        .and_then(|mut c| echo_roundtrip(&mut c, b"pq"))
+        .is_ok_and(|got| got == b"pq");
+    (ok, m.proxy_log(&client), m.proxy_log(&server))
+}
+
+#[test]
+fn two_proxies_agree_on_the_post_quantum_hybrid_by_default_and_under_pqc() {
+    for (tag, client, server) in [
+        ("kxdef", None, None),
+        ("kxpqc", Some("pqc"), Some("pqc")),
+        ("kxmix", Some("pqc"), None),
+    ] {
+        let (ok, client_log, server_log) = round_trip_under(tag, client, server);
+        assert!(ok, "{tag}: no round trip\n{client_log}\n{server_log}");
+        for (side, log) in [("client", &client_log), ("server", &server_log)] {
+            assert!(
+                agreed(log, "X25519MLKEM768"),
+                "{tag}: the {side} proxy's handshake did not agree on X25519MLKEM768 with AES-256-GCM:\n{log}"
+            );
+        }
+    }
+}
+
+#[test]
+fn an_unknown_or_fips_compliance_policy_stops_the_start_with_the_reason() {
+    let bin = env!("CARGO_BIN_EXE_ambit");
+    for (value, says) in [
+        ("pqc2", "is not a policy Ambit knows"),
+        ("fips-140-3", "has no FIPS module"),
+    ] {
+        let out = std::process::Command::new(bin)
+            .args(["proxy", "--help"])
+            .env("COMPLIANCE_POLICY", value)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{value}: started");
+        assert!(stderr.contains(says), "{value}: {stderr}");
+    }
+}
