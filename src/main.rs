@@ -1,5 +1,6 @@
 //! `ambit`: picks a role from argv[0] (`ambit-proxy`, ...) or the first
-//! argument (`ambit proxy`, ...) and hands over. Nothing else lives here.
+//! argument (`ambit proxy`, ...) and hands over, after setting what every
+//! role shares: the allocator and the key-exchange policy.
 
 use std::process::ExitCode;
 
