@@ -32,8 +32,7 @@ const ROUNDS: usize = 5;
 const MEMORY_SLACK_KB: u64 = 640;
 
 /// How long a removed pod's state may take to go: the certificate of an
-/// identity no pod uses is dropped within 10 s, and the allocator gives
-/// free memory back every 10 s.
+/// identity no pod uses is dropped 10 s after its last pod leaves.
 const SETTLE: Duration = Duration::from_secs(25);
 
 /// What the proxy holds, as an operator can read it.
@@ -134,7 +133,8 @@ impl Churn {
     }
 
     /// What the proxy holds once it has given back what it can: the least
-    /// private memory over one trim period, the rest as last read.
+    /// private memory over 11 s (jemalloc hands pages back 2 s after their
+    /// last use, on its own thread), the rest as last read.
     fn settled(&self) -> Held {
         let mut least = held(&self.node, self.pid);
         let until = Instant::now() + Duration::from_secs(11);
