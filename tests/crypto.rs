@@ -6,8 +6,8 @@
 
 mod common;
 
-use ambit::lab::{connect_from, echo_roundtrip, EchoServer};
-use common::{workload, Mesh};
+use ambit::lab::{connect_from, echo_roundtrip};
+use common::meshed_pair_env;
 
 /// What a proxy logs once an HBONE handshake is done, under these groups.
 fn agreed(log: &str, group: &str) -> bool {
@@ -26,13 +26,6 @@ fn round_trip_under(
     client_policy: Option<&'static str>,
     server_policy: Option<&'static str>,
 ) -> (bool, String, String) {
-    let mut m = Mesh::new(tag);
-    let (client, server) = (m.pod("client"), m.pod("server"));
-    m.write_config(&format!(
-        "workloads:\n{}{}",
-        workload(&client, "client-sa", "HBONE"),
-        workload(&server, "server-sa", "HBONE")
-    ));
     let env = |policy: Option<&'static str>| {
         let mut env = vec![("RUST_LOG", "info,ambit::proxy::tls_stream=debug")];
         if let Some(p) = policy {
@@ -40,9 +33,7 @@ fn round_trip_under(
         }
         env
     };
-    m.mesh_env(&client, "client-sa", &env(client_policy));
-    m.mesh_env(&server, "server-sa", &env(server_policy));
-    let echo = EchoServer::start(&server, 8080).unwrap();
+    let (m, client, server, echo) = meshed_pair_env(tag, &env(client_policy), &env(server_policy));
     let ok = connect_from(&client, echo.addr)
         .and_then(|mut c| echo_roundtrip(&mut c, b"pq"))
         .is_ok_and(|got| got == b"pq");

@@ -147,6 +147,16 @@ pub fn counter(metrics: &str, name: &str, filter: &[(&str, &str)]) -> u64 {
 
 /// The common scenario: meshed `client` and `server` pods, an echo app on server:8080.
 pub fn meshed_pair(tag: &str) -> (Mesh, LabPod, LabPod, EchoServer) {
+    meshed_pair_env(tag, &[], &[])
+}
+
+/// [`meshed_pair`], with extra environment for the client's and the
+/// server's proxies.
+pub fn meshed_pair_env(
+    tag: &str,
+    client_env: &[(&str, &str)],
+    server_env: &[(&str, &str)],
+) -> (Mesh, LabPod, LabPod, EchoServer) {
     let mut m = Mesh::new(tag);
     let (client, server) = (m.pod("client"), m.pod("server"));
     m.write_config(&format!(
@@ -154,8 +164,8 @@ pub fn meshed_pair(tag: &str) -> (Mesh, LabPod, LabPod, EchoServer) {
         workload(&client, "client-sa", "HBONE"),
         workload(&server, "server-sa", "HBONE")
     ));
-    m.mesh(&client, "client-sa");
-    m.mesh(&server, "server-sa");
+    m.mesh_env(&client, "client-sa", client_env);
+    m.mesh_env(&server, "server-sa", server_env);
     let echo = EchoServer::start(&server, 8080).unwrap();
     (m, client, server, echo)
 }

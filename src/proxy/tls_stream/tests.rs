@@ -12,15 +12,18 @@ struct Configs {
     server: Arc<ServerConfig>,
 }
 
+/// A certificate for `name` in trust domain `cluster.local`.
+fn issue(ca: &LocalCa, name: &str) -> crate::identity::WorkloadCert {
+    ca.issue(
+        &Identity::new("cluster.local", "ns", name),
+        Duration::from_secs(600),
+    )
+    .unwrap()
+}
+
 fn configs() -> Configs {
     let ca = LocalCa::generate("cluster.local").unwrap();
-    let issue = |name: &str| {
-        ca.issue(
-            &Identity::new("cluster.local", "ns", name),
-            Duration::from_secs(600),
-        )
-        .unwrap()
-    };
+    let issue = |name: &str| issue(&ca, name);
     Configs {
         client: Arc::new(client_config(&issue("client"), None).unwrap()),
         server: Arc::new(server_config(&issue("server"), None).unwrap()),
@@ -436,13 +439,7 @@ async fn garbage_instead_of_a_client_hello_is_refused_once_without_a_second_aler
 async fn a_peer_without_an_allowed_key_exchange_group_is_refused_in_words() {
     use crate::identity::tls::{client_config_on, provider_for, server_config_on, Compliance};
     let ca = LocalCa::generate("cluster.local").unwrap();
-    let issue = |name: &str| {
-        ca.issue(
-            &Identity::new("cluster.local", "ns", name),
-            Duration::from_secs(600),
-        )
-        .unwrap()
-    };
+    let issue = |name: &str| issue(&ca, name);
     let pqc = Arc::new(provider_for(Compliance::Pqc));
     let mut x25519 = provider_for(Compliance::Default);
     x25519.kx_groups = vec![rustls::crypto::aws_lc_rs::kx_group::X25519];
