@@ -13,7 +13,7 @@ use ambit::proto::discovery::aggregated_discovery_service_server::{
 use ambit::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
 use ambit::proto::workload as pb;
 use ambit::xds::client::{XdsClient, XdsConfig};
-use ambit::xds::convert::ADDRESS_TYPE;
+use ambit::xds::convert::{ADDRESS_TYPE, AUTHORIZATION_TYPE};
 use ambit::xds::StateHandle;
 use prost::Message;
 use tonic::{Request, Response, Status, Streaming};
@@ -290,6 +290,78 @@ async fn bad_resource_is_nacked_by_name_and_the_rest_applied_and_reconnect_sends
             .workload_by_addr("", "10.0.0.1".parse().unwrap())
             .is_some(),
         "last good state kept across the outage"
+    );
+    task.abort();
+}
+
+/// First an Address response with a resource that cannot be read and one
+/// whose uid another already claims, then an empty Authorization push and
+/// an Address push that carry neither.
+fn later_pushes_script() -> Scripted {
+    Scripted::new(|| {
+        let mut sent = false;
+        move |r: &DeltaDiscoveryRequest| {
+            if r.type_url == ADDRESS_TYPE && r.response_nonce.is_empty() && !sent {
+                sent = true;
+                return Step::Answer(DeltaDiscoveryResponse {
+                    type_url: ADDRESS_TYPE.into(),
+                    nonce: "n1".into(),
+                    resources: vec![
+                        workload("good", vec![10, 0, 0, 1]),
+                        workload("broken", vec![10, 0]),
+                        Resource {
+                            name: "again".into(),
+                            ..workload("good", vec![10, 0, 0, 2])
+                        },
+                    ],
+                    ..Default::default()
+                });
+            }
+            match r.response_nonce.as_str() {
+                "n1" => Step::Answer(DeltaDiscoveryResponse {
+                    type_url: AUTHORIZATION_TYPE.into(),
+                    nonce: "n2".into(),
+                    ..Default::default()
+                }),
+                "n2" => Step::Answer(DeltaDiscoveryResponse {
+                    type_url: ADDRESS_TYPE.into(),
+                    nonce: "n3".into(),
+                    resources: vec![workload("later", vec![10, 0, 0, 3])],
+                    ..Default::default()
+                }),
+                _ => Step::Quiet,
+            }
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_push_after_a_refusal_is_acked_while_the_refusal_is_held() {
+    let script = later_pushes_script();
+    let (state, task) = serve_and_connect(script.server()).await;
+    let nack = later_request(&script, |r| r.response_nonce == "n1").await;
+    let err = nack
+        .error_detail
+        .expect("the response with refusals is NACKed");
+    assert!(
+        err.message.contains("broken:") && err.message.contains("again:"),
+        "{}",
+        err.message
+    );
+    // istiod reads a NACK as this proxy's view being stale: pushes that
+    // carry nothing refused must be ACKed.
+    for nonce in ["n2", "n3"] {
+        let reply = later_request(&script, |r| r.response_nonce == nonce).await;
+        assert_eq!(reply.error_detail, None, "the push {nonce} is ACKed");
+    }
+    let st = state.load();
+    assert!(st
+        .workload_by_addr("", "10.0.0.3".parse().unwrap())
+        .is_some());
+    assert!(
+        st.workload_by_addr("", "10.0.0.2".parse().unwrap())
+            .is_none(),
+        "the refused resource stays out"
     );
     task.abort();
 }

@@ -21,7 +21,7 @@ use tokio::sync::mpsc;
 
 use super::convert::{self, AddressResource, ADDRESS_TYPE, AUTHORIZATION_TYPE};
 pub use super::metrics::XdsMetrics;
-use super::store::{Claims, ResourceError, State, StateHandle};
+use super::store::{Claims, ListEntry, ResourceError, State, StateHandle};
 use super::types::Authorization;
 use crate::backoff::Backoff;
 use crate::proto::core::Node;
@@ -192,11 +192,22 @@ fn hold<T>(
     map.insert(r.name.clone(), (r.version.clone(), value, *arrivals));
 }
 
-/// The values of `map`, first held first.
-fn in_arrival_order<T>(map: &HashMap<String, (String, T, u64)>) -> Vec<&T> {
-    let mut held: Vec<_> = map.values().collect();
-    held.sort_by_key(|(_, _, arrived)| *arrived);
-    held.into_iter().map(|(_, v, _)| v).collect()
+/// The values of `map` with their resource names, first held first.
+fn in_arrival_order<T>(map: &HashMap<String, (String, T, u64)>) -> Vec<(&String, &T)> {
+    let mut held: Vec<_> = map.iter().collect();
+    held.sort_by_key(|(_, (_, _, arrived))| *arrived);
+    held.into_iter()
+        .map(|(name, (_, v, _))| (name, v))
+        .collect()
+}
+
+/// A held resource the state leaves out, for a conflict with another
+/// held resource (one uid, service or policy key claimed twice).
+#[derive(Debug)]
+pub struct Dropped {
+    pub type_url: &'static str,
+    pub name: String,
+    pub reason: String,
 }
 
 impl Held {
@@ -293,40 +304,114 @@ impl Held {
         rejected
     }
 
-    /// The state these resources make; resources that conflict are dropped and named.
-    pub fn state(&mut self) -> (State, Vec<(String, String)>) {
-        let mut workloads = Vec::new();
-        let mut services = Vec::new();
-        for a in in_arrival_order(&self.addresses) {
+    /// Applies one response and builds the state it leaves. Returns that
+    /// state and what the response's NACK names: the resources it carries
+    /// that are refused, or left out for a conflict with one held before.
+    /// A refusal or conflict held from an earlier response, or of the other
+    /// type, was NACKed with the response that brought it and never NACKs
+    /// a later one (istiod would take this proxy's view as stale).
+    pub fn answer(&mut self, resp: &DeltaDiscoveryResponse) -> (State, Vec<(String, String)>) {
+        let mut rejected = self.apply(resp);
+        let (state, dropped) = self.state();
+        let carried: HashSet<&str> = resp.resources.iter().map(|r| r.name.as_str()).collect();
+        for d in dropped {
+            if d.type_url == resp.type_url
+                && carried.contains(d.name.as_str())
+                && !rejected.iter().any(|(name, _)| *name == d.name)
+            {
+                rejected.push((d.name, d.reason));
+            }
+        }
+        (state, rejected)
+    }
+
+    /// The state these resources make, and the held resources it leaves
+    /// out for a conflict.
+    pub fn state(&mut self) -> (State, Vec<Dropped>) {
+        let (mut workloads, mut workload_names) = (Vec::new(), Vec::new());
+        let (mut services, mut service_names) = (Vec::new(), Vec::new());
+        for (name, a) in in_arrival_order(&self.addresses) {
             match a {
-                AddressResource::Workload(w) => workloads.push(w.as_ref().clone()),
-                AddressResource::Service(s) => services.push(s.as_ref().clone()),
+                AddressResource::Workload(w) => {
+                    workloads.push(w.as_ref().clone());
+                    workload_names.push(name);
+                }
+                AddressResource::Service(s) => {
+                    services.push(s.as_ref().clone());
+                    service_names.push(name);
+                }
             }
         }
         // A refused policy stands in only where no valid version is held
         // (which keeps serving, as a NACK leaves it).
-        let policies = in_arrival_order(&self.policies)
-            .into_iter()
-            .cloned()
-            .chain(
-                self.refused_policies
-                    .iter()
-                    .filter(|(name, _)| !self.policies.contains_key(*name))
-                    .map(|(_, p)| p.clone()),
-            )
-            .collect();
+        let (policy_names, policies): (Vec<&String>, Vec<Authorization>) =
+            in_arrival_order(&self.policies)
+                .into_iter()
+                .map(|(name, p)| (name, p.clone()))
+                .chain(
+                    self.refused_policies
+                        .iter()
+                        .filter(|(name, _)| !self.policies.contains_key(*name))
+                        .map(|(name, p)| (name, p.clone())),
+                )
+                .unzip();
         let (mut st, errors) = State::build_lenient(workloads, services, policies);
+        let dropped = errors
+            .into_iter()
+            .filter_map(|e| {
+                let (type_url, name) = match e.entry? {
+                    ListEntry::Workload(i) => (ADDRESS_TYPE, workload_names[i]),
+                    ListEntry::Service(i) => (ADDRESS_TYPE, service_names[i]),
+                    ListEntry::Policy(i) => (AUTHORIZATION_TYPE, policy_names[i]),
+                };
+                Some(Dropped {
+                    type_url,
+                    name: name.clone(),
+                    reason: e.reason,
+                })
+            })
+            .collect();
         for (name, (claims, reason)) in &self.refused {
             let refusal = ResourceError {
                 resource: name.clone(),
                 reason: reason.clone(),
+                entry: None,
             };
             st.refuse(claims.clone(), &refusal);
         }
-        (
-            st,
-            errors.into_iter().map(|e| (e.resource, e.reason)).collect(),
-        )
+        (st, dropped)
+    }
+}
+
+/// Why a stream ended, in ztunnel's words
+/// (`istio_xds_connection_terminations_total{reason}`): `ConnectionError`
+/// when no connection was made; `Reconnect` for the statuses a server ends
+/// a healthy stream with (its connection age, a GOAWAY, a cancel);
+/// `Error` for any other failure; `Complete` for a stream the server
+/// closed cleanly.
+fn termination_reason(ended: &anyhow::Result<()>) -> &'static str {
+    use tonic::Code;
+    let Err(e) = ended else {
+        return "Complete";
+    };
+    if let Some(status) = e.downcast_ref::<tonic::Status>() {
+        let going_away = status.code() == Code::Unavailable
+            && ["transport is closing", "received prior goaway"]
+                .iter()
+                .any(|m| status.message().contains(m));
+        let routine = matches!(
+            status.code(),
+            Code::Unknown | Code::Cancelled | Code::DeadlineExceeded
+        );
+        return if routine || going_away {
+            "Reconnect"
+        } else {
+            "Error"
+        };
+    }
+    match e.downcast_ref::<crate::grpc::GrpcError>() {
+        Some(crate::grpc::GrpcError::Connect { .. }) => "ConnectionError",
+        _ => "Error",
     }
 }
 
@@ -438,14 +523,9 @@ impl XdsClient {
         loop {
             let ended = self.session().await;
             self.metrics.connected.set(0);
-            let reason = match &ended {
-                Ok(()) => "closed",
-                Err(e) if e.to_string().contains("connecting to") => "connect",
-                Err(_) => "error",
-            };
             self.metrics
                 .terminations
-                .get_or_create(&vec![("reason".into(), reason.into())])
+                .get_or_create(&vec![("reason".into(), termination_reason(&ended).into())])
                 .inc();
             match ended {
                 Ok(()) => backoff.reset(),
@@ -539,10 +619,7 @@ impl XdsClient {
                 .get_or_create(&vec![("url".into(), resp.type_url.clone())])
                 .inc();
             let rejected = {
-                let mut held = self.held.lock().await;
-                let mut rejected = held.apply(&resp);
-                let (state, conflicts) = held.state();
-                rejected.extend(conflicts);
+                let (state, rejected) = self.held.lock().await.answer(&resp);
                 self.state.store(state);
                 rejected
             };

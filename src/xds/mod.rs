@@ -8,4 +8,6 @@ mod metrics;
 mod store;
 pub mod types;
 
-pub use store::{best_service, Claims, Endpoint, Refused, ResourceError, State, StateHandle};
+pub use store::{
+    best_service, Claims, Endpoint, ListEntry, Refused, ResourceError, State, StateHandle,
+};

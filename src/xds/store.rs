@@ -135,6 +135,17 @@ struct Refusals {
 pub struct ResourceError {
     pub resource: String,
     pub reason: String,
+    /// Where in the lists given to [`State::build`] it was; `None` for a
+    /// resource refused before any list was made.
+    pub entry: Option<ListEntry>,
+}
+
+/// A position in the lists a state is built from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListEntry {
+    Workload(usize),
+    Service(usize),
+    Policy(usize),
 }
 
 impl State {
@@ -179,6 +190,7 @@ impl State {
                 let e = ResourceError {
                     resource: name,
                     reason,
+                    entry: Some(ListEntry::Workload(i)),
                 };
                 st.refuse(Claims::of_workload(&w), &e);
                 st.refused_workloads.push(Arc::new(w));
@@ -227,6 +239,7 @@ impl State {
                 let e = ResourceError {
                     resource: name,
                     reason,
+                    entry: Some(ListEntry::Service(i)),
                 };
                 st.refuse(Claims::of_service(&s), &e);
                 st.refused_services.push(Arc::new(s));
@@ -251,6 +264,7 @@ impl State {
                 errors.push(ResourceError {
                     resource: format!("policies[{i}] ({key})"),
                     reason: "defined twice".into(),
+                    entry: Some(ListEntry::Policy(i)),
                 });
                 continue;
             }

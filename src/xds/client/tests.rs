@@ -474,3 +474,109 @@ fn a_refused_update_leaves_the_version_that_served_serving() {
     let served: Vec<_> = st.policies().map(|p| p.refused.clone()).collect();
     assert_eq!(served, [None], "the valid version, not a stand-in");
 }
+
+#[test]
+fn a_nack_names_only_the_resources_of_the_response_it_answers() {
+    use crate::proto::security as sec;
+    let mut held = Held::default();
+    let names = |rejected: &[(String, String)]| {
+        let mut n: Vec<_> = rejected.iter().map(|(name, _)| name.clone()).collect();
+        n.sort();
+        n
+    };
+    let unreadable = pb::Address {
+        r#type: Some(pb::address::Type::Workload(pb::Workload {
+            uid: "unreadable".into(),
+            addresses: vec![vec![1, 2]],
+            ..Default::default()
+        })),
+    };
+    // One uid under two resource names (the second is left out), and an
+    // address that cannot be read.
+    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+        type_url: ADDRESS_TYPE.into(),
+        resources: vec![
+            res("first", wl("dup", [10, 0, 0, 1])),
+            res("second", wl("dup", [10, 0, 0, 2])),
+            res("unreadable", unreadable),
+        ],
+        ..Default::default()
+    });
+    assert_eq!(names(&rejected), ["second", "unreadable"], "{rejected:?}");
+
+    // An empty push of the other type, then one of the same type with
+    // other resources: both ACKed, though both refusals are still held.
+    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+        type_url: AUTHORIZATION_TYPE.into(),
+        ..Default::default()
+    });
+    assert!(rejected.is_empty(), "{rejected:?}");
+    let (st, rejected) = held.answer(&DeltaDiscoveryResponse {
+        type_url: ADDRESS_TYPE.into(),
+        resources: vec![res("third", wl("third", [10, 0, 0, 3]))],
+        ..Default::default()
+    });
+    assert!(rejected.is_empty(), "{rejected:?}");
+    assert!(st
+        .workload_by_addr("", "10.0.0.3".parse().unwrap())
+        .is_some());
+    assert!(
+        st.workload_by_addr("", "10.0.0.2".parse().unwrap())
+            .is_none(),
+        "the left-out resource stays out"
+    );
+
+    // Sent again, the left-out resource is NACKed again.
+    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+        type_url: ADDRESS_TYPE.into(),
+        resources: vec![res("second", wl("dup", [10, 0, 0, 2]))],
+        ..Default::default()
+    });
+    assert_eq!(names(&rejected), ["second"]);
+
+    // Policies: one key under two resource names.
+    let policy = sec::Authorization {
+        name: "p".into(),
+        namespace: "ns".into(),
+        scope: sec::Scope::Namespace as i32,
+        action: sec::Action::Deny as i32,
+        ..Default::default()
+    };
+    let (_, rejected) = held.answer(&policy_response("ns/p", policy.encode_to_vec()));
+    assert!(rejected.is_empty(), "{rejected:?}");
+    let (_, rejected) = held.answer(&policy_response("ns/p-again", policy.encode_to_vec()));
+    assert_eq!(names(&rejected), ["ns/p-again"]);
+    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+        type_url: ADDRESS_TYPE.into(),
+        removed_resources: vec!["third".into()],
+        ..Default::default()
+    });
+    assert!(rejected.is_empty(), "{rejected:?}");
+}
+
+#[test]
+fn stream_ends_are_counted_under_ztunnel_s_reasons() {
+    use crate::grpc::GrpcError;
+    let connect = GrpcError::Connect {
+        addr: "https://istiod:15012".into(),
+        reason: "connection refused".into(),
+    };
+    let status = |code, message: &str| Err(tonic::Status::new(code, message).into());
+    for (ended, reason) in [
+        (Ok(()), "Complete"),
+        (Err(connect.into()), "ConnectionError"),
+        (status(tonic::Code::Cancelled, ""), "Reconnect"),
+        (
+            status(tonic::Code::Unavailable, "transport is closing"),
+            "Reconnect",
+        ),
+        (
+            status(tonic::Code::Unavailable, "no healthy upstream"),
+            "Error",
+        ),
+        (status(tonic::Code::PermissionDenied, "bad token"), "Error"),
+        (Err(anyhow::anyhow!("token file /t: missing")), "Error"),
+    ] {
+        assert_eq!(termination_reason(&ended), reason, "{ended:?}");
+    }
+}
