@@ -569,3 +569,122 @@ fn a_node_token_asking_for_another_nodes_pod_is_refused() {
     let log = m.proxy_log(&server);
     assert!(log.contains("PermissionDenied"), "{log}");
 }
+
+/// A pod is usually served before its workload reaches the proxy (the CNI
+/// ADD comes before istiod's push). Until then its connections are labelled
+/// as a pod's; once the workload arrives, new connections carry its
+/// workload name, canonical service and revision, cluster and locality, at
+/// both ends, and follow a change of revision. Every value differs from the
+/// pod's name and from the defaults, so a label from the wrong source fails.
+#[test]
+fn labels_follow_a_workload_that_arrives_after_its_pod_and_its_changes() {
+    let mut m = Mesh::new("cplabel");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    // The client's service account named by a workload elsewhere: the CA
+    // signs only identities its config names.
+    let anchor = "- {uid: elsewhere, name: elsewhere, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.232.0.9\"], protocol: HBONE}\n";
+    let described = |pod: &LabPod, sa: &str, revision: &str| {
+        format!(
+            "- {{uid: {n}, name: {n}, namespace: default, serviceAccount: {sa}, workloadIps: [\"{ip}\"], protocol: HBONE, workloadName: {n}-deploy, canonicalName: {n}-app, canonicalRevision: {revision}, clusterId: east, locality: {{region: r1, zone: z-{n}}}}}\n",
+            n = pod.name,
+            ip = pod.ip
+        )
+    };
+    let server_workload = described(&server, "server-sa", "s1");
+    let cp_yaml = m.lab.dir.join("cp.yaml");
+    serve_mesh(&m, &format!("workloads:\n{anchor}{server_workload}"));
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let closed = |pod: &LabPod, labels: &[(&str, &str)]| {
+        common::counter(
+            &m.metrics(pod),
+            "istio_tcp_connections_closed_total",
+            labels,
+        )
+    };
+    let roundtrip_counted = |what: &str, at: &[(&LabPod, Vec<(&str, &str)>)]| {
+        let mut c = connect_from(&client, echo.addr).unwrap();
+        assert_eq!(echo_roundtrip(&mut c, b"hi").unwrap(), b"hi");
+        drop(c);
+        for (pod, labels) in at {
+            common::wait_until_showing(
+                &format!(
+                    "{what}: a connection counted at {} with {labels:?}",
+                    pod.name
+                ),
+                Duration::from_secs(5),
+                || closed(pod, labels) == 1,
+                || m.metrics(pod),
+            );
+        }
+    };
+    let server_side = [
+        ("destination_workload", "server-deploy"),
+        ("destination_canonical_service", "server-app"),
+        ("destination_canonical_revision", "s1"),
+        ("destination_app", "server-app"),
+        ("destination_version", "s1"),
+        ("destination_cluster", "east"),
+        ("destination_region", "r1"),
+        ("destination_zone", "z-server"),
+    ];
+    let client_side = |revision: &'static str| {
+        [
+            ("source_workload", "client-deploy"),
+            ("source_canonical_service", "client-app"),
+            ("source_canonical_revision", revision),
+            ("source_app", "client-app"),
+            ("source_version", revision),
+            ("source_cluster", "east"),
+            ("source_region", "r1"),
+            ("source_zone", "z-client"),
+        ]
+    };
+    let with = |reporter, sides: &[&[(&'static str, &'static str)]]| {
+        let mut l = vec![("reporter", reporter)];
+        for side in sides {
+            l.extend_from_slice(side);
+        }
+        l
+    };
+
+    // Before its workload: the client is labelled as the pod it is.
+    let unlisted: &[(&str, &str)] = &[
+        ("source_workload", "client"),
+        ("source_canonical_service", "client"),
+        ("source_canonical_revision", "latest"),
+        ("source_cluster", "Kubernetes"),
+        ("source_region", "unknown"),
+    ];
+    roundtrip_counted(
+        "before the client's workload",
+        &[(&client, with("source", &[unlisted, &server_side]))],
+    );
+
+    // Its workload arrives: the next connection is labelled by it, at both ends.
+    for revision in ["c1", "c2"] {
+        std::fs::write(
+            &cp_yaml,
+            format!(
+                "workloads:\n{anchor}{server_workload}{}",
+                described(&client, "client-sa", revision)
+            ),
+        )
+        .unwrap();
+        let held = format!("\"canonicalRevision\":\"{revision}\"");
+        wait_for(
+            &format!("revision {revision} on both proxies"),
+            Duration::from_secs(5),
+            || dump(&client).contains(&held) && dump(&server).contains(&held),
+        );
+        let (client_side, server_side) = (client_side(revision), &server_side[..]);
+        roundtrip_counted(
+            &format!("revision {revision}"),
+            &[
+                (&client, with("source", &[&client_side, server_side])),
+                (&server, with("destination", &[&client_side, server_side])),
+            ],
+        );
+    }
+}

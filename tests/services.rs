@@ -388,10 +388,15 @@ fn a_dual_stack_service_is_carried_on_the_callers_family() {
         std::net::IpAddr::V4(client.ip),
         "{peers:?}"
     );
-    // Each went over HBONE to the server's address of that family.
+    // Each went over HBONE to the server's address of that family, and
+    // the log names the CONNECT authority sent: the endpoint and its
+    // target port, not the VIP the client dialed.
     let hops = [
-        format!("dst.addr=[{server6}]:15008 dst.hbone_addr=[fd96::3:1]:80"),
-        format!("dst.addr={}:15008 dst.hbone_addr=10.96.3.1:80", server.ip),
+        format!("dst.addr=[{server6}]:15008 dst.hbone_addr=[{server6}]:8080"),
+        format!(
+            "dst.addr={ip}:15008 dst.hbone_addr={ip}:8080",
+            ip = server.ip
+        ),
     ];
     common::wait_until_showing(
         "both families' HBONE hops in the access log",

@@ -21,7 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::budget::{tell_windows, Reservation, BUDGET, STREAM_OPEN_COST, WINDOW_RETRY};
 use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
-use super::metrics::{ConnectionLabels, Metrics};
+use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
 use super::outbound::original_dst;
 use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Denied, Tracker};
@@ -444,7 +444,7 @@ impl Inbound {
                 let hbone = SocketAddr::new(local_ip, HBONE_PORT);
                 ConnectionRecord::denied(
                     self.metrics.clone(),
-                    labels,
+                    (labels, &self.pod.key),
                     Direction::InboundHbone,
                     (Some(peer), target, Some(hbone)),
                     denied,
@@ -459,7 +459,7 @@ impl Inbound {
         labels.connection_security_policy = "mutual_tls";
         // The authenticated peer's address, the one policy was applied to.
         let mut record = self.record(labels, Direction::InboundHbone, Some(peer), target);
-        record.set_hbone(SocketAddr::new(local_ip, HBONE_PORT));
+        record.set_hbone(SocketAddr::new(local_ip, HBONE_PORT), target);
         record.set_allowed_by(allowed_by);
         let upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
             Ok(s) => s,
@@ -507,7 +507,7 @@ impl Inbound {
                 let (metrics, ends) = (self.metrics.clone(), (Some(peer), target, None));
                 ConnectionRecord::denied(
                     metrics,
-                    labels,
+                    (labels, &self.pod.key),
                     Direction::InboundPlaintext,
                     ends,
                     denied,
@@ -558,7 +558,8 @@ impl Inbound {
         src: Option<SocketAddr>,
         dst: SocketAddr,
     ) -> ConnectionRecord {
-        ConnectionRecord::open(self.metrics.clone(), labels, direction, src, dst)
+        let owner = &self.pod.key;
+        ConnectionRecord::open(self.metrics.clone(), (labels, owner), direction, src, dst)
     }
 
     /// Whether this pod is the waypoint of the service or workload at `t`
@@ -649,14 +650,7 @@ impl Inbound {
         let pod = &self.pod;
         let mut l = ConnectionLabels {
             reporter: "destination",
-            destination_workload: pod.name.clone(),
-            destination_workload_namespace: pod.namespace.clone(),
-            destination_canonical_service: pod.canonical_service.clone(),
-            destination_canonical_revision: pod.canonical_revision.clone(),
             destination_principal: pod.identity.to_string(),
-            destination_app: pod.canonical_service.clone(),
-            destination_version: pod.canonical_revision.clone(),
-            destination_cluster: pod.cluster.clone(),
             ..Default::default()
         };
         if let Some(id) = peer {
@@ -672,24 +666,14 @@ impl Inbound {
                 state = self.state.load();
             }
         }
+        // This pod as it says it is now (its workload's fields follow the state).
+        l.set_destination(&pod.own(&state).labels);
         let source = sources
             .iter()
             .filter_map(|ip| state.workload_by_addr(&pod.network, *ip))
             .find(|w| peer.is_none_or(|id| w.identity(&pod.identity.trust_domain) == *id));
         if let Some(w) = source {
-            l.source_workload = w.name.clone();
-            l.source_workload_namespace = w.namespace.clone();
-            l.source_canonical_service = w.canonical_service().to_string();
-            l.source_canonical_revision = if w.canonical_revision.is_empty() {
-                "latest".into()
-            } else {
-                w.canonical_revision.clone()
-            };
-            l.source_app = l.source_canonical_service.clone();
-            l.source_version = l.source_canonical_revision.clone();
-            if !w.cluster_id.is_empty() {
-                l.source_cluster = w.cluster_id.clone();
-            }
+            l.set_source(&WorkloadLabels::of(w));
         }
         if let Some(svc) =
             inbound_service(&state, (&pod.namespace, &pod.name), to.0, to.1.as_deref())

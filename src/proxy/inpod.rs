@@ -381,6 +381,7 @@ impl ZdsClient {
                         .map(|d| d.as_secs())
                         .unwrap_or(0),
                 };
+                let series_of = pod.key.clone();
                 self.shared.start(pod)?;
                 let pooled_by = add.uid.clone();
                 let ips: std::sync::Arc<[std::net::IpAddr]> = view.ips.clone().into();
@@ -392,8 +393,7 @@ impl ZdsClient {
                         _drain: trigger,
                         _metrics: super::metrics::PodMetricsGuard {
                             metrics: self.shared.metrics.clone(),
-                            namespace: pod_info.namespace.clone(),
-                            name: pod_info.name.clone(),
+                            pod: series_of,
                         },
                         _pool: super::pool::PoolPodGuard {
                             pool: self.shared.pool.clone(),

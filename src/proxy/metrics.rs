@@ -11,6 +11,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
 use super::copy::Transferred;
+use crate::xds::types::Workload;
 
 /// Labels of one connection, as Istio reports them (ztunnel's set and
 /// order; `*_app` and `*_version` are the canonical service and revision).
@@ -40,6 +41,122 @@ pub struct ConnectionLabels {
     pub request_protocol: &'static str,
     pub response_flags: &'static str,
     pub connection_security_policy: &'static str,
+    /// ztunnel's four locality labels, written once either side's
+    /// workload is known.
+    #[prometheus(flatten)]
+    pub locality: Locality,
+}
+
+/// `source_region`, `source_zone`, `destination_region`,
+/// `destination_zone`: all four or none (none while neither side's
+/// workload is known, as ztunnel writes them).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct Locality(pub Option<LocalityLabels>);
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct LocalityLabels {
+    pub source_region: String,
+    pub source_zone: String,
+    pub destination_region: String,
+    pub destination_zone: String,
+}
+
+impl EncodeLabelSet for Locality {
+    fn encode(
+        &self,
+        encoder: prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        match &self.0 {
+            Some(l) => l.encode(encoder),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Locality {
+    /// The four labels, "unknown" where not set yet.
+    fn labels(&mut self) -> &mut LocalityLabels {
+        self.0.get_or_insert_with(|| {
+            let u = || "unknown".to_string();
+            LocalityLabels {
+                source_region: u(),
+                source_zone: u(),
+                destination_region: u(),
+                destination_zone: u(),
+            }
+        })
+    }
+}
+
+/// A workload as the labels of its connections name it, ztunnel's way:
+/// `workload_name` (the Deployment's, as istiod sends it; the workload's
+/// own name where none is sent, which is what istiod sends for a bare
+/// pod), canonical service and revision (`latest` where none, istiod's
+/// default), cluster (`Kubernetes` where none, as ztunnel fills it in) and
+/// locality ("unknown" where none).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkloadLabels {
+    pub workload: String,
+    pub namespace: String,
+    pub canonical_service: String,
+    pub canonical_revision: String,
+    pub cluster: String,
+    pub region: String,
+    pub zone: String,
+}
+
+impl WorkloadLabels {
+    pub fn of(w: &Workload) -> Self {
+        let or =
+            |value: &str, default: &str| if value.is_empty() { default } else { value }.to_string();
+        WorkloadLabels {
+            workload: or(&w.workload_name, &w.name),
+            namespace: w.namespace.clone(),
+            canonical_service: w.canonical_service().to_string(),
+            canonical_revision: or(&w.canonical_revision, "latest"),
+            cluster: or(&w.cluster_id, DEFAULT_CLUSTER),
+            region: or(&w.locality.region, "unknown"),
+            zone: or(&w.locality.zone, "unknown"),
+        }
+    }
+}
+
+/// The cluster ztunnel names for a workload that names none.
+pub const DEFAULT_CLUSTER: &str = "Kubernetes";
+
+impl ConnectionLabels {
+    /// The source's workload fields (not its principal: that is the
+    /// identity the connection proved).
+    pub fn set_source(&mut self, w: &WorkloadLabels) {
+        self.source_workload.clone_from(&w.workload);
+        self.source_workload_namespace.clone_from(&w.namespace);
+        self.source_canonical_service
+            .clone_from(&w.canonical_service);
+        self.source_canonical_revision
+            .clone_from(&w.canonical_revision);
+        self.source_app.clone_from(&w.canonical_service);
+        self.source_version.clone_from(&w.canonical_revision);
+        self.source_cluster.clone_from(&w.cluster);
+        let l = self.locality.labels();
+        l.source_region.clone_from(&w.region);
+        l.source_zone.clone_from(&w.zone);
+    }
+
+    /// The destination's workload fields (not its principal).
+    pub fn set_destination(&mut self, w: &WorkloadLabels) {
+        self.destination_workload.clone_from(&w.workload);
+        self.destination_workload_namespace.clone_from(&w.namespace);
+        self.destination_canonical_service
+            .clone_from(&w.canonical_service);
+        self.destination_canonical_revision
+            .clone_from(&w.canonical_revision);
+        self.destination_app.clone_from(&w.canonical_service);
+        self.destination_version.clone_from(&w.canonical_revision);
+        self.destination_cluster.clone_from(&w.cluster);
+        let l = self.locality.labels();
+        l.destination_region.clone_from(&w.region);
+        l.destination_zone.clone_from(&w.zone);
+    }
 }
 
 impl Default for ConnectionLabels {
@@ -69,6 +186,7 @@ impl Default for ConnectionLabels {
             request_protocol: "tcp",
             response_flags: "-",
             connection_security_policy: "unknown",
+            locality: Locality::default(),
         }
     }
 }
@@ -94,21 +212,28 @@ pub struct DnsLabels {
     pub answered_by: &'static str,
 }
 
-/// The label sets of one pod's connections.
-type LabelSets = std::collections::HashSet<std::sync::Arc<ConnectionLabels>>;
-
-/// Label sets by namespace, then pod name.
-type ByPod = std::collections::HashMap<String, std::collections::HashMap<String, LabelSets>>;
+/// The label sets connections use, each once, with the pods whose
+/// connections used it: a series goes when the last such pod goes. Label
+/// sets name workloads (a Deployment), not pods, so pods of one workload
+/// share them.
+#[derive(Debug, Default)]
+struct Interned {
+    /// Each set in use, with how many pods used it.
+    sets: std::collections::HashMap<std::sync::Arc<ConnectionLabels>, usize>,
+    /// The sets each pod (by UID) used.
+    by_pod: std::collections::HashMap<
+        std::sync::Arc<str>,
+        std::collections::HashSet<std::sync::Arc<ConnectionLabels>>,
+    >,
+}
 
 /// The four TCP counters, and the proxy's own counters.
 #[derive(Debug, Default)]
 pub struct Metrics {
-    /// Label sets used, by the pod they describe (namespace, then name),
-    /// so a removed pod's series can be dropped (bounded cardinality).
-    /// Each is the one copy every connection with those labels shares.
-    /// Nested rather than keyed by a pair so that a lookup borrows the
-    /// names instead of copying them for every connection.
-    by_pod: std::sync::Mutex<ByPod>,
+    /// Each label set in use, the one copy every connection with those
+    /// labels shares, and the pods that used it (bounded cardinality: a
+    /// series goes with the last pod that used it).
+    interned: std::sync::Mutex<Interned>,
     /// `istio_dns_requests_total`.
     pub dns_requests: Family<DnsLabels, Counter>,
     /// `istio_dns_upstream_failures_total`.
@@ -162,43 +287,39 @@ impl Metrics {
         );
     }
 
-    /// Counts a connection opened with `labels`; returns the copy of them
-    /// the connection keeps (see [`Metrics::shared`]).
-    pub fn opened(&self, labels: ConnectionLabels) -> std::sync::Arc<ConnectionLabels> {
+    /// Counts a connection of pod `owner` (its UID) opened with `labels`;
+    /// returns the copy of them the connection keeps (see [`Metrics::shared`]).
+    pub fn opened(
+        &self,
+        labels: ConnectionLabels,
+        owner: &std::sync::Arc<str>,
+    ) -> std::sync::Arc<ConnectionLabels> {
         self.opened.get_or_create(&labels).inc();
-        self.shared(labels)
+        self.shared(labels, owner)
     }
 
     /// The one copy of `labels` that every connection with them shares,
-    /// remembered under their pod so that [`Metrics::forget`] drops their
-    /// series. A connection holding its own 19 label strings for its whole
-    /// life cost ~1 kB each side (in its task and on the heap); shared,
-    /// it holds a pointer.
-    pub fn shared(&self, labels: ConnectionLabels) -> std::sync::Arc<ConnectionLabels> {
-        let (namespace, name) = if labels.reporter == "source" {
-            (&labels.source_workload_namespace, &labels.source_workload)
-        } else {
-            (
-                &labels.destination_workload_namespace,
-                &labels.destination_workload,
-            )
-        };
-        let mut by_pod = self.by_pod.lock().unwrap_or_else(|e| e.into_inner());
-        let known = by_pod
-            .get(namespace.as_str())
-            .and_then(|pods| pods.get(name.as_str()))
-            .and_then(|sets| sets.get(&labels));
-        if let Some(kept) = known {
+    /// remembered under pod `owner` so that [`Metrics::forget`] drops their
+    /// series once no pod that used them is left. A connection holding its
+    /// own label strings for its whole life cost ~1 kB each side (in its
+    /// task and on the heap); shared, it holds a pointer.
+    pub fn shared(
+        &self,
+        labels: ConnectionLabels,
+        owner: &std::sync::Arc<str>,
+    ) -> std::sync::Arc<ConnectionLabels> {
+        let mut guard = self.interned.lock().unwrap_or_else(|e| e.into_inner());
+        let Interned { sets, by_pod } = &mut *guard;
+        let used = by_pod.entry(owner.clone()).or_default();
+        if let Some(kept) = used.get(&labels) {
             return kept.clone();
         }
-        let (namespace, name) = (namespace.clone(), name.clone());
-        let kept = std::sync::Arc::new(labels);
-        by_pod
-            .entry(namespace)
-            .or_default()
-            .entry(name)
-            .or_default()
-            .insert(kept.clone());
+        let kept = match sets.get_key_value(&labels) {
+            Some((kept, _)) => kept.clone(),
+            None => std::sync::Arc::new(labels),
+        };
+        *sets.entry(kept.clone()).or_default() += 1;
+        used.insert(kept.clone());
         kept
     }
 
@@ -219,20 +340,25 @@ impl Metrics {
         self.on_demand_dns.get_or_create(&l).inc();
     }
 
-    /// Drops every series of the pod `namespace/name`.
-    pub fn forget(&self, namespace: &str, name: &str) {
-        let sets = {
-            let mut by_pod = self.by_pod.lock().unwrap_or_else(|e| e.into_inner());
-            let Some(pods) = by_pod.get_mut(namespace) else {
-                return;
-            };
-            let sets = pods.remove(name);
-            if pods.is_empty() {
-                by_pod.remove(namespace);
+    /// Pod `owner` (its UID) is gone: drops the series no pod still
+    /// served has used.
+    pub fn forget(&self, owner: &str) {
+        let mut gone = Vec::new();
+        {
+            let mut guard = self.interned.lock().unwrap_or_else(|e| e.into_inner());
+            let Interned { sets, by_pod } = &mut *guard;
+            for labels in by_pod.remove(owner).into_iter().flatten() {
+                let users = sets.get_mut(&labels).map_or(0, |users| {
+                    *users -= 1;
+                    *users
+                });
+                if users == 0 {
+                    sets.remove(&labels);
+                    gone.push(labels);
+                }
             }
-            sets
-        };
-        for labels in sets.into_iter().flatten() {
+        }
+        for labels in gone {
             self.opened.remove(&*labels);
             self.closed.remove(&*labels);
             self.sent.remove(&*labels);
@@ -252,13 +378,13 @@ impl Metrics {
 #[derive(Debug)]
 pub struct PodMetricsGuard {
     pub metrics: std::sync::Arc<Metrics>,
-    pub namespace: String,
-    pub name: String,
+    /// The pod's UID.
+    pub pod: std::sync::Arc<str>,
 }
 
 impl Drop for PodMetricsGuard {
     fn drop(&mut self) {
-        self.metrics.forget(&self.namespace, &self.name);
+        self.metrics.forget(&self.pod);
     }
 }
 
@@ -321,7 +447,7 @@ mod tests {
             source_workload: "client".into(),
             ..Default::default()
         };
-        m.opened(l.clone());
+        m.opened(l.clone(), &"pod-uid".into());
         m.closed(
             &l,
             Transferred {
@@ -363,5 +489,46 @@ mod tests {
             Some("1"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_known_workload_brings_the_four_locality_labels_and_ztunnel_s_defaults() {
+        let encoded = |l: &ConnectionLabels| {
+            let mut text = String::new();
+            let m = Metrics::default();
+            let mut reg = Registry::default();
+            m.register(&mut reg);
+            m.opened(l.clone(), &"pod-uid".into());
+            prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+            text.lines()
+                .find(|l| l.starts_with("istio_tcp_connections_opened_total{"))
+                .unwrap()
+                .to_string()
+        };
+        let mut l = ConnectionLabels::default();
+        assert!(!encoded(&l).contains("_region"), "{}", encoded(&l));
+        let w = Workload {
+            name: "web-5d8f-x2x".into(),
+            namespace: "shop".into(),
+            workload_name: "web".into(),
+            locality: crate::xds::types::Locality {
+                region: "eu-west1".into(),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        l.set_destination(&WorkloadLabels::of(&w));
+        let line = encoded(&l);
+        assert!(
+            line.ends_with("connection_security_policy=\"unknown\",source_region=\"unknown\",source_zone=\"unknown\",destination_region=\"eu-west1\",destination_zone=\"unknown\"} 1"),
+            "{line}"
+        );
+        for label in [
+            "destination_workload=\"web\"",
+            "destination_canonical_revision=\"latest\"",
+            "destination_cluster=\"Kubernetes\"",
+        ] {
+            assert!(line.contains(label), "{label} in {line}");
+        }
     }
 }

@@ -17,8 +17,8 @@ use super::budget::{Refusal, Reservation, BUDGET, STREAM_OPEN_COST};
 use super::copy::tcp_h2_bidirectional;
 use super::hbone::{ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
-use super::metrics::{ConnectionLabels, Metrics};
-use super::pod::{end_unserved, limit_unsent, PodRef, TLS_SEND_BUFFER};
+use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
+use super::pod::{end_unserved, limit_unsent, Own, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Lifeline, Pool, PoolKey, PooledConn};
 use super::record::{ConnectionRecord, Direction};
 use super::route::{route, to_workload, Client, Route};
@@ -201,6 +201,8 @@ impl Outbound {
             route(&state, &self.pod.network, client, dst, &self.trust_domain)
         };
         let mut route = decide();
+        // What this pod says of itself as the state has it now.
+        let own = self.pod.own(&self.state.load());
         if let (Route::Passthrough { .. }, Some(demand)) = (&route, &self.demand) {
             // Unknown here; maybe not to the control plane. Ask once, then decide.
             if demand.fetch_address(&self.pod.network, dst.ip()).await {
@@ -213,9 +215,9 @@ impl Outbound {
             service,
         } = route
         {
-            route = self.resolve(workload, port, service, dst).await;
+            route = self.resolve(workload, port, service, dst, &own).await;
         }
-        let labels = self.labels(&route);
+        let labels = self.labels(&route, &own);
         let kind = match &route {
             Route::Hbone { waypoint: true, .. } => "waypoint",
             Route::Hbone { .. } => "hbone",
@@ -230,14 +232,14 @@ impl Outbound {
         };
         let mut record = ConnectionRecord::open(
             self.metrics.clone(),
-            labels,
+            (labels, &self.pod.key),
             Direction::Outbound,
             Some(peer),
             dst,
         );
         record.set_route(kind);
-        if let Route::Hbone { proxy, .. } = &route {
-            record.set_hbone(*proxy);
+        if let Route::Hbone { proxy, target, .. } = &route {
+            record.set_hbone(*proxy, *target);
         }
         let upstream = match route {
             Route::Hbone {
@@ -250,7 +252,9 @@ impl Outbound {
             } => {
                 // A waypoint is told which service the client asked for.
                 let host = service.filter(|_| waypoint).map(|s| s.hostname.clone());
-                self.hbone(peer, proxy, target, identities, host).await
+                let baggage = own.baggage.clone();
+                self.hbone(peer, proxy, target, identities, (host, baggage))
+                    .await
             }
             Route::Tcp { target, .. } | Route::Passthrough { target } => self.plain(target).await,
             Route::NoEndpoint { reason, .. } => Err(OutboundError::NoEndpoint(reason)),
@@ -290,7 +294,7 @@ impl Outbound {
         proxy: SocketAddr,
         target: SocketAddr,
         identities: Vec<Identity>,
-        host: Option<String>,
+        (host, baggage): (Option<String>, http::HeaderValue),
     ) -> Result<Upstream, OutboundError> {
         // The stream's read buffer, reserved before anything is sent for it;
         // its send buffer is added when it first sends.
@@ -319,7 +323,7 @@ impl Outbound {
                 target,
                 source: src,
                 host,
-                baggage: self.pod.baggage.clone(),
+                baggage,
             }
             .to_http()
             .map_err(|e| OutboundError::Connect {
@@ -452,9 +456,10 @@ impl Outbound {
         port: u16,
         service: Arc<Service>,
         dst: SocketAddr,
+        own: &Own,
     ) -> Route {
         self.metrics
-            .on_demand_dns(&self.source_labels(), &workload.hostname);
+            .on_demand_dns(&self.source_labels(own), &workload.hostname);
         let found = self.hostnames.resolve(&workload.hostname, dst.ip()).await;
         match found {
             Ok(ip) => to_workload(
@@ -467,25 +472,20 @@ impl Outbound {
         }
     }
 
-    /// This pod as a source.
-    fn source_labels(&self) -> ConnectionLabels {
-        let pod = &self.pod;
-        ConnectionLabels {
+    /// This pod as a source: its workload fields as it says them now, and
+    /// its own identity.
+    fn source_labels(&self, own: &Own) -> ConnectionLabels {
+        let mut l = ConnectionLabels {
             reporter: "source",
-            source_workload: pod.name.clone(),
-            source_canonical_service: pod.canonical_service.clone(),
-            source_canonical_revision: pod.canonical_revision.clone(),
-            source_workload_namespace: pod.namespace.clone(),
-            source_principal: pod.identity.to_string(),
-            source_app: pod.canonical_service.clone(),
-            source_version: pod.canonical_revision.clone(),
-            source_cluster: pod.cluster.clone(),
+            source_principal: self.pod.identity.to_string(),
             ..Default::default()
-        }
+        };
+        l.set_source(&own.labels);
+        l
     }
 
-    fn labels(&self, route: &Route) -> ConnectionLabels {
-        let mut l = self.source_labels();
+    fn labels(&self, route: &Route, own: &Own) -> ConnectionLabels {
+        let mut l = self.source_labels(own);
         let (workload, service) = match route {
             Route::Hbone {
                 workload, service, ..
@@ -507,19 +507,7 @@ impl Outbound {
             Route::Unresolved { workload, .. } => (Some(workload), None),
         };
         if let Some(w) = workload {
-            l.destination_workload = w.name.clone();
-            l.destination_workload_namespace = w.namespace.clone();
-            l.destination_canonical_service = w.canonical_service().to_string();
-            l.destination_canonical_revision = if w.canonical_revision.is_empty() {
-                "latest".into()
-            } else {
-                w.canonical_revision.clone()
-            };
-            l.destination_app = l.destination_canonical_service.clone();
-            l.destination_version = l.destination_canonical_revision.clone();
-            if !w.cluster_id.is_empty() {
-                l.destination_cluster = w.cluster_id.clone();
-            }
+            l.set_destination(&WorkloadLabels::of(w));
             if matches!(route, Route::Hbone { .. }) {
                 l.destination_principal = w.identity(&self.trust_domain).to_string();
             }

@@ -7,9 +7,9 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
-use super::hbone::{Baggage, H2Settings};
+use super::hbone::H2Settings;
 use super::hostname::HostnameResolver;
-use super::pod::{self, Drain, Pod, PodRef, SocketFactory};
+use super::pod::{self, Drain, Own, Pod, PodRef, SocketFactory};
 use super::{dns, inbound, metrics, outbound, pool, reauth};
 use crate::constants::{DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, OUTBOUND_PORT};
 use crate::identity::{CertManager, Identity};
@@ -126,36 +126,13 @@ impl ProxyShared {
             Some(w) => w.workload_ips.clone(),
             None => interfaces()?,
         };
-        let canonical_service = workload
-            .map(|w| w.canonical_service().to_string())
-            .unwrap_or_else(|| info.name.clone());
-        let canonical_revision = workload
-            .map(|w| w.canonical_revision.clone())
-            .filter(|r| !r.is_empty())
-            .unwrap_or_else(|| "latest".into());
-        // Named by its workload (`k8s.deployment.name=...`); a pod the state
-        // gives no workload name is named as a pod.
-        let (workload_type, workload_name) = match workload {
-            Some(w) if !w.workload_name.is_empty() => {
-                (w.workload_type.as_str(), w.workload_name.as_str())
-            }
-            _ => ("pod", info.name.as_str()),
-        };
-        let cluster = workload
-            .map(|w| w.cluster_id.clone())
-            .filter(|c| !c.is_empty())
-            .unwrap_or_else(|| self.cluster.clone());
-        let baggage = Baggage {
-            cluster: &cluster,
-            namespace: &info.namespace,
-            workload_type,
-            workload_name,
-            service: &canonical_service,
-            revision: &canonical_revision,
-            region: workload.map_or("", |w| w.locality.region.as_str()),
-            zone: workload.map_or("", |w| w.locality.zone.as_str()),
-        }
-        .header();
+        // What the pod says of itself follows its workload (`Pod::own`);
+        // until the state lists it, it is named as a pod.
+        let unlisted = Arc::new(Own::unlisted(&info.namespace, &info.name, &self.cluster));
+        let said = arc_swap::ArcSwap::new(match workload {
+            Some(w) => Arc::new(Own::of(w)),
+            None => unlisted.clone(),
+        });
         Ok(Arc::new(Pod {
             uid: info.uid.clone(),
             key: info.uid.as_str().into(),
@@ -165,10 +142,8 @@ impl ProxyShared {
             network: workload
                 .map(|w| w.network.clone())
                 .unwrap_or_else(|| self.network.clone()),
-            canonical_service,
-            canonical_revision,
-            cluster,
-            baggage,
+            unlisted,
+            said,
             tls: self.certs.get(&identity).await?,
             lease: self.certs.lease(),
             identity,

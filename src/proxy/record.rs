@@ -44,13 +44,15 @@ pub struct ConnectionRecord {
     metrics: Arc<Metrics>,
     /// Shared with every connection of the same labels.
     labels: Arc<ConnectionLabels>,
+    /// The UID of the pod whose connection this is (its series go with it).
+    owner: Arc<str>,
     direction: Direction,
     src: Option<SocketAddr>,
     dst: SocketAddr,
     route: Option<&'static str>,
-    /// Over HBONE: the outer address (dialed, or accepted on); `dst` is
-    /// then the tunnel's target.
-    hbone: Option<SocketAddr>,
+    /// Over HBONE: the outer address (dialed, or accepted on) and the
+    /// CONNECT authority (sent, or received).
+    hbone: Option<(SocketAddr, SocketAddr)>,
     /// Inbound: the policy that allowed it (`-`: no policy applies).
     policy: Option<String>,
     start: Instant,
@@ -58,18 +60,19 @@ pub struct ConnectionRecord {
 }
 
 impl ConnectionRecord {
-    /// Counts a connection opened with `labels`.
+    /// Counts a connection of pod `owner` (its UID) opened with `labels`.
     pub fn open(
         metrics: Arc<Metrics>,
-        labels: ConnectionLabels,
+        (labels, owner): (ConnectionLabels, &Arc<str>),
         direction: Direction,
         src: Option<SocketAddr>,
         dst: SocketAddr,
     ) -> Self {
-        let labels = metrics.opened(labels);
+        let labels = metrics.opened(labels, owner);
         ConnectionRecord {
             metrics,
             labels,
+            owner: owner.clone(),
             direction,
             src,
             dst,
@@ -87,9 +90,10 @@ impl ConnectionRecord {
     }
 
     /// Over HBONE: `outer` is the address dialed (outbound) or accepted on
-    /// (inbound); the record's destination is the tunnel's target.
-    pub fn set_hbone(&mut self, outer: SocketAddr) {
-        self.hbone = Some(outer);
+    /// (inbound), `authority` the CONNECT's target as sent or received (an
+    /// endpoint's address where the client dialed a service VIP).
+    pub fn set_hbone(&mut self, outer: SocketAddr, authority: SocketAddr) {
+        self.hbone = Some((outer, authority));
     }
 
     /// Inbound: the policy that allowed the connection.
@@ -108,7 +112,7 @@ impl ConnectionRecord {
         if self.labels.response_flags != flag {
             let mut flagged = (*self.labels).clone();
             flagged.response_flags = flag;
-            self.labels = self.metrics.shared(flagged);
+            self.labels = self.metrics.shared(flagged, &self.owner);
         }
         self.end(End::Failed(error.to_string()));
     }
@@ -117,14 +121,14 @@ impl ConnectionRecord {
     /// `response_flags="DENY"`, and logged.
     pub fn denied(
         metrics: Arc<Metrics>,
-        mut labels: ConnectionLabels,
+        (mut labels, owner): (ConnectionLabels, &Arc<str>),
         direction: Direction,
         (src, dst, hbone): (Option<SocketAddr>, SocketAddr, Option<SocketAddr>),
         policy: impl Display,
     ) {
         labels.response_flags = "DENY";
-        let mut record = Self::open(metrics, labels, direction, src, dst);
-        record.hbone = hbone;
+        let mut record = Self::open(metrics, (labels, owner), direction, src, dst);
+        record.hbone = hbone.map(|outer| (outer, dst));
         record.end(End::Denied(policy.to_string()));
     }
 
@@ -161,9 +165,9 @@ impl ConnectionRecord {
             End::Failed(_) => tracing::Level::WARN,
             _ => tracing::Level::INFO,
         };
-        // Over HBONE, the address dialed (or accepted on) and the tunnel's target.
+        // Over HBONE, the address dialed (or accepted on) and the CONNECT authority.
         let (dst_addr, hbone_addr) = match self.hbone {
-            Some(outer) => (outer, Some(self.dst)),
+            Some((outer, authority)) => (outer, Some(authority)),
             None => (self.dst, None),
         };
         macro_rules! line {
@@ -285,16 +289,17 @@ mod tests {
             "10.0.0.2:40000".parse().unwrap(),
             "10.0.0.3:8080".parse().unwrap(),
         );
+        let pod: Arc<str> = "client-uid".into();
         let lines = logged(|| {
             let mut carried = ConnectionRecord::open(
                 metrics.clone(),
-                labels.clone(),
+                (labels.clone(), &pod),
                 Direction::Outbound,
                 Some(src),
                 dst,
             );
             carried.set_route("hbone");
-            carried.set_hbone(outer);
+            carried.set_hbone(outer, dst);
             let t = Transferred {
                 sent: 10,
                 received: 3,
@@ -303,10 +308,16 @@ mod tests {
             carried.closed(t, None);
             let m = metrics.clone();
             let ends = (Some(src), dst, Some(outer));
-            ConnectionRecord::denied(m, labels.clone(), Direction::InboundHbone, ends, "ns/deny");
+            ConnectionRecord::denied(
+                m,
+                (labels.clone(), &pod),
+                Direction::InboundHbone,
+                ends,
+                "ns/deny",
+            );
             ConnectionRecord::open(
                 metrics.clone(),
-                labels.clone(),
+                (labels.clone(), &pod),
                 Direction::InboundPlaintext,
                 None,
                 dst,
@@ -315,7 +326,7 @@ mod tests {
             // A task cancelled mid-connection still closes what it opened.
             drop(ConnectionRecord::open(
                 metrics.clone(),
-                labels.clone(),
+                (labels.clone(), &pod),
                 Direction::Outbound,
                 Some(src),
                 dst,
@@ -392,7 +403,7 @@ mod tests {
     }
 
     #[test]
-    fn connections_share_one_copy_of_their_labels_and_a_gone_pod_takes_every_series() {
+    fn connections_share_one_copy_of_their_labels_and_the_last_pod_using_a_series_takes_it() {
         let (metrics, registry) = registered();
         let labels = ConnectionLabels {
             source_workload: "client".into(),
@@ -400,38 +411,51 @@ mod tests {
             ..Default::default()
         };
         let dst: SocketAddr = "10.0.0.3:8080".parse().unwrap();
-        let open = || {
+        // Two pods of the workload `client`, and a pod of another workload.
+        let (pod, twin, neighbour_pod): (Arc<str>, Arc<str>, Arc<str>) =
+            ("client-1".into(), "client-2".into(), "cart-1".into());
+        let open = |labels: &ConnectionLabels, pod: &Arc<str>| {
             ConnectionRecord::open(
                 metrics.clone(),
-                labels.clone(),
+                (labels.clone(), pod),
                 Direction::Outbound,
                 None,
                 dst,
             )
         };
-        // Under a subscriber, as every test here that logs: tracing caches
-        // whether a log line is wanted when the line first runs, and a
-        // first run with none would hide it from the other tests' capture.
-        // Another pod of the same namespace, whose series must stay.
         let neighbour = ConnectionLabels {
             source_workload: "cart".into(),
             ..labels.clone()
         };
+        // Under a subscriber, as every test here that logs: tracing caches
+        // whether a log line is wanted when the line first runs, and a
+        // first run with none would hide it from the other tests' capture.
         let lines = logged(|| {
-            let (a, b) = (open(), open());
+            let (a, b, c) = (
+                open(&labels, &pod),
+                open(&labels, &pod),
+                open(&labels, &twin),
+            );
             assert!(Arc::ptr_eq(&a.labels, &b.labels), "one copy for both");
+            assert!(Arc::ptr_eq(&a.labels, &c.labels), "and for the twin pod");
             a.closed(Transferred::default(), None);
             // A failure counts its close under its own flag, and that
             // series belongs to the pod too.
             b.failed("CONNECT", "connection refused");
-            ConnectionRecord::open(metrics.clone(), neighbour, Direction::Outbound, None, dst)
-                .closed(Transferred::default(), None);
+            c.closed(Transferred::default(), None);
+            open(&neighbour, &neighbour_pod).closed(Transferred::default(), None);
         });
-        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines.len(), 4, "{lines:?}");
         let text = exposed(&registry);
         let closed = "istio_tcp_connections_closed_total";
         assert_eq!(counter(&text, closed, "CONNECT"), 1, "{text}");
-        metrics.forget("shop", "client");
+        // The twin still uses the series `client` shares: it stays.
+        metrics.forget(&pod);
+        let left = exposed(&registry);
+        assert_eq!(counter(&left, closed, "-"), 3, "{left}");
+        // The CONNECT series was the first pod's alone.
+        assert_eq!(counter(&left, closed, "CONNECT"), 0, "{left}");
+        metrics.forget(&twin);
         let left = exposed(&registry);
         assert!(!left.contains("source_workload=\"client\""), "{left}");
         assert!(left.contains("source_workload=\"cart\""), "{left}");
