@@ -12,6 +12,7 @@ use nix::sys::resource::{getrlimit, setrlimit, Resource};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -49,6 +50,8 @@ pub struct ConnectionCap {
     per_source: usize,
     by_source: BySource,
     warned: Arc<LogThrottle>,
+    /// Counts the connections open (`istio_tcp_sockets_open`), if set.
+    counted: Option<Gauge>,
 }
 
 /// Connections open per source address.
@@ -59,10 +62,14 @@ type BySource = Arc<Mutex<HashMap<IpAddr, usize>>>;
 pub struct CapSlot {
     _place: OwnedSemaphorePermit,
     source: Option<(IpAddr, BySource)>,
+    counted: Option<Gauge>,
 }
 
 impl Drop for CapSlot {
     fn drop(&mut self) {
+        if let Some(open) = &self.counted {
+            open.dec();
+        }
         if let Some((ip, by_source)) = self.source.take() {
             let mut m = by_source.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(n) = m.get_mut(&ip) {
@@ -84,7 +91,14 @@ impl ConnectionCap {
             per_source: 0,
             by_source: Arc::default(),
             warned: Arc::new(LogThrottle::new(1)),
+            counted: None,
         }
+    }
+
+    /// Counts the connections this listener holds open in `open`.
+    pub fn counted_in(mut self, open: Gauge) -> Self {
+        self.counted = Some(open);
+        self
     }
 
     /// Also caps the connections from one source address at a quarter of
@@ -107,6 +121,7 @@ impl ConnectionCap {
                     return Some(CapSlot {
                         _place: place,
                         source: None,
+                        counted: None,
                     });
                 }
                 let mut m = self.by_source.lock().unwrap_or_else(|e| e.into_inner());
@@ -116,13 +131,19 @@ impl ConnectionCap {
                     CapSlot {
                         _place: place,
                         source: Some((source, self.by_source.clone())),
+                        counted: None,
                     }
                 })
             });
-        if admitted.is_none() {
+        let Some(mut slot) = admitted else {
             self.refused(source);
+            return None;
+        };
+        if let Some(open) = &self.counted {
+            open.inc();
+            slot.counted = Some(open.clone());
         }
-        admitted
+        Some(slot)
     }
 
     fn refused(&self, source: IpAddr) {
@@ -227,6 +248,25 @@ pub mod caps {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_counted_cap_counts_the_connections_it_holds_open() {
+        let open = Gauge::default();
+        let cap = ConnectionCap::new("test", 4).counted_in(open.clone());
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let (a, b) = (cap.admit(ip).unwrap(), cap.admit(ip).unwrap());
+        assert_eq!(open.get(), 2);
+        drop(a);
+        assert_eq!(open.get(), 1);
+        let per_source = ConnectionCap::new("test", 4)
+            .per_source()
+            .counted_in(open.clone());
+        let c = per_source.admit(ip).unwrap();
+        assert!(per_source.admit(ip).is_none(), "a quarter per source");
+        assert_eq!(open.get(), 2, "a refused connection is not counted");
+        drop((b, c));
+        assert_eq!(open.get(), 0);
+    }
 
     #[test]
     fn a_cap_refuses_past_its_max_counts_it_and_frees_a_place_when_one_ends() {

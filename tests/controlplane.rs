@@ -688,3 +688,148 @@ fn labels_follow_a_workload_that_arrives_after_its_pod_and_its_changes() {
         );
     }
 }
+
+/// The Python client library's OpenMetrics parser, in the CI venv
+/// (`.ci/install-deps`): each family of `text` with its type and the label
+/// names of each of its samples.
+fn parsed_families(text: &str) -> serde_json::Value {
+    use std::io::Write;
+    const PARSE: &str = "
+import json, sys
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+out = {}
+for f in text_string_to_metric_families(sys.stdin.read()):
+    out[f.name] = {'type': f.type, 'unit': f.unit,
+                   'labels': sorted({','.join(sorted(s.labels)) for s in f.samples})}
+print(json.dumps(out))
+";
+    let mut child = std::process::Command::new("/opt/ambit-ci/venv/bin/python")
+        .args(["-c", PARSE])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the CI venv's python (.ci/install-deps)");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the OpenMetrics parser refused the exposition: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// What a proxy exposes is valid OpenMetrics to a real parser, and has
+/// ztunnel's families with ztunnel's labels.
+#[test]
+fn metrics_parse_as_openmetrics_with_ztunnel_s_families_and_labels() {
+    let mut m = Mesh::new("cpmetric");
+    let (client, server) = (m.pod("client"), m.pod("server"));
+    serve_mesh(
+        &m,
+        &format!(
+            "workloads:\n{}{}",
+            workload(&client, "client-sa", "HBONE"),
+            workload(&server, "server-sa", "HBONE")
+        ),
+    );
+    proxy_via_cp(&m, &client, "client-sa", "s3cret");
+    proxy_via_cp(&m, &server, "server-sa", "s3cret");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    // One connection carried and closed (a round trip ends it), one held
+    // open.
+    let mut c = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(echo_roundtrip(&mut c, b"one").unwrap(), b"one");
+    let held = connect_from(&client, echo.addr).unwrap();
+    common::wait_until_showing(
+        "one connection counted closed and one open",
+        Duration::from_secs(5),
+        || {
+            let text = m.metrics(&client);
+            common::counter(&text, "istio_tcp_connections_closed_total", &[]) == 1
+                && common::counter(&text, "istio_tcp_connections_opened_total", &[]) == 2
+        },
+        || m.metrics(&client),
+    );
+    let text = m.metrics(&client);
+    let families = parsed_families(&text);
+    let family = |name: &str| {
+        families
+            .get(name)
+            .unwrap_or_else(|| panic!("no family {name} in {families:#}"))
+    };
+    let traffic = "connection_security_policy,destination_app,destination_canonical_revision,\
+destination_canonical_service,destination_cluster,destination_principal,destination_region,\
+destination_service,destination_service_name,destination_service_namespace,destination_version,\
+destination_workload,destination_workload_namespace,destination_zone,reporter,request_protocol,\
+response_flags,source_app,source_canonical_revision,source_canonical_service,source_cluster,\
+source_principal,source_region,source_version,source_workload,source_workload_namespace,source_zone";
+    assert_eq!(traffic.split(',').count(), 27);
+    for (name, kind, labels) in [
+        ("istio_tcp_connections_opened", "counter", traffic),
+        ("istio_tcp_connections_closed", "counter", traffic),
+        ("istio_tcp_sent_bytes", "counter", traffic),
+        ("istio_tcp_received_bytes", "counter", traffic),
+        ("istio_tcp_sockets_open", "gauge", "reporter"),
+        ("istio_build", "gauge", "component,tag"),
+        ("istio_xds_message", "counter", "url"),
+        ("istio_xds_message_bytes", "counter", "url"),
+        ("process_open_fds", "gauge", ""),
+        ("process_max_fds", "gauge", ""),
+        ("tokio_num_workers", "gauge", ""),
+        ("tokio_num_alive_tasks", "gauge", ""),
+        ("tokio_global_queue_depth", "gauge", ""),
+        (
+            "tokio_worker_total_busy_duration_seconds",
+            "counter",
+            "worker",
+        ),
+        ("tokio_worker_park_count", "counter", "worker"),
+        ("tokio_worker_park_unpark_count", "counter", "worker"),
+    ] {
+        let f = family(name);
+        assert_eq!(f["type"], kind, "{name}: {f}");
+        assert_eq!(f["labels"], serde_json::json!([labels]), "{name}: {f}");
+    }
+    assert_eq!(family("istio_xds_message_bytes")["unit"], "bytes");
+    // The values a user reads: the held connection is open at the source
+    // (and the closed one is not), the addresses came with bytes, and
+    // there is one busy-time series per worker.
+    let value = |sample: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(sample))
+            .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("no sample {sample} in {text}"))
+    };
+    assert_eq!(
+        value("istio_tcp_sockets_open{reporter=\"source\"}"),
+        1.0,
+        "{text}"
+    );
+    // (Authorization responses carry no resource here: no policy.)
+    for (url, least) in [("Address", 1.0), ("Authorization", 0.0)] {
+        let bytes = text
+            .lines()
+            .find(|l| l.starts_with("istio_xds_message_bytes_total{") && l.contains(url))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        assert!(bytes.is_some_and(|b| b >= least), "{url} bytes: {text}");
+    }
+    let workers = value("tokio_num_workers ");
+    let busy = text
+        .lines()
+        .filter(|l| l.starts_with("tokio_worker_total_busy_duration_seconds_total{"))
+        .count();
+    assert_eq!(busy as f64, workers, "{text}");
+    assert!(value("process_open_fds ") > 0.0 && value("process_max_fds ") >= 1024.0);
+    assert!(
+        text.contains("istio_build{component=\"ztunnel\",tag=\"ambit-"),
+        "{text}"
+    );
+    drop(held);
+}

@@ -262,6 +262,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
     crate::limits::register(&mut registry);
     super::metrics::RuntimeGauges(tokio::runtime::Handle::current()).register(&mut registry);
+    super::metrics::register_build_info(&mut registry);
     sideport::serve(
         cfg.metrics_addr,
         "metrics",

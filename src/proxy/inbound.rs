@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use h2::server::SendResponse;
 use http::{Request, Response, StatusCode};
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 
 use super::budget::{tell_windows, Reservation, BUDGET, STREAM_OPEN_COST, WINDOW_RETRY};
@@ -122,17 +123,18 @@ impl Drop for OnConnection {
     }
 }
 
+/// Accepts on `listener` under a cap of `max` (`what` names it), counting
+/// the connections held open in `open`.
 async fn accept_loop<F, Fut>(
     listener: TcpListener,
-    what: &'static str,
-    max: usize,
+    (what, max, open): (&'static str, usize, Gauge),
     life: Lifecycle,
     handle: F,
 ) where
     F: Fn(TcpStream, SocketAddr) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let cap = ConnectionCap::new(what, max).per_source();
+    let cap = ConnectionCap::new(what, max).per_source().counted_in(open);
     loop {
         let accepted = tokio::select! {
             a = listener.accept() => a,
@@ -161,10 +163,10 @@ async fn accept_loop<F, Fut>(
 impl Inbound {
     /// Serves HBONE on `listener` (15008).
     pub async fn serve_hbone(self: Arc<Self>, listener: TcpListener) {
+        let open = self.metrics.sockets_open("destination");
         accept_loop(
             listener,
-            "hbone",
-            caps::HBONE,
+            ("hbone", caps::HBONE, open),
             self.pod.life.clone(),
             |s, p| {
                 // The connection's task also carries its streams.
@@ -178,10 +180,10 @@ impl Inbound {
     /// Serves plaintext on `listener` (15006).
     pub async fn serve_plaintext(self: Arc<Self>, listener: TcpListener) {
         let life = self.pod.life.clone();
+        let open = self.metrics.sockets_open("destination");
         accept_loop(
             listener,
-            "inbound_plaintext",
-            caps::INBOUND_PLAINTEXT,
+            ("inbound_plaintext", caps::INBOUND_PLAINTEXT, open),
             life,
             |s, p| self.clone().plaintext_conn(s, p),
         )

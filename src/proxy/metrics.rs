@@ -8,6 +8,7 @@
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::copy::Transferred;
@@ -244,6 +245,16 @@ pub struct Metrics {
     closed: Family<ConnectionLabels, Counter>,
     sent: Family<ConnectionLabels, Counter>,
     received: Family<ConnectionLabels, Counter>,
+    /// `istio_tcp_sockets_open{reporter}`: connections the pods' listeners
+    /// hold open (outbound: `source`; HBONE and plaintext inbound:
+    /// `destination`), from accept to close.
+    sockets_open: Family<SocketLabels, Gauge>,
+}
+
+/// The label of `istio_tcp_sockets_open`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+pub struct SocketLabels {
+    pub reporter: &'static str,
 }
 
 impl Metrics {
@@ -268,6 +279,11 @@ impl Metrics {
             "received_bytes",
             "Bytes sent from destination back to source",
             self.received.clone(),
+        );
+        reg.register(
+            "sockets_open",
+            "TCP connections the pods' listeners hold open",
+            self.sockets_open.clone(),
         );
         registry.register(
             "istio_on_demand_dns",
@@ -321,6 +337,14 @@ impl Metrics {
         *sets.entry(kept.clone()).or_default() += 1;
         used.insert(kept.clone());
         kept
+    }
+
+    /// The gauge of the connections open as `reporter` (`source` or
+    /// `destination`): a listener's cap moves it (`ConnectionCap::counted_in`).
+    pub fn sockets_open(&self, reporter: &'static str) -> Gauge {
+        self.sockets_open
+            .get_or_create(&SocketLabels { reporter })
+            .clone()
     }
 
     /// Counts one on-demand resolution of `hostname` for a connection from
@@ -388,12 +412,17 @@ impl Drop for PodMetricsGuard {
     }
 }
 
-/// The runtime's gauges, with ztunnel's names, read at each scrape from
-/// tokio's stable runtime metrics (a few atomic loads each):
-/// `tokio_num_alive_tasks`, `tokio_num_workers`, `tokio_global_queue_depth`.
-/// A pod's listeners, its connections and each identity's rotation are
-/// tasks, so a task count that climbs while pods come and go is state left
-/// behind (the churn test asserts it returns to where it was).
+/// The runtime's and the process's metrics, with ztunnel's names, read
+/// at each scrape: from tokio's stable runtime metrics (a few atomic loads
+/// each; tokio keeps these counts whether or not they are read),
+/// `tokio_num_alive_tasks`, `tokio_num_workers`, `tokio_global_queue_depth`
+/// and, per worker thread, `tokio_worker_total_busy_duration_seconds`,
+/// `tokio_worker_park_count` and `tokio_worker_park_unpark_count`; from
+/// `/proc/self/fd` and `RLIMIT_NOFILE`, `process_open_fds` and
+/// `process_max_fds`. A pod's listeners, its connections and each
+/// identity's rotation are tasks, so a task count that climbs while pods
+/// come and go is state left behind (the churn test asserts it returns to
+/// where it was).
 #[derive(Debug)]
 pub struct RuntimeGauges(pub tokio::runtime::Handle);
 
@@ -403,40 +432,126 @@ impl RuntimeGauges {
     }
 }
 
+/// The label of a per-worker runtime counter.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+struct WorkerLabels {
+    worker: usize,
+}
+
 impl prometheus_client::collector::Collector for RuntimeGauges {
     fn encode(
         &self,
         mut encoder: prometheus_client::encoding::DescriptorEncoder,
     ) -> std::fmt::Result {
         use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use prometheus_client::metrics::gauge::ConstGauge;
+        use prometheus_client::metrics::MetricType;
         let m = self.0.metrics();
+        let open_fds = std::fs::read_dir("/proc/self/fd")
+            // Less the descriptor that reads the directory.
+            .map(|d| d.count().saturating_sub(1) as i64)
+            .ok();
+        let max_fds = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+            .map(|(soft, _)| i64::try_from(soft).unwrap_or(i64::MAX))
+            .ok();
         for (name, help, value) in [
             (
                 "tokio_num_alive_tasks",
                 "Tasks alive in the proxy's runtime",
-                m.num_alive_tasks(),
+                Some(m.num_alive_tasks() as i64),
             ),
             (
                 "tokio_num_workers",
                 "Worker threads of the proxy's runtime",
-                m.num_workers(),
+                Some(m.num_workers() as i64),
             ),
             (
                 "tokio_global_queue_depth",
                 "Tasks waiting in the runtime's global queue",
-                m.global_queue_depth(),
+                Some(m.global_queue_depth() as i64),
+            ),
+            ("process_open_fds", "Open file descriptors", open_fds),
+            (
+                "process_max_fds",
+                "The open file descriptors' limit (soft)",
+                max_fds,
             ),
         ] {
-            let gauge = prometheus_client::metrics::gauge::ConstGauge::new(value as i64);
+            let Some(value) = value else { continue };
+            let gauge = ConstGauge::new(value);
             gauge.encode(encoder.encode_descriptor(name, help, None, gauge.metric_type())?)?;
+        }
+        let workers = 0..m.num_workers();
+        let mut busy = encoder.encode_descriptor(
+            "tokio_worker_total_busy_duration_seconds",
+            "Time each worker thread spent busy",
+            None,
+            MetricType::Counter,
+        )?;
+        for worker in workers.clone() {
+            let seconds = m.worker_total_busy_duration(worker).as_secs_f64();
+            ConstCounter::new(seconds).encode(busy.encode_family(&WorkerLabels { worker })?)?;
+        }
+        for (name, help, count) in [
+            (
+                "tokio_worker_park_count",
+                "Times each worker thread parked (went idle)",
+                &(|w| m.worker_park_count(w)) as &dyn Fn(usize) -> u64,
+            ),
+            (
+                "tokio_worker_park_unpark_count",
+                "Times each worker thread parked or was unparked",
+                &|w| m.worker_park_unpark_count(w),
+            ),
+        ] {
+            let mut family = encoder.encode_descriptor(name, help, None, MetricType::Counter)?;
+            for worker in workers.clone() {
+                ConstCounter::new(count(worker))
+                    .encode(family.encode_family(&WorkerLabels { worker })?)?;
+            }
         }
         Ok(())
     }
 }
 
+/// `istio_build{component,tag}` (ztunnel's), 1. The component is
+/// `ztunnel`, the role this binary fills in the mesh (Istio's dashboards
+/// count a node proxy's versions by it); the tag says it is Ambit's build.
+pub fn register_build_info(registry: &mut Registry) {
+    #[derive(Debug, Clone, PartialEq, Eq, Hash, EncodeLabelSet)]
+    struct BuildLabels {
+        component: &'static str,
+        tag: String,
+    }
+    let build: Family<BuildLabels, Gauge> = Family::default();
+    build
+        .get_or_create(&BuildLabels {
+            component: "ztunnel",
+            tag: format!("ambit-{}", env!("CARGO_PKG_VERSION")),
+        })
+        .set(1);
+    registry.register("istio_build", "The proxy's build", build);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn open_sockets_are_counted_per_reporter() {
+        let m = Metrics::default();
+        let mut reg = Registry::default();
+        m.register(&mut reg);
+        let source = m.sockets_open("source");
+        source.inc();
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &reg).unwrap();
+        assert!(
+            text.contains("istio_tcp_sockets_open{reporter=\"source\"} 1"),
+            "{text}"
+        );
+    }
 
     #[test]
     fn exposes_istio_names() {

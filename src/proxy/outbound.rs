@@ -106,7 +106,8 @@ pub struct Outbound {
 impl Outbound {
     pub async fn serve(self: Arc<Self>, listener: TcpListener) {
         let life = self.pod.life.clone();
-        let cap = ConnectionCap::new("outbound", caps::OUTBOUND);
+        let open = self.metrics.sockets_open("source");
+        let cap = ConnectionCap::new("outbound", caps::OUTBOUND).counted_in(open);
         loop {
             let accepted = tokio::select! {
                 a = listener.accept() => a,
@@ -161,7 +162,7 @@ impl Outbound {
                     record,
                     accepted_from,
                     cookie,
-                    _slot: slot,
+                    slot,
                 });
                 match streams {
                     Some(streams) => streams.spawn(&self.pod.life, carried),
@@ -547,7 +548,7 @@ struct Carried {
     accepted_from: SocketAddr,
     cookie: Option<u64>,
     /// The connection's place under the listener's cap, freed at its end.
-    _slot: CapSlot,
+    slot: CapSlot,
 }
 
 /// Carries an opened connection until both directions end, then counts and
@@ -598,6 +599,11 @@ fn carry(mut c: Carried) -> impl std::future::Future<Output = ()> + Send {
             c.cookie,
             proxy_closed_first,
         );
+        // Named, so the block holds it to here: an async block captures only
+        // the fields it names, and the rest of `c` is dropped when `carry`
+        // returns (the cap's place was freed as carrying began, and the
+        // listener's cap held only connections still being opened).
+        drop(c.slot);
     }
 }
 

@@ -614,10 +614,14 @@ impl XdsClient {
                     continue;
                 }
             };
+            let url = vec![("url".into(), resp.type_url.clone())];
+            self.metrics.messages.get_or_create(&url).inc();
+            let bytes = resp.resources.iter().filter_map(|r| r.resource.as_ref());
+            let bytes: usize = bytes.map(|any| any.value.len()).sum();
             self.metrics
-                .messages
-                .get_or_create(&vec![("url".into(), resp.type_url.clone())])
-                .inc();
+                .message_bytes
+                .get_or_create(&url)
+                .inc_by(bytes as u64);
             let rejected = {
                 let (state, rejected) = self.held.lock().await.answer(&resp);
                 self.state.store(state);

@@ -1,5 +1,6 @@
 //! The xDS link's metrics (Istio's names where ztunnel has them): responses
-//! by type, streams ended by reason, and whether a stream is open.
+//! and their bytes by type, streams ended by reason, and whether a stream
+//! is open.
 
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -11,6 +12,9 @@ use prometheus_client::registry::Registry;
 pub struct XdsMetrics {
     /// `istio_xds_message_total{url}`: responses received, by type.
     pub messages: Family<Vec<(String, String)>, Counter>,
+    /// `istio_xds_message_bytes_total{url}`: the bytes of the resources
+    /// they carried (ztunnel's measure: each resource's encoded body).
+    pub message_bytes: Family<Vec<(String, String)>, Counter>,
     /// `istio_xds_connection_terminations_total{reason}`.
     pub terminations: Family<Vec<(String, String)>, Counter>,
     /// `ambit_xds_connected`: 1 while a stream is open.
@@ -23,6 +27,12 @@ impl XdsMetrics {
             "istio_xds_message",
             "xDS responses received, by type",
             self.messages.clone(),
+        );
+        registry.register_with_unit(
+            "istio_xds_message",
+            "Bytes of the resources in xDS responses, by type",
+            prometheus_client::registry::Unit::Bytes,
+            self.message_bytes.clone(),
         );
         registry.register(
             "istio_xds_connection_terminations",
