@@ -18,6 +18,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     ];
     println!("cargo:rerun-if-changed=proto");
     order_hot_functions();
+    // The compiler's version, for the config dump's `version` block.
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    if let Ok(out) = std::process::Command::new(rustc).arg("--version").output() {
+        let version = String::from_utf8_lossy(&out.stdout);
+        println!("cargo:rustc-env=AMBIT_RUST_VERSION={}", version.trim());
+    }
     let fds = protox::compile(protos, ["proto"])?;
     tonic_build::configure()
         .build_client(true)

@@ -75,11 +75,26 @@ pub(super) fn config_dump(
         "policies": policies.iter().map(|p| policy(p)).collect::<Vec<_>>(),
         "certificates": held.iter().map(|(id, c)| certificate(&id.to_string(), &c.cert.chain, &c.cert.roots)).collect::<Vec<_>>(),
         "workloadState": workload_state,
+        "version": version(),
         "pool": {"open": pool.open(), "dials": pool.dials()},
         "pods": served,
         "refused": refused,
     })
     .to_string()
+}
+
+/// ztunnel's `version` block: what this build knows of itself. A field
+/// its build does not record reads `unknown`.
+fn version() -> Value {
+    json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "gitRevision": "unknown",
+        "rustVersion": option_env!("AMBIT_RUST_VERSION").unwrap_or("unknown"),
+        "buildProfile": if cfg!(debug_assertions) { "debug" } else { "release" },
+        "buildStatus": "unknown",
+        "istioVersion": "unknown",
+        "cryptoProvider": "aws-lc-rs",
+    })
 }
 
 /// Adds `key: value` unless the value is empty (ztunnel leaves defaults out).
@@ -148,7 +163,12 @@ fn workload(w: &Workload, trust_domain: &str) -> Value {
     put(&mut m, "canonicalRevision", w.canonical_revision.as_str());
     put(&mut m, "node", w.node.as_str());
     m.insert("status".into(), json!(health(w.status)));
-    put(&mut m, "clusterId", w.cluster_id.as_str());
+    // Always written, defaults filled in as ztunnel fills them.
+    let cluster = match w.cluster_id.as_str() {
+        "" => super::metrics::DEFAULT_CLUSTER,
+        id => id,
+    };
+    m.insert("clusterId".into(), json!(cluster));
     put(&mut m, "waypoint", w.waypoint.as_ref().map(gateway));
     put(
         &mut m,
@@ -176,18 +196,16 @@ fn workload(w: &Workload, trust_domain: &str) -> Value {
             json!({"region": l.region, "zone": l.zone, "subzone": l.subzone}),
         );
     }
-    put(&mut m, "capacity", w.capacity);
+    m.insert("capacity".into(), json!(w.capacity.unwrap_or(1)));
     put(
         &mut m,
         "authorizationPolicies",
         json!(w.authorization_policies),
     );
-    let services: Map<String, Value> = w
-        .services
-        .iter()
-        .map(|(k, p)| (k.clone(), ports(p)))
-        .collect();
-    put(&mut m, "services", services);
+    // ztunnel's: the names only (the ports are the services' endpoints').
+    let mut services: Vec<&String> = w.services.keys().collect();
+    services.sort();
+    put(&mut m, "services", json!(services));
     m.into()
 }
 
@@ -215,7 +233,7 @@ fn service(st: &State, s: &Service) -> Value {
         .endpoints(s)
         .map(|e| {
             let uid = e.workload.uid.clone();
-            let v = json!({"workloadUid": uid, "service": s.key(), "port": ports(&e.ports),
+            let v = json!({"workloadUid": uid, "port": ports(&e.ports),
                 "status": health(e.workload.status)});
             (uid, v)
         })
@@ -255,9 +273,7 @@ fn service(st: &State, s: &Service) -> Value {
             IpFamilies::V6 => "IPv6",
         }),
     );
-    if s.canonical {
-        m.insert("canonical".into(), json!(true));
-    }
+    m.insert("canonical".into(), json!(s.canonical));
     let visibility = match s.visibility {
         Visibility::Public => "Public",
         Visibility::Namespace => "Namespace",
@@ -287,14 +303,25 @@ fn rbac_match(r: &RbacMatch) -> Value {
             .map(|s| json!({"namespace": s.namespace, "serviceAccount": s.service_account}))
             .collect::<Vec<_>>()
     };
-    json!({
-        "namespaces": strings(&r.namespaces), "notNamespaces": strings(&r.not_namespaces),
-        "principals": strings(&r.principals), "notPrincipals": strings(&r.not_principals),
-        "sourceIps": cidrs(&r.source_ips), "notSourceIps": cidrs(&r.not_source_ips),
-        "destinationIps": cidrs(&r.destination_ips), "notDestinationIps": cidrs(&r.not_destination_ips),
-        "destinationPorts": r.destination_ports, "notDestinationPorts": r.not_destination_ports,
-        "serviceAccounts": sas(&r.service_accounts), "notServiceAccounts": sas(&r.not_service_accounts),
-    })
+    // As ztunnel: the fields a match sets, none of the empty ones.
+    let mut m = Map::new();
+    put(&mut m, "namespaces", strings(&r.namespaces));
+    put(&mut m, "notNamespaces", strings(&r.not_namespaces));
+    put(&mut m, "serviceAccounts", sas(&r.service_accounts));
+    put(&mut m, "notServiceAccounts", sas(&r.not_service_accounts));
+    put(&mut m, "principals", strings(&r.principals));
+    put(&mut m, "notPrincipals", strings(&r.not_principals));
+    put(&mut m, "sourceIps", cidrs(&r.source_ips));
+    put(&mut m, "notSourceIps", cidrs(&r.not_source_ips));
+    put(&mut m, "destinationIps", cidrs(&r.destination_ips));
+    put(&mut m, "notDestinationIps", cidrs(&r.not_destination_ips));
+    put(&mut m, "destinationPorts", json!(r.destination_ports));
+    put(
+        &mut m,
+        "notDestinationPorts",
+        json!(r.not_destination_ports),
+    );
+    m.into()
 }
 
 fn policy(p: &Authorization) -> Value {
@@ -481,7 +508,6 @@ mod tests {
     #[serde(rename_all = "camelCase")]
     struct IEndpoint {
         workload_uid: String,
-        service: String,
         port: HashMap<String, i64>,
     }
 
@@ -506,9 +532,11 @@ mod tests {
         dry_run: bool,
     }
 
+    /// Absent fields read empty, as Go's decoder reads them.
     #[derive(Deserialize)]
     #[allow(dead_code)]
-    #[serde(rename_all = "camelCase")]
+    #[serde(rename_all = "camelCase", default)]
+    #[derive(Default)]
     struct IMatch {
         namespaces: Vec<HashMap<String, String>>,
         principals: Vec<HashMap<String, String>>,
@@ -712,5 +740,190 @@ services:
             .as_str()
             .unwrap()
             .contains("network gateway"));
+    }
+
+    /// ztunnel's dump, typed as ztunnel writes it (its `Workload`,
+    /// `Service`, `Endpoint`, `Authorization`, `RbacMatch` and `BuildInfo`,
+    /// camelCase, unknown keys refused): every key Ambit writes in these
+    /// objects must be one of ztunnel's, of ztunnel's type, and the keys
+    /// ztunnel always writes must be there.
+    // Decoding is the check (a key of the wrong type or unknown fails it),
+    // so most fields are never read.
+    #[allow(dead_code)]
+    mod ztunnel {
+        use std::collections::HashMap;
+
+        use serde::Deserialize;
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        pub struct Dump {
+            pub workloads: Vec<Workload>,
+            pub services: Vec<Service>,
+            pub policies: Vec<Authorization>,
+            pub version: BuildInfo,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct Gateway {
+            pub destination: String,
+            pub hbone_mtls_port: u16,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        pub struct Locality {
+            pub region: String,
+            pub zone: String,
+            pub subzone: String,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct Workload {
+            pub workload_ips: Vec<std::net::IpAddr>,
+            pub waypoint: Option<Gateway>,
+            pub network_gateway: Option<Gateway>,
+            pub protocol: String,
+            pub network_mode: String,
+            pub uid: Option<String>,
+            pub name: String,
+            pub namespace: String,
+            pub trust_domain: Option<String>,
+            pub service_account: Option<String>,
+            pub network: Option<String>,
+            pub workload_name: Option<String>,
+            pub workload_type: Option<String>,
+            pub canonical_name: Option<String>,
+            pub canonical_revision: Option<String>,
+            pub hostname: Option<String>,
+            pub node: Option<String>,
+            pub native_tunnel: Option<bool>,
+            pub application_tunnel: Option<serde_json::Value>,
+            pub authorization_policies: Option<Vec<String>>,
+            pub status: String,
+            pub cluster_id: String,
+            pub locality: Option<Locality>,
+            pub services: Option<Vec<String>>,
+            pub capacity: u32,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct Endpoint {
+            pub workload_uid: String,
+            pub port: HashMap<u16, u16>,
+            pub status: String,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct Service {
+            pub name: String,
+            pub namespace: String,
+            pub hostname: String,
+            pub vips: Vec<String>,
+            pub cidr_vips: Option<Vec<String>>,
+            pub ports: HashMap<u16, u16>,
+            pub endpoints: HashMap<String, Endpoint>,
+            pub subject_alt_names: Vec<String>,
+            pub waypoint: Option<Gateway>,
+            pub weighted_waypoints: Option<Vec<serde_json::Value>>,
+            pub load_balancer: Option<serde_json::Value>,
+            pub ip_families: Option<String>,
+            pub canonical: bool,
+            pub visibility: String,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct Authorization {
+            pub name: String,
+            pub namespace: String,
+            pub scope: String,
+            pub action: String,
+            pub rules: Vec<Vec<Vec<RbacMatch>>>,
+            pub dry_run: bool,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct ServiceAccountMatch {
+            pub namespace: String,
+            pub service_account: String,
+        }
+
+        /// Every field optional: ztunnel writes only those a match sets.
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct RbacMatch {
+            pub namespaces: Option<Vec<serde_json::Value>>,
+            pub not_namespaces: Option<Vec<serde_json::Value>>,
+            pub service_accounts: Option<Vec<ServiceAccountMatch>>,
+            pub not_service_accounts: Option<Vec<ServiceAccountMatch>>,
+            pub principals: Option<Vec<serde_json::Value>>,
+            pub not_principals: Option<Vec<serde_json::Value>>,
+            pub source_ips: Option<Vec<String>>,
+            pub not_source_ips: Option<Vec<String>>,
+            pub destination_ips: Option<Vec<String>>,
+            pub not_destination_ips: Option<Vec<String>>,
+            pub destination_ports: Option<Vec<u16>>,
+            pub not_destination_ports: Option<Vec<u16>>,
+        }
+
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase", deny_unknown_fields)]
+        pub struct BuildInfo {
+            pub version: String,
+            pub git_revision: String,
+            pub rust_version: String,
+            pub build_profile: String,
+            pub build_status: String,
+            pub istio_version: String,
+            pub crypto_provider: String,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_dump_decodes_with_ztunnel_s_types_and_defaults() {
+        let certs = CertManager::new(
+            CertSource::Local(Box::new(LocalCa::generate("cluster.local").unwrap())),
+            std::time::Duration::from_secs(3600),
+        );
+        let pool = pool::Pool::new(100, 1, std::time::Duration::from_secs(60));
+        let text = config_dump(
+            &state(),
+            &certs,
+            &pool,
+            &inpod::PodTable::default(),
+            "cluster.local",
+        );
+        let dump: ztunnel::Dump =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        let api = &dump.workloads[0];
+        assert_eq!(
+            api.services.as_deref(),
+            Some(&["shop/api.shop.svc.cluster.local".to_string()][..]),
+            "a workload's services are their names"
+        );
+        assert_eq!((api.capacity, api.cluster_id.as_str()), (2, "Kubernetes"));
+        let sick = &dump.workloads[1];
+        assert_eq!(sick.capacity, 1, "ztunnel's default, written");
+        let api_svc = dump.services.iter().find(|s| s.name == "api").unwrap();
+        assert!(!api_svc.canonical, "written though false");
+        assert_eq!(api_svc.endpoints.len(), 2);
+        let m = &dump.policies[0].rules[0][0][0];
+        assert!(
+            m.not_namespaces.is_none() && m.principals.is_none() && m.destination_ips.is_none()
+        );
+        assert_eq!(m.destination_ports.as_deref(), Some(&[8080][..]));
+        assert_eq!(dump.version.version, env!("CARGO_PKG_VERSION"));
+        assert!(
+            dump.version.rust_version.starts_with("rustc "),
+            "{}",
+            dump.version.rust_version
+        );
+        assert_eq!(dump.version.crypto_provider, "aws-lc-rs");
     }
 }
