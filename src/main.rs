@@ -21,14 +21,13 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// pages), and freed pages handed back to the system two seconds after
 /// they were last used (bulk flows keep their buffers between reads) and
 /// then at once (`MADV_DONTNEED`, so resident memory shows it).
-/// A thread's cache keeps at most 4 freed objects of each large size
-/// class (16–32 KiB: TLS records, copy buffers) instead of 20: what a
-/// thread caches is never given back while the thread idles, and 20 of
-/// each held ~0.5 MB per proxy after a bulk transfer; 4 still serve the
-/// free-then-allocate of a record at a time (docs/perf-log.md, 2026-12-05).
+/// Each thread's cache keeps jemalloc's default 20 freed objects per size
+/// class: what a thread caches is not given back while the thread idles
+/// (up to ~0.5 MB per proxy after a bulk transfer), but 4 cost 3–4% of
+/// HBONE throughput and CPU per byte (docs/perf-log.md, 2026-12-05).
 #[export_name = "_rjem_malloc_conf"]
 static MALLOC_CONF: MallocConf =
-    MallocConf(c"narenas:1,dirty_decay_ms:2000,muzzy_decay_ms:0,tcache_nslots_large:4".as_ptr());
+    MallocConf(c"narenas:1,dirty_decay_ms:2000,muzzy_decay_ms:0".as_ptr());
 
 /// A C string pointer jemalloc reads once at start; never written.
 #[repr(transparent)]
