@@ -708,3 +708,27 @@ fn access_logs_name_workloads_identities_bytes_and_decision_and_quitquitquit_dra
         "{log}"
     );
 }
+
+/// A connection whose stream is open is not idle, however long its bytes
+/// rest: the server's proxy lets go only HBONE connections that carry no
+/// stream (`POOL_UNUSED_RELEASE_TIMEOUT`, 1 s here, checked every 250 ms).
+#[test]
+fn a_quiet_connection_outlives_the_idle_timeout_of_its_hbone_connection() {
+    let idle = [("POOL_UNUSED_RELEASE_TIMEOUT", "1s")];
+    let (m, client, server, echo) = common::meshed_pair_env("quiet", &idle, &idle);
+    let mut quiet = connect_from(&client, echo.addr).unwrap();
+    wait_until(
+        "the quiet connection carried to the server",
+        Duration::from_secs(5),
+        || echo.peers().len() == 1,
+    );
+    // A fixed window on purpose: nothing may happen in it. Four idle
+    // timeouts, so a connection counted idle would have been let go.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(
+        echo_roundtrip(&mut quiet, b"still here").unwrap(),
+        b"still here",
+        "{}",
+        m.proxy_log(&server)
+    );
+}

@@ -398,7 +398,7 @@ impl Inbound {
                 body: req.into_body(),
                 reserved,
                 tracked,
-                _on_connection: on_connection,
+                on_connection,
             }),
         );
     }
@@ -732,7 +732,7 @@ struct Opened {
     /// Ends the copy when a policy change denies the stream.
     tracked: super::reauth::Tracked,
     /// Keeps the connection from counting as idle while the stream lives.
-    _on_connection: OnConnection,
+    on_connection: OnConnection,
 }
 
 /// Carries an opened stream until both directions end or policy revokes
@@ -767,6 +767,11 @@ fn carry(mut s: Opened) -> impl std::future::Future<Output = ()> + Send {
             proxy_closed_first: false, // outbound's notion; not used inbound
         };
         s.record.closed(t, res.err().map(|e| e.to_string()));
+        // Named, so the block holds it to here: an async block captures only
+        // the fields it names, and the rest of `s` is dropped when `carry`
+        // returns (the connection counted as idle while its streams were
+        // carried, and was let go after the idle timeout mid-stream).
+        drop(s.on_connection);
     }
 }
 
