@@ -30,8 +30,10 @@ pub struct State {
     workloads: HashMap<String, Arc<Workload>>,
     /// Every workload claiming an address, in arrival order.
     by_addr: HashMap<NetworkAddress, Vec<Arc<Workload>>>,
-    /// (namespace, name) → workload, for finding a pod the agent names.
-    by_name: HashMap<(String, String), Arc<Workload>>,
+    /// Namespace → name → workload, for finding a pod the agent names;
+    /// nested so that a lookup (one per connection, for the pod's own
+    /// labels) borrows the names instead of copying them.
+    by_name: HashMap<String, HashMap<String, Arc<Workload>>>,
     /// Services may share a VIP (across namespaces): in arrival order.
     services_by_vip: HashMap<NetworkAddress, Vec<Arc<Service>>>,
     /// VIP ranges, matched when no VIP matches exactly.
@@ -221,7 +223,9 @@ impl State {
                 });
             }
             st.by_name
-                .insert((w.namespace.clone(), w.name.clone()), w.clone());
+                .entry(w.namespace.clone())
+                .or_default()
+                .insert(w.name.clone(), w.clone());
             st.workloads.insert(w.uid.clone(), w);
         }
         for (i, s) in services.into_iter().enumerate() {
@@ -367,7 +371,7 @@ impl State {
     }
 
     pub fn workload_by_name(&self, namespace: &str, name: &str) -> Option<&Arc<Workload>> {
-        self.by_name.get(&(namespace.to_string(), name.to_string()))
+        self.by_name.get(namespace)?.get(name)
     }
 
     /// The service a client in namespace `client` (any, if `None`) reaches
