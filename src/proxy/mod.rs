@@ -22,6 +22,7 @@ mod inbound;
 mod inpod;
 mod metrics;
 mod outbound;
+mod own;
 pub mod pod;
 mod pods;
 mod pool;
