@@ -25,9 +25,14 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// class: what a thread caches is not given back while the thread idles
 /// (up to ~0.5 MB per proxy after a bulk transfer), but 4 cost 3–4% of
 /// HBONE throughput and CPU per byte (docs/perf-log.md, 2026-12-05).
+/// The heap profiler is there but off (`prof_active:false`) until an
+/// operator turns it on at the admin port; when on, it samples once per
+/// 512 KiB allocated on average (`lg_prof_sample:19`, ztunnel's).
 #[export_name = "_rjem_malloc_conf"]
-static MALLOC_CONF: MallocConf =
-    MallocConf(c"narenas:1,dirty_decay_ms:2000,muzzy_decay_ms:0".as_ptr());
+static MALLOC_CONF: MallocConf = MallocConf(
+    c"narenas:1,dirty_decay_ms:2000,muzzy_decay_ms:0,prof:true,prof_active:false,lg_prof_sample:19"
+        .as_ptr(),
+);
 
 /// A C string pointer jemalloc reads once at start; never written.
 #[repr(transparent)]

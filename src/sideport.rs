@@ -4,7 +4,9 @@
 //! What each port answers lives with its role. Never on the data path.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,10 +21,23 @@ use tokio::net::TcpListener;
 use crate::limits::{caps, ConnectionCap};
 
 /// What a handler answers: status, content type and body.
-pub type Reply = (StatusCode, &'static str, String);
+pub type Reply = (StatusCode, &'static str, Bytes);
+
+/// A reply at once, or one that takes its time (a CPU profile samples for
+/// as long as it is asked to). Every other request on the port goes on.
+pub enum Answer {
+    Now(Reply),
+    Later(Pin<Box<dyn Future<Output = Reply> + Send>>),
+}
+
+impl From<Reply> for Answer {
+    fn from(reply: Reply) -> Self {
+        Answer::Now(reply)
+    }
+}
 
 /// Answers one admin request, given the method and the path with its query.
-pub type Handler = Arc<dyn Fn(&Method, &str) -> Reply + Send + Sync>;
+pub type Handler = Arc<dyn Fn(&Method, &str) -> Answer + Send + Sync>;
 
 /// The answer to a path no endpoint serves.
 pub fn not_found() -> Reply {
@@ -76,19 +91,25 @@ pub async fn serve(
             tokio::spawn(async move {
                 let _slot = slot;
                 let svc = service_fn(move |req: Request<Incoming>| {
-                    let (status, content_type, body) = handler(
+                    let answer = handler(
                         req.method(),
                         req.uri()
                             .path_and_query()
                             .map(|p| p.as_str())
                             .unwrap_or("/"),
                     );
-                    let resp = Response::builder()
-                        .status(status)
-                        .header("content-type", content_type)
-                        .body(Full::new(Bytes::from(body)))
-                        .unwrap_or_default();
-                    async move { Ok::<_, Infallible>(resp) }
+                    async move {
+                        let (status, content_type, body) = match answer {
+                            Answer::Now(reply) => reply,
+                            Answer::Later(reply) => reply.await,
+                        };
+                        let resp = Response::builder()
+                            .status(status)
+                            .header("content-type", content_type)
+                            .body(Full::new(body))
+                            .unwrap_or_default();
+                        Ok::<_, Infallible>(resp)
+                    }
                 });
                 let _ = http1().serve_connection(TokioIo::new(stream), svc).await;
             });
@@ -100,11 +121,16 @@ pub async fn serve(
 pub fn metrics_reply(registry: &prometheus_client::registry::Registry) -> Reply {
     let mut text = String::new();
     match prometheus_client::encoding::text::encode(&mut text, registry) {
-        Ok(()) => (StatusCode::OK, PROMETHEUS, text),
-        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, TEXT, e.to_string()),
+        Ok(()) => (StatusCode::OK, PROMETHEUS, text.into()),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            TEXT,
+            e.to_string().into(),
+        ),
     }
 }
 
 pub const TEXT: &str = "text/plain; charset=utf-8";
 pub const JSON: &str = "application/json";
+pub const PROTOBUF: &str = "application/octet-stream";
 pub const PROMETHEUS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";

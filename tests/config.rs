@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ambit::lab::{connect_from, echo_roundtrip, EchoServer};
-use common::{admin_get, wait_until, workload, Mesh};
+use common::{admin_get, wait_until, wait_until_showing, workload, Mesh};
 
 fn server_entry(ip: std::net::Ipv4Addr) -> String {
     format!("- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{ip}\"], protocol: HBONE,\n   services: {{\"default/echo.default.svc.cluster.local\": {{80: 8080}}}}}}\n")
@@ -324,4 +324,163 @@ fn a_control_plane_without_tokens_is_refused_unless_insecure_is_asked_for() {
     ];
     let (ok, _, err) = ambit(&["control-plane", "--print-config"], &with_token);
     assert!(ok, "{err}");
+}
+
+/// `go tool pprof`, run in `ns` against its proxy's admin port, with
+/// `home` for what it saves: its report, or a panic with what it said.
+/// The proxy symbolizes its profiles (`-symbolize=none` keeps pprof from
+/// doing it again from the binary on this host, which takes minutes for
+/// a test build).
+fn go_pprof(home: &std::path::Path, ns: &ambit::netns::Netns, args: &[&str], path: &str) -> String {
+    std::fs::create_dir_all(home).unwrap();
+    let out = ns
+        .command("go")
+        .args(["tool", "pprof"])
+        .args(args)
+        .arg(format!("http://127.0.0.1:15000{path}"))
+        .env("HOME", home)
+        .env("PPROF_TMPDIR", home)
+        .output()
+        .expect("go tool pprof runs (.ci/install-deps installs golang-go)");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    );
+    assert!(
+        out.status.success(),
+        "go tool pprof {path} failed:\n{stderr}\n{stdout}"
+    );
+    stdout
+}
+
+/// The admin port serves ztunnel's profile endpoints, and Go's own pprof
+/// reads what they answer: a CPU profile of a proxy carrying traffic names
+/// the proxy's functions, and a heap profile taken while sampling is on
+/// names the allocations that hold connections open.
+#[test]
+fn cpu_and_heap_profiles_from_the_admin_port_are_read_by_go_s_pprof() {
+    let (m, client, _server, echo) = common::meshed_pair("pprof");
+    let req = |method: &str, path: &str| {
+        ambit::lab::http_request_in(&client.ns, method, "127.0.0.1:15000", path).unwrap()
+    };
+    assert_eq!(
+        req("GET", "/debug/pprof/profile?seconds=0"),
+        (400, "invalid seconds value; expected 1-300\n".to_string())
+    );
+    assert_eq!(req("GET", "/debug/pprof/profile?frequency=5000").0, 400);
+
+    // Heap: off until asked for; then sampled while the traffic below runs.
+    let (status, body) = req("GET", "/debug/pprof/heap");
+    assert_eq!(status, 500, "{body}");
+    assert!(body.contains("activate=true"), "{body}");
+    assert_eq!(
+        req("GET", "/debug/pprof/heap/profiling"),
+        (200, "heap profiling active: false\n".to_string())
+    );
+    assert_eq!(
+        req("POST", "/debug/pprof/heap/profiling?activate=true"),
+        (200, "heap profiling active: true\n".to_string())
+    );
+    assert_eq!(
+        req("POST", "/debug/pprof/heap/profiling?activate=yes").0,
+        400
+    );
+
+    // Traffic through the client's proxy for as long as the profile runs.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (stop, client, addr) = (stop.clone(), client.ns.path().to_owned(), echo.addr);
+        std::thread::spawn(move || {
+            let ns = ambit::netns::Netns::open(client).unwrap();
+            let mut trips = 0u64;
+            let payload = vec![7u8; 256 * 1024];
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mut c = ns
+                    .run(move || std::net::TcpStream::connect(addr))
+                    .unwrap()
+                    .unwrap();
+                assert_eq!(
+                    echo_roundtrip(&mut c, &payload).unwrap().len(),
+                    payload.len()
+                );
+                trips += 1;
+            }
+            trips
+        })
+    };
+    let home = m.lab.dir.join("pprof-home");
+    let asked_cpu = Instant::now();
+    let profiling = std::thread::spawn({
+        let (home, ns) = (home.clone(), client.ns.clone());
+        move || {
+            go_pprof(
+                &home,
+                &ns,
+                &["-top", "-cum", "-nodecount=400", "-symbolize=none"],
+                "/debug/pprof/profile?seconds=3",
+            )
+        }
+    });
+    // One profile at a time: a second, asked while the first samples, is told so.
+    wait_until_showing(
+        "the CPU profile started",
+        Duration::from_secs(10),
+        || m.proxy_log(&client).contains("CPU profile started"),
+        || m.proxy_log(&client),
+    );
+    let (status, body) = req("GET", "/debug/pprof/profile?seconds=1");
+    assert_eq!(status, 409, "{body}");
+    let top = profiling.join().unwrap();
+    eprintln!("CPU profile answered after {:?}", asked_cpu.elapsed());
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let trips = load.join().unwrap();
+    eprintln!("{trips} round trips of 256 KiB while profiling; pprof -top -cum:\n{top}");
+    assert!(trips > 0, "no traffic while profiling");
+    assert!(
+        top.contains("ambit::proxy::"),
+        "the CPU profile names none of the proxy's functions:\n{top}"
+    );
+
+    // Connections held open: their buffers are live while the heap is dumped.
+    let holding = Instant::now();
+    let held: Vec<_> = (0..256)
+        .map(|i| {
+            let mut c = connect_from(&client, echo.addr).unwrap();
+            let msg = format!("held-{i}");
+            let mut w = c.try_clone().unwrap();
+            w.write_all(msg.as_bytes()).unwrap();
+            let mut buf = vec![0u8; msg.len()];
+            c.read_exact(&mut buf).unwrap();
+            c
+        })
+        .collect();
+    eprintln!("256 connections opened in {:?}", holding.elapsed());
+    let asked = Instant::now();
+    let heap = go_pprof(
+        &home,
+        &client.ns,
+        &[
+            "-top",
+            "-sample_index=inuse_space",
+            "-nodecount=400",
+            "-nodefraction=0",
+            "-symbolize=none",
+        ],
+        "/debug/pprof/heap",
+    );
+    eprintln!(
+        "pprof -top of the heap with {} connections held, in {:?}:\n{heap}",
+        held.len(),
+        asked.elapsed()
+    );
+    assert!(
+        heap.contains("ambit::"),
+        "the heap profile names none of the proxy's allocations:\n{heap}"
+    );
+    drop(held);
+    assert_eq!(
+        req("POST", "/debug/pprof/heap/profiling?activate=false"),
+        (200, "heap profiling active: false\n".to_string())
+    );
+    assert_eq!(req("GET", "/debug/pprof/heap").0, 500);
 }

@@ -120,7 +120,50 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
             && app[0].congestion_control == "reno",
         "{conns:?}"
     );
+    // The dump lists the open connection on both pods, as ztunnel's
+    // `workloadState.<uid>.connections` (istioctl ztunnel-config connections).
+    let connections = |uid: &str| -> serde_json::Value {
+        let dump: serde_json::Value = serde_json::from_str(&admin_get(
+            &node.lab.node,
+            "127.0.0.1:15000",
+            "/config_dump",
+        ))
+        .unwrap();
+        dump["workloadState"][uid]["connections"].clone()
+    };
+    let client_side = connections(&pod_uid("client"));
+    assert_eq!(
+        client_side["outbound"],
+        serde_json::json!([{
+            "src": held.local_addr().unwrap().to_string(),
+            "originalDst": echo.addr.to_string(),
+            "actualDst": echo.addr.to_string(),
+            "protocol": "HBONE",
+        }]),
+        "{client_side}"
+    );
+    assert_eq!(client_side["inbound"], serde_json::json!([]));
+    let server_side = connections(&pod_uid("server"));
+    let inbound = &server_side["inbound"][0];
+    assert!(
+        server_side["inbound"].as_array().unwrap().len() == 1
+            && inbound["actualDst"] == echo.addr.to_string()
+            && inbound["protocol"] == "HBONE"
+            && inbound["src"]
+                .as_str()
+                .unwrap()
+                .starts_with(&format!("{}:", client.ip)),
+        "{server_side}"
+    );
     drop(held);
+    wait_until(
+        "the closed connection unlisted on both pods",
+        SETTLE,
+        || {
+            connections(&pod_uid("client"))["outbound"] == serde_json::json!([])
+                && connections(&pod_uid("server"))["inbound"] == serde_json::json!([])
+        },
+    );
     let agent_metrics = || admin_get(&node.lab.node, "127.0.0.1:15014", "/metrics");
     let wanted = [
         "istio_cni_plugin_requests_total{response_code=\"200\"} 2",

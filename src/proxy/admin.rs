@@ -1,6 +1,6 @@
 //! What the proxy's side ports answer: readiness (15021 `/healthz/ready`),
 //! metrics (15020 `/metrics`, `/stats/prometheus`) and admin (15000
-//! `/config_dump`, `/logging`, `/quitquitquit`). The HTTP server is
+//! `/config_dump`, `/logging`, `/debug/pprof/*`, `/quitquitquit`). The HTTP server is
 //! [`crate::sideport`]; values come from the owners' snapshots at request time.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -9,8 +9,8 @@ use std::sync::Arc;
 use http::{Method, StatusCode};
 use prometheus_client::registry::Registry;
 
-use super::config_dump::config_dump;
-use super::{inpod, pool};
+use super::config_dump::{config_dump, Configured};
+use super::{inpod, pool, profile};
 use crate::identity::CertManager;
 use crate::sideport::{metrics_reply, not_found, Handler, JSON, TEXT};
 use crate::xds::StateHandle;
@@ -26,14 +26,18 @@ pub(super) fn readiness(ready: Arc<AtomicBool>, xds_synced: Arc<AtomicBool>) -> 
             }
             _ => not_found(),
         }
+        .into()
     })
 }
 
 /// 15020: the registry, under both paths scrapers use.
 pub(super) fn metrics(registry: Arc<Registry>) -> Handler {
-    Arc::new(move |_, path| match path {
-        "/metrics" | "/stats/prometheus" => metrics_reply(&registry),
-        _ => not_found(),
+    Arc::new(move |_, path| {
+        match path {
+            "/metrics" | "/stats/prometheus" => metrics_reply(&registry),
+            _ => not_found(),
+        }
+        .into()
     })
 }
 
@@ -46,46 +50,59 @@ pub(super) struct AdminView {
     pub pods: Arc<inpod::PodTable>,
     /// Of workloads that do not name theirs.
     pub trust_domain: String,
+    pub configured: Configured,
 }
 
-/// 15000 (localhost): config dump, log level, shutdown.
+/// What `GET /` lists.
+const INDEX: &str = "\
+/config_dump
+/logging[?level=<filter>] (POST to change)
+/debug/pprof/profile[?seconds=10&frequency=100] (CPU, pprof)
+/debug/pprof/heap/profiling[?activate=true|false] (heap sampling on or off)
+/debug/pprof/heap (heap, pprof; while sampling is on)
+/quitquitquit (POST)
+";
+
+/// 15000 (localhost): config dump, log level, profiles, shutdown.
 pub(super) fn admin(view: AdminView) -> Handler {
-    Arc::new(move |method, path| match (method, path) {
-        (&Method::POST, "/quitquitquit") => {
-            view.quit.notify_one();
-            (StatusCode::OK, TEXT, "shutting down\n".into())
-        }
-        (_, p) if p == "/logging" || p.starts_with("/logging?") => logging(method, p),
-        (_, "/config_dump") => (
-            StatusCode::OK,
-            JSON,
-            config_dump(
-                &view.state,
-                &view.certs,
-                &view.pool,
-                &view.pods,
-                &view.trust_domain,
-            ),
-        ),
-        (_, "/") => (
-            StatusCode::OK,
-            TEXT,
-            "/config_dump\n/logging[?level=<filter>] (POST to change)\n/quitquitquit (POST)\n"
+    Arc::new(move |method, path| {
+        let route = path.split_once('?').map_or(path, |(p, _)| p);
+        match (method, route) {
+            (&Method::POST, "/quitquitquit") => {
+                view.quit.notify_one();
+                (StatusCode::OK, TEXT, "shutting down\n".into())
+            }
+            (_, "/logging") => logging(method, path),
+            (_, "/config_dump") => (
+                StatusCode::OK,
+                JSON,
+                config_dump(
+                    &view.state,
+                    &view.certs,
+                    &view.pool,
+                    &view.pods,
+                    &view.trust_domain,
+                    &view.configured,
+                )
                 .into(),
-        ),
-        _ => not_found(),
+            ),
+            (&Method::GET, "/debug/pprof/profile") => return profile::cpu(path),
+            (&Method::GET, "/debug/pprof/heap") => return profile::heap(),
+            (_, "/debug/pprof/heap/profiling") => return profile::heap_profiling(path),
+            (_, "/") => (StatusCode::OK, TEXT, INDEX.into()),
+            _ => not_found(),
+        }
+        .into()
     })
 }
 
 /// `GET /logging` shows the filter; `POST /logging?level=<filter>` sets it.
 fn logging(method: &Method, path: &str) -> crate::sideport::Reply {
-    let level = path
-        .split_once('?')
-        .and_then(|(_, q)| q.split('&').find_map(|kv| kv.strip_prefix("level=")));
+    let level = profile::query(path, "level");
     match (method, level) {
         (&Method::POST, Some(level)) => match crate::logging::set(level) {
-            Ok(()) => (StatusCode::OK, TEXT, format!("level={level}\n")),
-            Err(e) => (StatusCode::BAD_REQUEST, TEXT, format!("{e}\n")),
+            Ok(()) => (StatusCode::OK, TEXT, format!("level={level}\n").into()),
+            Err(e) => (StatusCode::BAD_REQUEST, TEXT, format!("{e}\n").into()),
         },
         (&Method::POST, None) => (
             StatusCode::BAD_REQUEST,
@@ -95,7 +112,7 @@ fn logging(method: &Method, path: &str) -> crate::sideport::Reply {
         _ => (
             StatusCode::OK,
             TEXT,
-            format!("level={}\n", crate::logging::current()),
+            format!("level={}\n", crate::logging::current()).into(),
         ),
     }
 }

@@ -12,6 +12,7 @@ use prometheus_client::registry::Registry;
 use tokio::sync::mpsc;
 
 use super::admin::{self, AdminView};
+use super::config_dump::Configured;
 use super::hbone::H2Settings;
 use super::hostname::HostnameResolver;
 use super::pod::{self, Drain, DrainTrigger, SocketFactory};
@@ -277,6 +278,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         pool: pool.clone(),
         pods,
         trust_domain: cfg.trust_domain.clone(),
+        configured: Configured::of(&cfg),
     };
     sideport::serve(cfg.admin_addr, "admin", admin::admin(view))
         .await

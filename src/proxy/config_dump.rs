@@ -21,12 +21,29 @@ use crate::xds::types::{
 };
 use crate::xds::{State, StateHandle};
 
+/// What the dump says of the proxy's own configuration: the effective
+/// settings (fixed at start) and the local config file, if any.
+pub(super) struct Configured {
+    pub effective: Value,
+    pub local_file: Option<std::path::PathBuf>,
+}
+
+impl Configured {
+    pub fn of(cfg: &crate::config::ProxyConfig) -> Self {
+        Configured {
+            effective: config::effective(cfg),
+            local_file: cfg.local_xds_path.clone(),
+        }
+    }
+}
+
 pub(super) fn config_dump(
     state: &StateHandle,
     certs: &CertManager,
     pool: &pool::Pool,
     pods: &inpod::PodTable,
     trust_domain: &str,
+    configured: &Configured,
 ) -> String {
     let st = state.load();
     let mut workloads: Vec<_> = st.workloads().collect();
@@ -66,7 +83,8 @@ pub(super) fn config_dump(
         .map(|p| {
             let sa = p.identity.rsplit("/sa/").next().unwrap_or_default();
             let info = json!({"name": p.name, "namespace": p.namespace, "serviceAccount": sa});
-            (p.uid.clone(), json!({"state": "Up", "info": info}))
+            let state = json!({"state": "Up", "connections": p.open.dump(), "info": info});
+            (p.uid.clone(), state)
         })
         .collect();
     json!({
@@ -76,6 +94,8 @@ pub(super) fn config_dump(
         "certificates": held.iter().map(|(id, c)| certificate(&id.to_string(), &c.cert.chain, &c.cert.roots)).collect::<Vec<_>>(),
         "workloadState": workload_state,
         "version": version(),
+        "config": configured.effective,
+        "staticConfig": config::static_config(configured.local_file.as_deref()),
         "pool": {"open": pool.open(), "dials": pool.dials()},
         "pods": served,
         "refused": refused,
@@ -414,5 +434,6 @@ fn unix(t: SystemTime) -> u64 {
         .unwrap_or(0)
 }
 
+mod config;
 #[cfg(test)]
 mod tests;

@@ -23,6 +23,7 @@ use super::budget::{tell_windows, Reservation, BUDGET, STREAM_OPEN_COST, WINDOW_
 use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
+use super::open::Protocol;
 use super::outbound::original_dst;
 use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::reauth::{Authorized, Denied, Tracker};
@@ -388,6 +389,10 @@ impl Inbound {
         let Ok(send) = respond.send_response(Response::new(()), false) else {
             return;
         };
+        let listed = self
+            .pod
+            .open
+            .inbound(peer, None, auth.target, Protocol::Hbone);
         let tracked = self.tracker.track(auth);
         streams.spawn(
             &self.pod.life,
@@ -399,6 +404,7 @@ impl Inbound {
                 reserved,
                 tracked,
                 on_connection,
+                listed,
             }),
         );
     }
@@ -528,6 +534,7 @@ impl Inbound {
                 return;
             }
         };
+        let listed = self.pod.open.inbound(peer, None, target, Protocol::Tcp);
         let tracked = self.tracker.track(auth);
         let mut result = None;
         {
@@ -539,7 +546,7 @@ impl Inbound {
         // Cut short by a failure (not by policy, which closes at once): what
         // the sender still sends would go unread (see end_unserved).
         let copy_failed = matches!(result, Some((_, Err(_))));
-        drop((upstream, tracked));
+        drop((upstream, tracked, listed));
         let (t, res) = result.unwrap_or_else(|| {
             (
                 Transferred::default(),
@@ -733,6 +740,8 @@ struct Opened {
     tracked: super::reauth::Tracked,
     /// Keeps the connection from counting as idle while the stream lives.
     on_connection: OnConnection,
+    /// Listed among the pod's open connections while it lives.
+    listed: super::open::Listed,
 }
 
 /// Carries an opened stream until both directions end or policy revokes
@@ -771,7 +780,7 @@ fn carry(mut s: Opened) -> impl std::future::Future<Output = ()> + Send {
         // the fields it names, and the rest of `s` is dropped when `carry`
         // returns (the connection counted as idle while its streams were
         // carried, and was let go after the idle timeout mid-stream).
-        drop(s.on_connection);
+        drop((s.on_connection, s.listed));
     }
 }
 

@@ -55,6 +55,8 @@ pub struct PodView {
     pub netns: (u64, u64),
     /// When the proxy took the pod (Unix seconds).
     pub added_unix: u64,
+    /// Its connections open now.
+    pub open: Arc<super::open::OpenConnections>,
 }
 
 /// The pods this proxy serves, by uid. Dropping an entry drains the pod.
@@ -376,6 +378,7 @@ impl ZdsClient {
                     identity: pod.identity.to_string(),
                     ips: pod.ips.clone(),
                     netns: id,
+                    open: pod.open.clone(),
                     added_unix: std::time::SystemTime::now()
                         .duration_since(std::time::UNIX_EPOCH)
                         .map(|d| d.as_secs())

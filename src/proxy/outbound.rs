@@ -18,6 +18,7 @@ use super::copy::tcp_h2_bidirectional;
 use super::hbone::{ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
 use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
+use super::open::{Listed, Protocol};
 use super::pod::{end_unserved, limit_unsent, Own, PodRef, TLS_SEND_BUFFER};
 use super::pool::{Lease, Lifeline, Pool, PoolKey, PooledConn};
 use super::record::{ConnectionRecord, Direction};
@@ -150,6 +151,11 @@ impl Outbound {
         };
         let (record, e) = match self.open(peer, dst).await {
             Ok((record, upstream)) => {
+                let listed = match &upstream {
+                    Upstream::Hbone { target, .. } => (*target, Protocol::Hbone),
+                    Upstream::Plain { target, .. } => (*target, Protocol::Tcp),
+                };
+                let listed = self.pod.open.outbound(peer, dst, listed.0, listed.1);
                 // An HBONE stream is carried in its connection's task.
                 let streams = match &upstream {
                     Upstream::Hbone { lease, .. } => Some(lease.streams().clone()),
@@ -163,6 +169,7 @@ impl Outbound {
                     accepted_from,
                     cookie,
                     slot,
+                    listed,
                 });
                 match streams {
                     Some(streams) => streams.spawn(&self.pod.life, carried),
@@ -549,6 +556,8 @@ struct Carried {
     cookie: Option<u64>,
     /// The connection's place under the listener's cap, freed at its end.
     slot: CapSlot,
+    /// Listed among the pod's open connections while it lives.
+    listed: Listed,
 }
 
 /// Carries an opened connection until both directions end, then counts and
@@ -603,7 +612,7 @@ fn carry(mut c: Carried) -> impl std::future::Future<Output = ()> + Send {
         // the fields it names, and the rest of `c` is dropped when `carry`
         // returns (the cap's place was freed as carrying began, and the
         // listener's cap held only connections still being opened).
-        drop(c.slot);
+        drop((c.slot, c.listed));
     }
 }
 

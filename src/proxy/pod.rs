@@ -534,6 +534,8 @@ pub struct Pod {
     pub unlisted: Arc<Own>,
     /// What it last said of itself (see [`Pod::own`]).
     pub said: arc_swap::ArcSwap<Own>,
+    /// Its connections open now (the config dump's `connections`).
+    pub open: Arc<super::open::OpenConnections>,
 }
 
 pub type PodRef = Arc<Pod>;

@@ -144,6 +144,7 @@ impl ProxyShared {
                 .unwrap_or_else(|| self.network.clone()),
             unlisted,
             said,
+            open: Arc::default(),
             tls: self.certs.get(&identity).await?,
             lease: self.certs.lease(),
             identity,

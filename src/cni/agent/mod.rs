@@ -97,11 +97,14 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
     sideport::serve(
         cfg.readiness_addr,
         "agent_readiness",
-        Arc::new(move |_, path| match path {
-            "/healthz" => (StatusCode::OK, TEXT, "ok\n".into()),
-            "/readyz" if r.load(Ordering::Acquire) => (StatusCode::OK, TEXT, "ready\n".into()),
-            "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, TEXT, "not ready\n".into()),
-            _ => sideport::not_found(),
+        Arc::new(move |_, path| {
+            match path {
+                "/healthz" => (StatusCode::OK, TEXT, "ok\n".into()),
+                "/readyz" if r.load(Ordering::Acquire) => (StatusCode::OK, TEXT, "ready\n".into()),
+                "/readyz" => (StatusCode::SERVICE_UNAVAILABLE, TEXT, "not ready\n".into()),
+                _ => sideport::not_found(),
+            }
+            .into()
         }),
     )
     .await
@@ -229,9 +232,12 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
     sideport::serve(
         cfg.metrics_addr,
         "agent_metrics",
-        Arc::new(move |_, path| match path {
-            "/metrics" => sideport::metrics_reply(&registry),
-            _ => sideport::not_found(),
+        Arc::new(move |_, path| {
+            match path {
+                "/metrics" => sideport::metrics_reply(&registry),
+                _ => sideport::not_found(),
+            }
+            .into()
         }),
     )
     .await

@@ -164,8 +164,21 @@ fn local_certs() -> std::sync::Arc<CertManager> {
     )
 }
 
-/// The dump of `state` and `certs`, with an empty pool and no pods.
-fn dump_of(state: &StateHandle, certs: &CertManager) -> String {
+/// A dedicated proxy's configuration, from `env` over the defaults.
+fn proxy_config(env: &[(&str, &str)]) -> crate::config::ProxyConfig {
+    let cl = crate::config::CommandLine::parse(&[]).unwrap();
+    let layers = crate::config::Layers::resolve(crate::config::proxy::PROXY_KEYS, &cl, |k| {
+        env.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    })
+    .unwrap();
+    crate::config::ProxyConfig::from_layers(&layers).unwrap()
+}
+
+/// The dump of `state` and `certs`, with an empty pool and no pods, from
+/// a proxy configured by `env`.
+fn dump_with(state: &StateHandle, certs: &CertManager, env: &[(&str, &str)]) -> String {
     let pool = pool::Pool::new(100, 1, std::time::Duration::from_secs(60));
     config_dump(
         state,
@@ -173,6 +186,24 @@ fn dump_of(state: &StateHandle, certs: &CertManager) -> String {
         &pool,
         &inpod::PodTable::default(),
         "cluster.local",
+        &Configured::of(&proxy_config(env)),
+    )
+}
+
+/// [`dump_with`] a dedicated proxy's usual settings, and no local file.
+fn dump_of(state: &StateHandle, certs: &CertManager) -> String {
+    dump_with(
+        state,
+        certs,
+        &[
+            ("PROXY_MODE", "dedicated"),
+            ("PROXY_WORKLOAD_INFO", "shop/api-0/api"),
+            ("XDS_ADDRESS", "https://istiod.istio-system.svc:15012"),
+            ("CA_ADDRESS", "https://istiod.istio-system.svc:15012"),
+            ("XDS_ROOT_CA", "/var/run/secrets/istio/root-cert.pem"),
+            ("CA_ROOT_CA", "/var/run/secrets/istio/root-cert.pem"),
+            ("NODE_NAME", "node-a"),
+        ],
     )
 }
 
@@ -347,6 +378,85 @@ mod ztunnel {
         pub services: Vec<Service>,
         pub policies: Vec<Authorization>,
         pub version: BuildInfo,
+        pub config: Config,
+        pub static_config: LocalConfig,
+    }
+
+    /// ztunnel's `Address`: a socket address, or localhost on both
+    /// families (`[ipv6_enabled, port]`).
+    #[derive(Deserialize, Debug, PartialEq)]
+    pub enum Address {
+        Localhost(bool, u16),
+        SocketAddr(std::net::SocketAddr),
+    }
+
+    #[derive(Deserialize, Debug, PartialEq)]
+    pub enum RootCert {
+        File(std::path::PathBuf),
+        Default,
+    }
+
+    #[derive(Deserialize, Debug, PartialEq)]
+    pub enum ProxyMode {
+        Shared,
+        Dedicated,
+    }
+
+    #[derive(Deserialize, Debug, PartialEq)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct WorkloadInfo {
+        pub name: String,
+        pub namespace: String,
+        pub service_account: String,
+    }
+
+    /// ztunnel's `Config`, the fields Ambit shares with it, by ztunnel's
+    /// types (durations as serde writes them); Ambit's own under `ambit`.
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct Config {
+        pub proxy: bool,
+        pub dns_proxy: bool,
+        pub window_size: u32,
+        pub connection_window_size: u32,
+        pub frame_size: u32,
+        pub pool_max_streams_per_conn: u16,
+        pub pool_unused_release_timeout: std::time::Duration,
+        pub admin_addr: Address,
+        pub stats_addr: Address,
+        pub readiness_addr: Address,
+        pub inbound_addr: std::net::SocketAddr,
+        pub inbound_plaintext_addr: std::net::SocketAddr,
+        pub outbound_addr: std::net::SocketAddr,
+        pub dns_proxy_addr: Address,
+        pub network: String,
+        pub local_node: Option<String>,
+        pub proxy_mode: ProxyMode,
+        pub proxy_workload_information: Option<WorkloadInfo>,
+        pub cluster_id: String,
+        pub cluster_domain: String,
+        pub ca_address: Option<String>,
+        pub ca_root_cert: RootCert,
+        pub xds_address: Option<String>,
+        pub xds_root_cert: RootCert,
+        pub secret_ttl: std::time::Duration,
+        pub xds_on_demand: bool,
+        pub fake_ca: bool,
+        pub self_termination_deadline: std::time::Duration,
+        pub num_worker_threads: usize,
+        pub inpod_uds: std::path::PathBuf,
+        pub packet_mark: Option<u32>,
+        pub ipv6_enabled: bool,
+        pub crl_path: Option<std::path::PathBuf>,
+        pub ambit: serde_json::Value,
+    }
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct LocalConfig {
+        pub workloads: Vec<serde_json::Value>,
+        pub policies: Vec<serde_json::Value>,
+        pub services: Vec<serde_json::Value>,
     }
 
     #[derive(Deserialize)]
@@ -497,4 +607,74 @@ async fn the_dump_decodes_with_ztunnel_s_types_and_defaults() {
         dump.version.rust_version
     );
     assert_eq!(dump.version.crypto_provider, "aws-lc-rs");
+    let c = &dump.config;
+    assert_eq!(c.proxy_mode, ztunnel::ProxyMode::Dedicated);
+    assert_eq!(
+        c.proxy_workload_information,
+        Some(ztunnel::WorkloadInfo {
+            name: "api-0".into(),
+            namespace: "shop".into(),
+            service_account: "api".into()
+        })
+    );
+    assert_eq!(
+        c.admin_addr,
+        ztunnel::Address::SocketAddr("127.0.0.1:15000".parse().unwrap())
+    );
+    assert_eq!(
+        c.dns_proxy_addr,
+        ztunnel::Address::Localhost(c.ipv6_enabled, 15053)
+    );
+    assert_eq!(c.inbound_addr.port(), 15008);
+    assert_eq!(
+        c.xds_root_cert,
+        ztunnel::RootCert::File("/var/run/secrets/istio/root-cert.pem".into())
+    );
+    assert_eq!(c.local_node.as_deref(), Some("node-a"));
+    assert_eq!(c.secret_ttl, std::time::Duration::from_secs(24 * 3600));
+    assert_eq!(c.packet_mark, Some(1337));
+    assert_eq!(c.ambit["trustDomain"], "cluster.local");
+    assert!(dump.static_config.workloads.is_empty(), "no local file");
+}
+
+/// `staticConfig` is the local file's resources, ports keyed by string as
+/// ztunnel writes them; a file that stops reading leaves it empty.
+#[tokio::test]
+async fn static_config_is_the_local_file_s_resources() {
+    let dir = std::env::temp_dir().join(format!("ambit-static-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("mesh.yaml");
+    std::fs::write(
+        &file,
+        "workloads:\n- {uid: w1, name: w1, namespace: shop, workloadIps: [10.0.0.3], services: {\"shop/a.shop.svc.cluster.local\": {80: 8080}}}\nservices: []\n",
+    )
+    .unwrap();
+    let path = file.to_str().unwrap();
+    let certs = local_certs();
+    let text = dump_with(
+        &state(),
+        &certs,
+        &[
+            ("PROXY_WORKLOAD_INFO", "shop/w1/default"),
+            ("LOCAL_XDS_PATH", path),
+        ],
+    );
+    let dump: ztunnel::Dump = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+    let w = &dump.static_config.workloads[0];
+    assert_eq!(w["uid"], "w1");
+    assert_eq!(w["services"]["shop/a.shop.svc.cluster.local"]["80"], 8080);
+    assert!(dump.static_config.policies.is_empty());
+    assert_eq!(dump.config.ambit["localXdsPath"], path);
+    std::fs::write(&file, "workloads: [unclosed\n").unwrap();
+    let text = dump_with(
+        &state(),
+        &certs,
+        &[
+            ("PROXY_WORKLOAD_INFO", "shop/w1/default"),
+            ("LOCAL_XDS_PATH", path),
+        ],
+    );
+    let dump: ztunnel::Dump = serde_json::from_str(&text).unwrap();
+    assert!(dump.static_config.workloads.is_empty());
+    std::fs::remove_dir_all(&dir).unwrap();
 }
