@@ -24,6 +24,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let version = String::from_utf8_lossy(&out.stdout);
         println!("cargo:rustc-env=AMBIT_RUST_VERSION={}", version.trim());
     }
+    git_revision();
     let fds = protox::compile(protos, ["proto"])?;
     tonic_build::configure()
         .build_client(true)
@@ -44,5 +45,38 @@ fn order_hot_functions() {
             list.display()
         );
         println!("cargo:rustc-link-arg-bin=ambit=-Wl,--no-warn-symbol-ordering");
+    }
+}
+
+/// The commit built, for the config dump's `version.gitRevision`, when the
+/// source is a git checkout (an image built from a copy says `unknown`).
+/// Rebuilt when HEAD moves: the files that say where it points are watched
+/// (only those that exist: a missing one would rerun this every build).
+fn git_revision() {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+    };
+    let Some(rev) = git(&["rev-parse", "HEAD"]) else {
+        return;
+    };
+    println!("cargo:rustc-env=AMBIT_GIT_REVISION={rev}");
+    let mut watched = vec!["HEAD".to_string(), "packed-refs".to_string()];
+    if let Some(branch) = git(&["symbolic-ref", "-q", "HEAD"]) {
+        watched.push(branch);
+    }
+    for name in watched {
+        if let Some(path) = git(&["rev-parse", "--git-path", &name]) {
+            let path = std::path::Path::new(dir).join(path);
+            if path.exists() {
+                println!("cargo:rerun-if-changed={}", path.display());
+            }
+        }
     }
 }

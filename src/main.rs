@@ -25,13 +25,16 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 /// class: what a thread caches is not given back while the thread idles
 /// (up to ~0.5 MB per proxy after a bulk transfer), but 4 cost 3–4% of
 /// HBONE throughput and CPU per byte (docs/perf-log.md, 2026-12-05).
-/// The heap profiler is there but off (`prof_active:false`) until an
-/// operator turns it on at the admin port; when on, it samples once per
-/// 512 KiB allocated on average (`lg_prof_sample:19`, ztunnel's).
+/// jemalloc's heap profiler is built in but not armed: armed (`prof:true`,
+/// as ztunnel runs), every free checks whether its object was sampled,
+/// which cost 4–5% of the proxies' CPU per HBONE round trip and 6% of p50
+/// even with sampling off (docs/perf-log.md, 2026-12-05). A proxy started
+/// with `_RJEM_MALLOC_CONF=prof:true` has it, off until an operator turns
+/// it on at the admin port; it then samples once per 512 KiB allocated on
+/// average (`lg_prof_sample:19`, ztunnel's).
 #[export_name = "_rjem_malloc_conf"]
 static MALLOC_CONF: MallocConf = MallocConf(
-    c"narenas:1,dirty_decay_ms:2000,muzzy_decay_ms:0,prof:true,prof_active:false,lg_prof_sample:19"
-        .as_ptr(),
+    c"narenas:1,dirty_decay_ms:2000,muzzy_decay_ms:0,prof_active:false,lg_prof_sample:19".as_ptr(),
 );
 
 /// A C string pointer jemalloc reads once at start; never written.

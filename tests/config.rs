@@ -359,7 +359,17 @@ fn go_pprof(home: &std::path::Path, ns: &ambit::netns::Netns, args: &[&str], pat
 /// names the allocations that hold connections open.
 #[test]
 fn cpu_and_heap_profiles_from_the_admin_port_are_read_by_go_s_pprof() {
-    let (m, client, _server, echo) = common::meshed_pair("pprof");
+    // The client's proxy is started with jemalloc's profiler armed; the
+    // server's, as by default, without.
+    let (m, client, server, echo) =
+        common::meshed_pair_env("pprof", &[("_RJEM_MALLOC_CONF", "prof:true")], &[]);
+    let (status, body) =
+        ambit::lab::http_request_in(&server.ns, "GET", "127.0.0.1:15000", "/debug/pprof/heap")
+            .unwrap();
+    assert!(
+        status == 500 && body.contains("_RJEM_MALLOC_CONF=prof:true"),
+        "{status} {body}"
+    );
     let req = |method: &str, path: &str| {
         ambit::lab::http_request_in(&client.ns, method, "127.0.0.1:15000", path).unwrap()
     };

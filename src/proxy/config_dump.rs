@@ -108,7 +108,7 @@ pub(super) fn config_dump(
 fn version() -> Value {
     json!({
         "version": env!("CARGO_PKG_VERSION"),
-        "gitRevision": "unknown",
+        "gitRevision": option_env!("AMBIT_GIT_REVISION").unwrap_or("unknown"),
         "rustVersion": option_env!("AMBIT_RUST_VERSION").unwrap_or("unknown"),
         "buildProfile": if cfg!(debug_assertions) { "debug" } else { "release" },
         "buildStatus": "unknown",

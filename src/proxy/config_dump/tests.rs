@@ -607,6 +607,10 @@ async fn the_dump_decodes_with_ztunnel_s_types_and_defaults() {
         dump.version.rust_version
     );
     assert_eq!(dump.version.crypto_provider, "aws-lc-rs");
+    if let Some(rev) = option_env!("AMBIT_GIT_REVISION") {
+        assert!(rev.len() == 40 && rev.bytes().all(|b| b.is_ascii_hexdigit()));
+        assert_eq!(dump.version.git_revision, rev);
+    }
     let c = &dump.config;
     assert_eq!(c.proxy_mode, ztunnel::ProxyMode::Dedicated);
     assert_eq!(

@@ -7,8 +7,9 @@
 //!   SIGPROFs that fall together are delivered once). Nothing runs, and
 //!   nothing is paid, while no profile is being taken.
 //! - `/debug/pprof/heap/profiling?activate=true|false`: jemalloc's heap
-//!   sampling (one sample per 512 KiB allocated on average) on or off. It
-//!   is off from the start: the allocator pays one counter per allocation.
+//!   sampling (one sample per 512 KiB allocated on average) on or off, in
+//!   a proxy started with `_RJEM_MALLOC_CONF=prof:true` (off from the
+//!   start even then).
 //! - `/debug/pprof/heap`: what is live of what was sampled while it was on.
 
 use bytes::Bytes;
@@ -89,14 +90,15 @@ pub(super) fn cpu(path: &str) -> Answer {
     }))
 }
 
-/// jemalloc's profiling handle, when the process runs with it (`prof:true`
-/// in the binary's allocator settings; tests of the library do not).
+/// jemalloc's profiling handle, when the process was started with it
+/// (`_RJEM_MALLOC_CONF=prof:true`; see `MALLOC_CONF` in main.rs for why
+/// it is not armed by default).
 fn heap_control(
 ) -> Result<&'static std::sync::Arc<tokio::sync::Mutex<jemalloc_pprof::JemallocProfCtl>>, Reply> {
     jemalloc_pprof::PROF_CTL.as_ref().ok_or_else(|| {
         text(
             StatusCode::INTERNAL_SERVER_ERROR,
-            "heap profiling is not enabled in this process's allocator\n",
+            "heap profiling is not armed in this process: start the proxy with _RJEM_MALLOC_CONF=prof:true to allow it (armed, it costs ~5% CPU per round trip)\n",
         )
     })
 }
