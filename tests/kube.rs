@@ -407,3 +407,48 @@ fn the_agent_exits_within_its_grace_when_the_api_server_stops_answering() {
     assert!(has_plugin(&node));
     node.lab.stop("node");
 }
+
+/// A real API server ends every watch after a while (its
+/// `--min-request-timeout`, or the watch's `timeoutSeconds`), first with
+/// a BOOKMARK; the agent's client watches again from there and keeps
+/// seeing changes. Here watches end every second.
+#[test]
+fn the_agent_watches_again_each_time_the_api_server_ends_a_watch() {
+    let subnet = "10.123.0";
+    let mesh = format!(
+        "workloads:\n- {{name: s1, namespace: shop, serviceAccount: server-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n"
+    );
+    let (mut node, api) = kube_node("rewatch", subnet, &mesh);
+    api.cap_watches(Duration::from_secs(1));
+    api.put(Kind::Pod, pod("shop", "s1", "node-a", "server-sa"));
+    node.launch(true);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    let s1 = node.add_pod("s1", "shop").unwrap();
+    set_running(&api, "shop", &s1);
+    assert_eq!(istio_rules(&s1), 0, "a plain namespace's pod is left alone");
+    let watches = || {
+        api.requests()
+            .iter()
+            .filter(|r| r.starts_with("WATCH /api/v1/namespaces"))
+            .count()
+    };
+    wait_for(
+        "three namespace watches, each ended by the server",
+        &node,
+        || watches() >= 3,
+    );
+    // Relisting is what a client does after a 410, not after a watch that
+    // simply ended: it resumes from its last resourceVersion.
+    let lists = api
+        .requests()
+        .iter()
+        .filter(|r| r.starts_with("LIST /api/v1/namespaces"))
+        .count();
+    assert_eq!(lists, 1, "{:?}", api.requests());
+    api.update(Kind::Namespace, "", "shop", |o| {
+        o["metadata"]["labels"][MODE] = json!("ambient")
+    });
+    wait_for("s1 captured after the namespace flip", &node, || {
+        istio_rules(&s1) > 0
+    });
+}

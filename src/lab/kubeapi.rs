@@ -1,7 +1,13 @@
 //! A small in-process stand-in for the Kubernetes API server, for tests: it
 //! serves list and watch of pods and namespaces (with resourceVersions and a
-//! replayable history), single GETs, and merge patches on `pods/status`,
-//! which it records. [`FakeApi::expire_watches`] ends every open watch with
+//! replayable history), single GETs, and patches of pods and `pods/status`,
+//! which it records. Where the agent's client depends on it, it answers as
+//! kube-apiserver does: selectors it does not serve are 400 (`select`),
+//! lists page with `limit`/`continue`, watches end at `timeoutSeconds`
+//! (with a BOOKMARK first when asked for), an object that comes to match
+//! a watch's selector is ADDED to it and one that stops is DELETED, a
+//! DELETED event carries the deletion's resourceVersion, and a PATCH is
+//! applied as its content type says (`patch`). [`FakeApi::expire_watches`] ends every open watch with
 //! `410 Gone`, as an API server does when its watch cache has moved on;
 //! [`FakeApi::kill`] and [`FakeApi::start_again`] take it down and bring it
 //! back on the same address, as a killed and restarted API server.
@@ -23,6 +29,13 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::netns::Netns;
+
+mod patch;
+mod select;
+use select::Selector;
+
+#[cfg(test)]
+mod tests;
 
 /// The kinds the fake serves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -57,7 +70,7 @@ type Key = (Kind, String, String);
 
 struct Watch {
     kind: Kind,
-    node: Option<String>,
+    selector: Selector,
     tx: mpsc::UnboundedSender<Bytes>,
 }
 
@@ -67,7 +80,12 @@ struct Inner {
     /// Watches from before this resourceVersion get 410 Gone.
     oldest: u64,
     objects: BTreeMap<Key, Value>,
-    history: Vec<(u64, Kind, &'static str, Value)>,
+    /// Every change: its resourceVersion, kind, type, the object after it
+    /// and the object before it (a watch's selector may match one and not
+    /// the other).
+    history: Vec<(u64, Kind, &'static str, Value, Option<Value>)>,
+    /// No watch lasts longer (see [`FakeApi::cap_watches`]).
+    watch_cap: Option<std::time::Duration>,
     watches: Vec<Watch>,
     patches: Vec<(String, Value)>,
     requests: Vec<String>,
@@ -131,40 +149,41 @@ fn key_of(kind: Kind, obj: &Value) -> Key {
     )
 }
 
-fn node_of(obj: &Value) -> Option<&str> {
-    obj["spec"]["nodeName"].as_str()
-}
-
-/// RFC 7386 JSON merge patch.
-pub fn merge_patch(target: &mut Value, patch: &Value) {
-    let Some(fields) = patch.as_object() else {
-        *target = patch.clone();
-        return;
+/// The line a watch of `kind` with `selector` is sent for a change, if any:
+/// an object that comes to match is ADDED, one that stops matching is
+/// DELETED (as kube-apiserver's watch cache filters).
+fn watch_line(
+    kind: Kind,
+    selector: &Selector,
+    (k, typ, obj, before): (Kind, &str, &Value, Option<&Value>),
+) -> Option<Bytes> {
+    if k != kind {
+        return None;
+    }
+    let now = selector.matches(obj);
+    let was = before.is_some_and(|b| selector.matches(b));
+    let typ = match (typ, was, now) {
+        ("DELETED", _, true) => "DELETED",
+        ("DELETED", _, false) => return None,
+        (_, false, true) => "ADDED",
+        (t, true, true) => t,
+        (_, true, false) => "DELETED",
+        (_, false, false) => return None,
     };
-    if !target.is_object() {
-        *target = json!({});
-    }
-    for (k, v) in fields {
-        if v.is_null() {
-            if let Some(t) = target.as_object_mut() {
-                t.remove(k);
-            }
-        } else {
-            merge_patch(&mut target[k.as_str()], v);
-        }
-    }
+    Some(Bytes::from(
+        json!({"type": typ, "object": obj}).to_string() + "\n",
+    ))
 }
 
 impl Inner {
-    fn matches(w: &Watch, kind: Kind, obj: &Value) -> bool {
-        w.kind == kind && w.node.as_deref().is_none_or(|n| node_of(obj) == Some(n))
-    }
-
-    fn event(&mut self, kind: Kind, typ: &'static str, obj: Value) {
-        let line = Bytes::from(json!({"type": typ, "object": obj}).to_string() + "\n");
+    fn event(&mut self, kind: Kind, typ: &'static str, obj: Value, before: Option<Value>) {
+        let change = (kind, typ, &obj, before.as_ref());
         self.watches
-            .retain(|w| !Self::matches(w, kind, &obj) || w.tx.send(line.clone()).is_ok());
-        self.history.push((self.rv, kind, typ, obj));
+            .retain(|w| match watch_line(w.kind, &w.selector, change) {
+                Some(line) => w.tx.send(line).is_ok(),
+                None => !w.tx.is_closed(),
+            });
+        self.history.push((self.rv, kind, typ, obj, before));
     }
 
     fn put(&mut self, kind: Kind, mut obj: Value) {
@@ -173,13 +192,13 @@ impl Inner {
         obj["kind"] = json!(kind.name());
         obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
         let key = key_of(kind, &obj);
-        let typ = if self.objects.contains_key(&key) {
+        let before = self.objects.insert(key, obj.clone());
+        let typ = if before.is_some() {
             "MODIFIED"
         } else {
             "ADDED"
         };
-        self.objects.insert(key, obj.clone());
-        self.event(kind, typ, obj);
+        self.event(kind, typ, obj, before);
     }
 }
 
@@ -293,6 +312,73 @@ fn query(uri: &http::Uri) -> BTreeMap<String, String> {
 
 type Body = BoxBody<Bytes, Infallible>;
 
+/// A LIST: every object of `kind` the selector matches, in pages of
+/// `limit` when asked for, each page but the last with a `continue` token
+/// (this list's resourceVersion and where the next page starts). A token
+/// from before the server's oldest resourceVersion is 410 Gone, as after a
+/// compaction; one that does not read is 400.
+fn list(
+    inner: &Inner,
+    kind: Kind,
+    selector: &Selector,
+    q: &BTreeMap<String, String>,
+) -> Response<Body> {
+    let (rv, start) = match q.get("continue").filter(|c| !c.is_empty()) {
+        None => (inner.rv, 0),
+        Some(token) => {
+            let parsed = token
+                .strip_prefix("rv-")
+                .and_then(|t| t.split_once("-from-"))
+                .and_then(|(rv, at)| Some((rv.parse::<u64>().ok()?, at.parse::<usize>().ok()?)));
+            match parsed {
+                Some((rv, _)) if rv < inner.oldest => {
+                    return reply(
+                        StatusCode::GONE,
+                        &status(
+                            StatusCode::GONE,
+                            "Expired",
+                            "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+                        ),
+                    )
+                }
+                Some(at) => at,
+                None => {
+                    return reply(
+                        StatusCode::BAD_REQUEST,
+                        &status(StatusCode::BAD_REQUEST, "BadRequest", "continue key is not valid"),
+                    )
+                }
+            }
+        }
+    };
+    let limit = q
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .filter(|l| *l > 0)
+        .unwrap_or(usize::MAX);
+    let matching: Vec<&Value> = inner
+        .objects
+        .iter()
+        .filter(|((k, _, _), o)| *k == kind && selector.matches(o))
+        .map(|(_, o)| o)
+        .collect();
+    let page: Vec<Value> = matching
+        .iter()
+        .skip(start)
+        .take(limit)
+        .map(|o| (*o).clone())
+        .collect();
+    let next = start.saturating_add(page.len());
+    let mut metadata = json!({"resourceVersion": rv.to_string()});
+    if next < matching.len() {
+        metadata["continue"] = json!(format!("rv-{rv}-from-{next}"));
+        metadata["remainingItemCount"] = json!(matching.len() - next);
+    }
+    let list = json!({"kind": format!("{}List", kind.name()), "apiVersion": kind.api_version(),
+                      "metadata": metadata, "items": page});
+    reply(StatusCode::OK, &list)
+}
+
 fn reply(code: StatusCode, v: &Value) -> Response<Body> {
     Response::builder()
         .status(code)
@@ -325,7 +411,7 @@ fn serve_on(listener: std::net::TcpListener, state: Arc<Mutex<Inner>>) -> std::i
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         let state = state.clone();
-                        async move { Ok::<_, Infallible>(serve(&state, req).await) }
+                        async move { Ok::<_, Infallible>(serve(state, req).await) }
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), svc)
@@ -416,9 +502,13 @@ impl FakeApi {
     /// Deletes an object; watchers see DELETED.
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) {
         let mut inner = self.lock();
-        if let Some(obj) = inner.objects.remove(&key(kind, namespace, name)) {
+        if let Some(mut obj) = inner.objects.remove(&key(kind, namespace, name)) {
+            // The event carries the deletion's resourceVersion, as the API
+            // server's: a watch resumed from it does not see it again.
             inner.rv += 1;
-            inner.event(kind, "DELETED", obj);
+            obj["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
+            let before = Some(obj.clone());
+            inner.event(kind, "DELETED", obj, before);
         }
     }
 
@@ -471,6 +561,13 @@ impl FakeApi {
         self.lock().tokens.len()
     }
 
+    /// From now on no watch lasts longer than `cap`, whatever its
+    /// `timeoutSeconds` (a real server ends watches after its
+    /// `--min-request-timeout`, 30 to 60 minutes): clients must watch again.
+    pub fn cap_watches(&self, cap: std::time::Duration) {
+        self.lock().watch_cap = Some(cap);
+    }
+
     /// From now on every request for one object (GET, PATCH) is read,
     /// recorded and never answered, as from a wedged API server; lists and
     /// watches, open or new, still serve, so the client sees changes and
@@ -495,7 +592,7 @@ impl FakeApi {
     }
 }
 
-async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
+async fn serve(state: Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<Body> {
     let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
     let refusing = lock().refusing;
     if let Some(code) = refusing {
@@ -539,30 +636,30 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
         _ => None,
     };
     if let (Some(kind), &Method::GET) = (kind, req.method()) {
-        let node = q
-            .get("fieldSelector")
-            .and_then(|f| f.strip_prefix("spec.nodeName="))
-            .map(String::from);
+        let selector = match Selector::parse(
+            kind,
+            q.get("fieldSelector").map(String::as_str),
+            q.get("labelSelector").map(String::as_str),
+        ) {
+            Ok(s) => s,
+            Err(message) => {
+                lock().requests.push(format!("BAD {path}: {message}"));
+                return reply(
+                    StatusCode::BAD_REQUEST,
+                    &status(StatusCode::BAD_REQUEST, "BadRequest", &message),
+                );
+            }
+        };
         let mut inner = lock();
         let verb = if watch { "WATCH" } else { "LIST" };
         // The node a request is scoped to is part of what it asked for.
-        let scope = node
-            .as_deref()
+        let scope = selector
+            .node()
             .map(|n| format!(" node={n}"))
             .unwrap_or_default();
         inner.requests.push(format!("{verb} {path}{scope}"));
         if !watch {
-            let items: Vec<Value> = inner
-                .objects
-                .iter()
-                .filter(|((k, _, _), o)| {
-                    *k == kind && node.as_deref().is_none_or(|n| node_of(o) == Some(n))
-                })
-                .map(|(_, o)| o.clone())
-                .collect();
-            let list = json!({"kind": format!("{}List", kind.name()), "apiVersion": "v1",
-                              "metadata": {"resourceVersion": inner.rv.to_string()}, "items": items});
-            return reply(StatusCode::OK, &list);
+            return list(&inner, kind, &selector, &q);
         }
         let from: u64 = q
             .get("resourceVersion")
@@ -575,21 +672,51 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
                 json!({"type": "ERROR", "object": gone}).to_string() + "\n",
             ));
         } else {
-            let w = Watch { kind, node, tx };
-            for (rv, k, typ, obj) in &inner.history {
-                if *rv > from && Inner::matches(&w, *k, obj) {
-                    let _ = w.tx.send(Bytes::from(
-                        json!({"type": typ, "object": obj}).to_string() + "\n",
-                    ));
+            for (rv, k, typ, obj, before) in &inner.history {
+                if *rv > from {
+                    if let Some(line) = watch_line(kind, &selector, (*k, typ, obj, before.as_ref()))
+                    {
+                        let _ = tx.send(line);
+                    }
                 }
             }
-            inner.watches.push(w);
+            inner.watches.push(Watch { kind, selector, tx });
         }
+        // It ends at `timeoutSeconds` (or the server's cap), first with a
+        // BOOKMARK of where it got to when bookmarks were asked for.
+        let asked = q
+            .get("timeoutSeconds")
+            .and_then(|t| t.parse::<u64>().ok())
+            .map(std::time::Duration::from_secs);
+        let ends = match (asked, inner.watch_cap) {
+            (Some(a), Some(c)) => Some(a.min(c)),
+            (a, c) => a.or(c),
+        }
+        .map(|d| tokio::time::Instant::now() + d);
+        let bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
+        let bookmark = bookmarks.then(|| (state.clone(), kind));
         drop(inner);
-        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv()
-                .await
-                .map(|b| (Ok::<_, Infallible>(Frame::data(b)), rx))
+        let stream = futures_util::stream::unfold(Some((rx, ends, bookmark)), |open| async move {
+            let (mut rx, ends, bookmark) = open?;
+            let next = match ends {
+                Some(at) => tokio::time::timeout_at(at, rx.recv()).await.ok(),
+                None => Some(rx.recv().await),
+            };
+            match next {
+                Some(Some(line)) => Some((
+                    Ok::<_, Infallible>(Frame::data(line)),
+                    Some((rx, ends, bookmark)),
+                )),
+                Some(None) => None,
+                None => {
+                    let (state, kind) = bookmark?;
+                    let rv = state.lock().unwrap_or_else(|e| e.into_inner()).rv;
+                    let line = json!({"type": "BOOKMARK", "object": {
+                        "kind": kind.name(), "apiVersion": kind.api_version(),
+                        "metadata": {"resourceVersion": rv.to_string()}}});
+                    Some((Ok(Frame::data(Bytes::from(line.to_string() + "\n"))), None))
+                }
+            }
         });
         return Response::builder()
             .header("content-type", "application/json")
@@ -615,6 +742,11 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
         );
     };
     let method = req.method().clone();
+    let content_type = req
+        .headers()
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => Bytes::new(),
@@ -637,20 +769,21 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
     };
     match method {
         Method::GET => reply(StatusCode::OK, &obj),
-        Method::PATCH if path.ends_with("/status") => {
-            let Ok(patch) = serde_json::from_slice::<Value>(&body) else {
-                return reply(
-                    StatusCode::BAD_REQUEST,
-                    &status(StatusCode::BAD_REQUEST, "BadRequest", "patch is not JSON"),
-                );
-            };
-            inner
-                .patches
-                .push((format!("{}/{}", key.1, key.2), patch.clone()));
-            let mut updated = obj;
-            merge_patch(&mut updated, &patch);
-            inner.put(Kind::Pod, updated.clone());
-            reply(StatusCode::OK, &updated)
+        Method::PATCH if key.0 == Kind::Pod => {
+            let content_type = content_type.unwrap_or_default();
+            let subresource = path.ends_with("/status");
+            match patch::apply(&obj, &content_type, &body, subresource) {
+                Ok(updated) => {
+                    let recorded = serde_json::from_slice::<Value>(&body).unwrap_or_default();
+                    inner
+                        .patches
+                        .push((format!("{}/{}", key.1, key.2), recorded));
+                    inner.put(Kind::Pod, updated.clone());
+                    let stored = inner.objects.get(&key).cloned().unwrap_or(updated);
+                    reply(StatusCode::OK, &stored)
+                }
+                Err((code, reason, message)) => reply(code, &status(code, reason, &message)),
+            }
         }
         _ => reply(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -660,23 +793,5 @@ async fn serve(state: &Mutex<Inner>, req: Request<Incoming>) -> Response<Body> {
                 "not served",
             ),
         ),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn merge_patch_sets_and_removes_keys() {
-        let mut v = json!({"metadata": {"annotations": {"a": "1", "b": "2"}}});
-        merge_patch(
-            &mut v,
-            &json!({"metadata": {"annotations": {"a": null, "c": "3"}}}),
-        );
-        assert_eq!(
-            v,
-            json!({"metadata": {"annotations": {"b": "2", "c": "3"}}})
-        );
     }
 }
