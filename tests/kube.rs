@@ -10,7 +10,10 @@ use std::time::{Duration, Instant};
 use ambit::lab::kubeapi::{FakeApi, Kind};
 use ambit::lab::node::Node;
 use ambit::lab::{connect_from, echo_roundtrip, iptables_save, istio_rules, EchoServer};
-use common::kube::{annotated, kube_node, pod, set_running, wait_for, MODE, REDIRECTION};
+use common::kube::{
+    annotated, kube_node, pod, served_objects_pass_the_schemas, set_running, wait_for, MODE,
+    REDIRECTION,
+};
 use serde_json::json;
 
 fn has_plugin(node: &Node) -> bool {
@@ -222,6 +225,22 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     api.put(Kind::Pod, pod("plain", "p4", "node-a", "default"));
     let err = node.add_pod("p4", "plain").unwrap_err();
     assert!(err.contains("could not say"), "{err}");
+
+    // What the stand-in served all along, with what the agent's patches
+    // left (s1 was annotated by the agent), is what a real server serves.
+    served_objects_pass_the_schemas(
+        &api,
+        &node.dir,
+        &[
+            (Kind::Namespace, "", "mesh"),
+            (Kind::Namespace, "", "shop"),
+            (Kind::Pod, "shop", "s1"),
+            (Kind::Pod, "mesh", "d1"),
+            (Kind::Pod, "plain", "p3"),
+            (Kind::DaemonSet, "istio-system", "ambit"),
+            (Kind::Node, "", "node-a"),
+        ],
+    );
 }
 
 #[test]

@@ -201,7 +201,7 @@ pub static PROXY_KEYS: &[Key] = &[
         name: "admin_addr",
         env: &["AMBIT_ADMIN_ADDR"],
         default: "127.0.0.1:15000",
-        help: "admin server (/config_dump, /quitquitquit)",
+        help: "admin server (/config_dump, /logging, /debug/pprof/*, /quitquitquit)",
     },
     Key {
         name: "metrics_addr",

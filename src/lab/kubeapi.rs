@@ -176,6 +176,33 @@ fn watch_line(
 }
 
 impl Inner {
+    /// Marks an object as being deleted (once; a second deletion changes
+    /// nothing, as on a real server). Returns the object as stored.
+    fn terminate(&mut self, key: &Key, grace_seconds: u64) -> Option<Value> {
+        let mut obj = self.objects.get(key).cloned()?;
+        if obj["metadata"].get("deletionTimestamp").is_none() {
+            let at = k8s_openapi::jiff::Timestamp::now()
+                + k8s_openapi::jiff::SignedDuration::from_secs(grace_seconds as i64);
+            obj["metadata"]["deletionTimestamp"] =
+                json!(at.strftime("%Y-%m-%dT%H:%M:%SZ").to_string());
+            obj["metadata"]["deletionGracePeriodSeconds"] = json!(grace_seconds);
+            self.put(key.0, obj);
+        }
+        self.objects.get(key).cloned()
+    }
+
+    /// Removes an object; the DELETED event carries the deletion's
+    /// resourceVersion, as the API server's: a watch resumed from it does
+    /// not see it again.
+    fn remove(&mut self, key: &Key) -> Option<Value> {
+        let mut obj = self.objects.remove(key)?;
+        self.rv += 1;
+        obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+        let before = Some(obj.clone());
+        self.event(key.0, "DELETED", obj.clone(), before);
+        Some(obj)
+    }
+
     fn event(&mut self, kind: Kind, typ: &'static str, obj: Value, before: Option<Value>) {
         let change = (kind, typ, &obj, before.as_ref());
         self.watches
@@ -499,17 +526,18 @@ impl FakeApi {
         inner.put(kind, obj);
     }
 
+    /// Starts a graceful deletion, as `kubectl delete pod` does: the object
+    /// stays, with `deletionTimestamp` and `deletionGracePeriodSeconds`
+    /// set (watchers see MODIFIED), until [`FakeApi::delete`] removes it,
+    /// as the kubelet does once the pod's containers have stopped.
+    pub fn delete_gracefully(&self, kind: Kind, namespace: &str, name: &str, grace_seconds: u64) {
+        self.lock()
+            .terminate(&key(kind, namespace, name), grace_seconds);
+    }
+
     /// Deletes an object; watchers see DELETED.
     pub fn delete(&self, kind: Kind, namespace: &str, name: &str) {
-        let mut inner = self.lock();
-        if let Some(mut obj) = inner.objects.remove(&key(kind, namespace, name)) {
-            // The event carries the deletion's resourceVersion, as the API
-            // server's: a watch resumed from it does not see it again.
-            inner.rv += 1;
-            obj["metadata"]["resourceVersion"] = json!(inner.rv.to_string());
-            let before = Some(obj.clone());
-            inner.event(kind, "DELETED", obj, before);
-        }
+        self.lock().remove(&key(kind, namespace, name));
     }
 
     /// The stored object.
@@ -769,6 +797,23 @@ async fn serve(state: Arc<Mutex<Inner>>, req: Request<Incoming>) -> Response<Bod
     };
     match method {
         Method::GET => reply(StatusCode::OK, &obj),
+        // A pod is deleted gracefully (30 s unless the request's
+        // DeleteOptions say otherwise): it stays, terminating, until the
+        // kubelet (the test: FakeApi::delete) removes it. Grace 0 removes
+        // it at once.
+        Method::DELETE if key.0 == Kind::Pod && !path.ends_with("/status") => {
+            let grace = serde_json::from_slice::<Value>(&body)
+                .ok()
+                .and_then(|o| o["gracePeriodSeconds"].as_u64())
+                .or_else(|| q.get("gracePeriodSeconds").and_then(|g| g.parse().ok()))
+                .unwrap_or(30);
+            if grace == 0 {
+                let gone = inner.remove(&key).unwrap_or(obj);
+                return reply(StatusCode::OK, &gone);
+            }
+            let terminating = inner.terminate(&key, grace).unwrap_or(obj);
+            reply(StatusCode::OK, &terminating)
+        }
         Method::PATCH if key.0 == Kind::Pod => {
             let content_type = content_type.unwrap_or_default();
             let subresource = path.ends_with("/status");

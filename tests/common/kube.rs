@@ -147,3 +147,36 @@ pub fn enrolled_as(node: &Node, api: &FakeApi, ns: &str, pod: &LabPod, enrolled:
 pub fn ip_rule_in(pod: &LabPod) -> bool {
     stdout_in(&pod.ns, "ip", &["rule", "list"]).contains("lookup 100")
 }
+
+/// Checks what the stand-in serves against the Kubernetes OpenAPI schemas
+/// of the chart's oldest version (`kubernetes-validate --strict`, unknown
+/// fields refused): the objects the agent reads, and what its patches
+/// left, are shaped as a real API server's would be.
+pub fn served_objects_pass_the_schemas(
+    api: &FakeApi,
+    dir: &std::path::Path,
+    objects: &[(Kind, &str, &str)],
+) {
+    let docs: Vec<String> = objects
+        .iter()
+        .map(|(kind, ns, name)| {
+            let obj = api
+                .get(*kind, ns, name)
+                .unwrap_or_else(|| panic!("the stand-in has no {kind:?} {ns}/{name}"));
+            obj.to_string()
+        })
+        .collect();
+    let file = dir.join("served.yaml");
+    std::fs::write(&file, docs.join("\n---\n")).unwrap();
+    let out = std::process::Command::new("kubernetes-validate")
+        .args(["--strict", "-k", "1.30.0"])
+        .arg(&file)
+        .output()
+        .expect("kubernetes-validate runs (.ci/install-deps installs it)");
+    assert!(
+        out.status.success(),
+        "served objects fail the Kubernetes 1.30 schemas:\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -244,3 +244,57 @@ fn a_patch_is_applied_as_its_content_type_says_and_status_keeps_the_spec() {
         (415, Some("UnsupportedMediaType"))
     );
 }
+
+/// `DELETE` of a pod is graceful: it stays, terminating, with its
+/// deletion time set, until it is removed; grace 0 removes it at once.
+#[test]
+fn a_pod_is_deleted_gracefully_first() {
+    let api = api();
+    api.put(Kind::Pod, pod("a", Some("n1"), "web"));
+    api.put(Kind::Pod, pod("b", Some("n1"), "web"));
+    let (code, docs) = call(
+        &api,
+        "DELETE",
+        "/api/v1/namespaces/default/pods/a",
+        "application/json",
+        b"",
+    );
+    assert_eq!(code, 200);
+    assert_eq!(docs[0]["metadata"]["deletionGracePeriodSeconds"], 30);
+    let stored = api
+        .get(Kind::Pod, "default", "a")
+        .expect("still there, terminating");
+    assert!(
+        stored["metadata"]["deletionTimestamp"].is_string(),
+        "{stored}"
+    );
+    let (code, _) = call(
+        &api,
+        "DELETE",
+        "/api/v1/namespaces/default/pods/b",
+        "application/json",
+        br#"{"kind": "DeleteOptions", "apiVersion": "v1", "gracePeriodSeconds": 0}"#,
+    );
+    assert_eq!(code, 200);
+    assert!(api.get(Kind::Pod, "default", "b").is_none());
+    // A watch from before sees the terminating pod MODIFIED, then DELETED
+    // once it is removed.
+    api.delete(Kind::Pod, "default", "a");
+    let (_, events) = get(
+        &api,
+        "/api/v1/pods?watch=true&resourceVersion=2&timeoutSeconds=1",
+    );
+    let seen: Vec<(&str, &str)> = events
+        .iter()
+        .map(|e| {
+            (
+                e["type"].as_str().unwrap(),
+                e["object"]["metadata"]["name"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        vec![("MODIFIED", "a"), ("DELETED", "b"), ("DELETED", "a")]
+    );
+}
