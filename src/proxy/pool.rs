@@ -18,7 +18,11 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// tokio's clock (the system's, outside tests): the pool's timing tests
+// run on a paused clock, with no real waits.
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use h2::client::SendRequest;

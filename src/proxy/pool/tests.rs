@@ -53,7 +53,9 @@ async fn h2_conn_watched() -> (Arc<PooledConn>, tokio::sync::oneshot::Receiver<b
     (PooledConn::new(sender, lifeline, streams), rx)
 }
 
-#[tokio::test]
+// On a paused clock: a wait ends when every task is idle, so "nothing
+// happened meanwhile" is exact, and no real time passes.
+#[tokio::test(start_paused = true)]
 async fn drain_closes_idle_connections_and_busy_ones_after_their_streams() {
     let pool = Pool::new(100, 1, Duration::from_secs(60));
     let (idle, idle_end) = h2_conn_watched().await;
@@ -110,7 +112,9 @@ async fn burst_dials_once_and_reuses() {
     assert_eq!(pool.open(), 1);
 }
 
-#[tokio::test]
+// On a paused clock: a wait ends when every task is idle, so "nothing
+// happened meanwhile" is exact, and no real time passes.
+#[tokio::test(start_paused = true)]
 async fn a_stalled_dial_holds_later_callers_only_for_the_join_wait() {
     let pool = Pool::new(100, 1, Duration::from_secs(60));
     let stalled = {
@@ -296,7 +300,9 @@ async fn a_dial_to_spread_that_fails_or_stalls_leaves_its_stream_on_the_open_con
     }
 }
 
-#[tokio::test]
+// On a paused clock: a wait ends when every task is idle, so "nothing
+// happened meanwhile" is exact, and no real time passes.
+#[tokio::test(start_paused = true)]
 async fn callers_waiting_for_a_dial_that_fails_dial_on_their_own() {
     let pool = Pool::new(100, 1, Duration::from_secs(60));
     let failing = {
@@ -322,7 +328,9 @@ async fn callers_waiting_for_a_dial_that_fails_dial_on_their_own() {
     assert_eq!(pool.dials(), 1);
 }
 
-#[tokio::test]
+// On a paused clock: a wait ends when every task is idle, so "nothing
+// happened meanwhile" is exact, and no real time passes.
+#[tokio::test(start_paused = true)]
 async fn full_connection_gets_a_sibling_and_idle_ones_are_evicted() {
     let pool = Pool::new(2, 1, Duration::from_millis(50));
     let mut leases = Vec::new();
