@@ -123,6 +123,9 @@ pub struct FakeApi {
     ns: Netns,
     /// The serving thread, while the server is up.
     server: Mutex<Option<Server>>,
+    /// Served over TLS, as a real API server: its certificate for
+    /// 127.0.0.1, and the CA bundle (PEM) that signed it.
+    tls: Option<(Arc<rustls::ServerConfig>, String)>,
 }
 
 /// The thread serving one listener, and how to stop it.
@@ -416,7 +419,11 @@ fn reply(code: StatusCode, v: &Value) -> Response<Body> {
 
 /// Serves `listener` on a thread of its own until told to stop; stopping
 /// drops the listener and every connection with the thread's runtime.
-fn serve_on(listener: std::net::TcpListener, state: Arc<Mutex<Inner>>) -> std::io::Result<Server> {
+fn serve_on(
+    listener: std::net::TcpListener,
+    state: Arc<Mutex<Inner>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+) -> std::io::Result<Server> {
     listener.set_nonblocking(true)?;
     let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
     let thread = std::thread::spawn(move || {
@@ -435,14 +442,26 @@ fn serve_on(listener: std::net::TcpListener, state: Arc<Mutex<Inner>>) -> std::i
                     },
                 };
                 let state = state.clone();
+                let tls = tls.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req| {
                         let state = state.clone();
                         async move { Ok::<_, Infallible>(serve(state, req).await) }
                     });
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
+                    let http = hyper::server::conn::http1::Builder::new();
+                    match tls {
+                        // A client that does not trust the CA never gets a request in.
+                        Some(config) => {
+                            if let Ok(stream) =
+                                tokio_rustls::TlsAcceptor::from(config).accept(stream).await
+                            {
+                                let _ = http.serve_connection(TokioIo::new(stream), svc).await;
+                            }
+                        }
+                        None => {
+                            let _ = http.serve_connection(TokioIo::new(stream), svc).await;
+                        }
+                    }
                 });
             }
         });
@@ -452,17 +471,48 @@ fn serve_on(listener: std::net::TcpListener, state: Arc<Mutex<Inner>>) -> std::i
 }
 
 impl FakeApi {
-    /// Starts the server on 127.0.0.1 inside `ns` (where the agent runs).
+    /// Starts the server on 127.0.0.1 inside `ns` (where the agent runs),
+    /// in plain HTTP.
     pub fn start(ns: &Netns) -> std::io::Result<FakeApi> {
+        Self::start_with(ns, None)
+    }
+
+    /// Starts it over TLS, as a real API server serves: a certificate for
+    /// 127.0.0.1 from a CA of its own, whose bundle the kubeconfig carries
+    /// (`certificate-authority-data`).
+    pub fn start_tls(ns: &Netns) -> std::io::Result<FakeApi> {
+        let ca = crate::identity::LocalCa::generate_serving().map_err(std::io::Error::other)?;
+        let cert = ca
+            .issue_server(
+                &["127.0.0.1".to_string()],
+                std::time::Duration::from_secs(86400),
+            )
+            .map_err(std::io::Error::other)?;
+        let mut config =
+            rustls::ServerConfig::builder_with_provider(crate::identity::tls::provider())
+                .with_safe_default_protocol_versions()
+                .map_err(std::io::Error::other)?
+                .with_no_client_auth()
+                .with_single_cert(cert.chain.clone(), cert.private_key())
+                .map_err(std::io::Error::other)?;
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Self::start_with(ns, Some((Arc::new(config), ca.root_pem().to_string())))
+    }
+
+    fn start_with(
+        ns: &Netns,
+        tls: Option<(Arc<rustls::ServerConfig>, String)>,
+    ) -> std::io::Result<FakeApi> {
         let listener = ns.run(|| std::net::TcpListener::bind("127.0.0.1:0"))??;
         let addr = listener.local_addr()?;
         let inner = Arc::new(Mutex::new(Inner::default()));
-        let server = serve_on(listener, inner.clone())?;
+        let server = serve_on(listener, inner.clone(), tls.as_ref().map(|t| t.0.clone()))?;
         Ok(FakeApi {
             addr,
             inner,
             ns: ns.clone(),
             server: Mutex::new(Some(server)),
+            tls,
         })
     }
 
@@ -494,7 +544,8 @@ impl FakeApi {
             let mut inner = self.lock();
             inner.oldest = inner.rv;
         }
-        *server = Some(serve_on(listener, self.inner.clone())?);
+        let tls = self.tls.as_ref().map(|t| t.0.clone());
+        *server = Some(serve_on(listener, self.inner.clone(), tls)?);
         Ok(())
     }
 
@@ -502,11 +553,20 @@ impl FakeApi {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// A kubeconfig pointing at this server (with a token, as in a cluster).
+    /// A kubeconfig pointing at this server (with a token, as in a cluster,
+    /// and over TLS the CA bundle, as `certificate-authority-data`).
     pub fn write_kubeconfig(&self, path: &Path) -> std::io::Result<()> {
+        use base64::Engine;
+        let cluster = match &self.tls {
+            Some((_, ca)) => format!(
+                "server: https://{}\n    certificate-authority-data: {}",
+                self.addr,
+                base64::engine::general_purpose::STANDARD.encode(ca)
+            ),
+            None => format!("server: http://{}", self.addr),
+        };
         let text = format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: http://{}\nusers:\n- name: agent\n  user:\n    token: fake-token\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: agent\ncurrent-context: fake\n",
-            self.addr
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    {cluster}\nusers:\n- name: agent\n  user:\n    token: fake-token\ncontexts:\n- name: fake\n  context:\n    cluster: fake\n    user: agent\ncurrent-context: fake\n"
         );
         std::fs::write(path, text)
     }

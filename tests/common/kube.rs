@@ -97,7 +97,9 @@ fn agent_objects(api: &FakeApi) {
 /// and `shop`, `istio-system` and `plain` not.
 pub fn kube_node(tag: &str, subnet: &str, mesh: &str) -> (Node, FakeApi) {
     let mut node = Node::prepare(BIN, tag, "kubernetes", subnet, mesh, None);
-    let api = FakeApi::start(&node.lab.node).unwrap();
+    // Over TLS with a CA bundle, as a real API server: the agent's and the
+    // plugin's clients (both kube-rs) get the CA from their kubeconfigs.
+    let api = FakeApi::start_tls(&node.lab.node).unwrap();
     let kubeconfig = node.dir.join("kubeconfig");
     api.write_kubeconfig(&kubeconfig).unwrap();
     node.extra_env.extend(

@@ -298,3 +298,44 @@ fn a_pod_is_deleted_gracefully_first() {
         vec![("MODIFIED", "a"), ("DELETED", "b"), ("DELETED", "a")]
     );
 }
+
+/// Over TLS, a client with the kubeconfig's CA bundle is served; one
+/// without it, or in plain HTTP, is not.
+#[tokio::test]
+async fn over_tls_only_a_client_with_the_ca_bundle_is_served() {
+    use k8s_openapi::api::core::v1::Namespace;
+    let api = FakeApi::start_tls(&Netns::current().unwrap()).unwrap();
+    api.put(Kind::Namespace, json!({"metadata": {"name": "mesh"}}));
+    let dir = std::env::temp_dir().join(format!("ambit-kubeapi-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("kubeconfig");
+    api.write_kubeconfig(&path).unwrap();
+    let client = |path: std::path::PathBuf| async move {
+        let kubeconfig = kube::config::Kubeconfig::read_from(&path).unwrap();
+        let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+            .await
+            .unwrap();
+        kube::Api::<Namespace>::all(kube::Client::try_from(config).unwrap())
+    };
+    let ns = client(path.clone()).await.get("mesh").await.unwrap();
+    assert_eq!(ns.metadata.name.as_deref(), Some("mesh"));
+    let text = std::fs::read_to_string(&path).unwrap();
+    let without_ca: String = text
+        .lines()
+        .filter(|l| !l.contains("certificate-authority-data"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let untrusting = dir.join("kubeconfig-without-ca");
+    std::fs::write(&untrusting, without_ca).unwrap();
+    let refused = client(untrusting).await.get("mesh").await;
+    assert!(refused.is_err(), "a client without the CA was served");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // Plain HTTP gets no answer from a TLS server.
+    let mut s = std::net::TcpStream::connect(api.addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(b"GET /api/v1/namespaces HTTP/1.1\r\nhost: k\r\nconnection: close\r\n\r\n")
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    assert!(!String::from_utf8_lossy(&out).contains("HTTP/1.1 200"));
+}
