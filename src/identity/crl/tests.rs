@@ -11,13 +11,37 @@ fn issue(ca: &LocalCa, sa: &str) -> WorkloadCert {
         .unwrap()
 }
 
-/// A CRL file in a directory of its own, holding `text`.
-fn crl_file(tag: &str, text: &str) -> PathBuf {
+/// A CRL file in a directory of its own, holding `text`; the directory
+/// goes with it.
+fn crl_file(tag: &str, text: &str) -> CrlFile {
     let dir = std::env::temp_dir().join(format!("ambit-crl-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("crl.pem");
     std::fs::write(&path, text).unwrap();
-    path
+    CrlFile(path)
+}
+
+struct CrlFile(PathBuf);
+
+impl std::ops::Deref for CrlFile {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for CrlFile {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for CrlFile {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
 }
 
 fn metric(crls: &Crls, name: &str) -> String {
