@@ -42,13 +42,15 @@ pub enum Compliance {
 
 impl Compliance {
     /// `COMPLIANCE_POLICY`'s value: empty or unset is the default, `pqc`
-    /// the post-quantum policy. Istio's FIPS values are refused, not
-    /// ignored: this build has no FIPS module, and a proxy must not run as
-    /// if it had one.
+    /// the post-quantum policy. Istio's FIPS values are taken by a FIPS
+    /// build (`--features fips`), whose every policy is FIPS; any other
+    /// build refuses them, not ignores them: a proxy must not run as if it
+    /// had a FIPS module it lacks.
     pub fn parse(value: &str) -> Result<Compliance, String> {
         match value.trim() {
             "" => Ok(Compliance::Default),
             "pqc" => Ok(Compliance::Pqc),
+            "fips-140-2" | "fips-140-3" if cfg!(feature = "fips") => Ok(Compliance::Default),
             v @ ("fips-140-2" | "fips-140-3") => Err(format!(
                 "COMPLIANCE_POLICY={v}: this build of Ambit has no FIPS module; use a FIPS build, or unset it"
             )),
@@ -93,10 +95,15 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(provider_for(compliance()))
 }
 
-/// [`provider`] under `policy`.
+/// [`provider`] under `policy`. A FIPS build starts from aws-lc's FIPS
+/// module, whose groups are the FIPS-approved ones (X25519MLKEM768,
+/// P-256, P-384; not X25519); both suites are approved.
 pub fn provider_for(policy: Compliance) -> CryptoProvider {
-    use rustls::crypto::aws_lc_rs::{cipher_suite, default_provider, kx_group};
-    let mut p = default_provider();
+    use rustls::crypto::aws_lc_rs::{cipher_suite, kx_group};
+    #[cfg(feature = "fips")]
+    let mut p = rustls::crypto::default_fips_provider();
+    #[cfg(not(feature = "fips"))]
+    let mut p = rustls::crypto::aws_lc_rs::default_provider();
     p.cipher_suites = vec![
         cipher_suite::TLS13_AES_256_GCM_SHA384,
         cipher_suite::TLS13_AES_128_GCM_SHA256,
@@ -484,6 +491,8 @@ mod tests {
         p
     }
 
+    // X25519, which a default build offers, is not FIPS-approved.
+    #[cfg(not(feature = "fips"))]
     #[tokio::test]
     async fn key_exchange_is_post_quantum_by_default_and_only_that_under_pqc() {
         use rustls::{CipherSuite, NamedGroup};
@@ -523,16 +532,65 @@ mod tests {
         }
     }
 
+    /// A FIPS build (`--features fips`, run by .ci/run): every TLS
+    /// configuration is on aws-lc's FIPS module and says so; two proxies
+    /// agree on the post-quantum hybrid (FIPS-approved here), a peer on
+    /// P-256 is served, and one offering only X25519 (not approved) is
+    /// refused.
+    #[cfg(feature = "fips")]
+    #[tokio::test]
+    async fn a_fips_build_is_fips_in_every_role_and_refuses_what_fips_does_not() {
+        use rustls::crypto::aws_lc_rs::kx_group;
+        use rustls::{CipherSuite, NamedGroup};
+        assert!(provider().fips());
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let cert = ca
+            .issue(
+                &Identity::new("cluster.local", "ns", "a"),
+                Duration::from_secs(600),
+            )
+            .unwrap();
+        assert!(server_config(&cert, None).unwrap().fips());
+        assert!(client_config(&cert, None).unwrap().fips());
+        let fips = || provider_for(Compliance::Default);
+        assert_eq!(
+            negotiated(fips(), fips()).await,
+            Ok((
+                NamedGroup::X25519MLKEM768,
+                CipherSuite::TLS13_AES_256_GCM_SHA384
+            ))
+        );
+        let mut p256 = fips();
+        p256.kx_groups = vec![kx_group::SECP256R1];
+        assert_eq!(
+            negotiated(fips(), p256).await.map(|n| n.0),
+            Ok(NamedGroup::secp256r1)
+        );
+        assert!(negotiated(fips(), x25519_only()).await.is_err());
+        assert!(negotiated(x25519_only(), fips()).await.is_err());
+    }
+
     #[test]
     fn compliance_policy_values_are_istios_and_the_fips_ones_are_refused_here() {
         assert_eq!(Compliance::parse(""), Ok(Compliance::Default));
         assert_eq!(Compliance::parse("pqc"), Ok(Compliance::Pqc));
         assert_eq!(Compliance::Pqc.groups(), "X25519MLKEM768");
-        assert!(Compliance::Default
-            .groups()
-            .starts_with("X25519MLKEM768, X25519"));
+        let default = if cfg!(feature = "fips") {
+            "X25519MLKEM768, secp256r1, secp384r1"
+        } else {
+            "X25519MLKEM768, X25519"
+        };
+        assert!(
+            Compliance::Default.groups().starts_with(default),
+            "{}",
+            Compliance::Default.groups()
+        );
         for v in ["fips-140-2", "fips-140-3"] {
-            assert!(Compliance::parse(v).unwrap_err().contains("no FIPS module"));
+            if cfg!(feature = "fips") {
+                assert_eq!(Compliance::parse(v), Ok(Compliance::Default));
+            } else {
+                assert!(Compliance::parse(v).unwrap_err().contains("no FIPS module"));
+            }
         }
         for v in ["PQC", "pq", "yes"] {
             assert!(Compliance::parse(v).unwrap_err().contains("not a policy"));

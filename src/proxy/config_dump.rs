@@ -113,7 +113,7 @@ fn version() -> Value {
         "buildProfile": if cfg!(debug_assertions) { "debug" } else { "release" },
         "buildStatus": "unknown",
         "istioVersion": "unknown",
-        "cryptoProvider": "aws-lc-rs",
+        "cryptoProvider": if cfg!(feature = "fips") { "aws-lc-rs (FIPS)" } else { "aws-lc-rs" },
     })
 }
 
