@@ -7,11 +7,12 @@
 //! (with a BOOKMARK first when asked for), an object that comes to match
 //! a watch's selector is ADDED to it and one that stops is DELETED, a
 //! DELETED event carries the deletion's resourceVersion, and a PATCH is
-//! applied as its content type says (`patch`). This file holds the state
-//! and [`FakeApi`], the test's handle on it; `serving` answers requests. [`FakeApi::expire_watches`] ends every open watch with
+//! applied as its content type says (`patch`). [`FakeApi::expire_watches`] ends every open watch with
 //! `410 Gone`, as an API server does when its watch cache has moved on;
 //! [`FakeApi::kill`] and [`FakeApi::start_again`] take it down and bring it
-//! back on the same address, as a killed and restarted API server.
+//! back on the same address, as a killed and restarted API server. This
+//! file holds the state and [`FakeApi`], the test's handle on it;
+//! `serving` answers the requests.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

@@ -140,20 +140,19 @@ impl OpenConnections {
         let key = |o: &Open| (o.src, o.actual_dst);
         inbound.sort_by_key(key);
         outbound.sort_by_key(key);
-        json!({
-            "inbound": inbound.iter().map(|o| json!({
-                "src": o.src.to_string(),
-                "originalDst": o.original_dst,
-                "actualDst": o.actual_dst.to_string(),
-                "protocol": o.protocol.name(),
-            })).collect::<Vec<_>>(),
-            "outbound": outbound.iter().map(|o| json!({
-                "src": o.src.to_string(),
-                "originalDst": o.original_dst,
-                "actualDst": o.actual_dst.to_string(),
-                "protocol": o.protocol.name(),
-            })).collect::<Vec<_>>(),
-        })
+        let list = |side: &[Open]| -> Vec<Value> {
+            side.iter()
+                .map(|o| {
+                    json!({
+                        "src": o.src.to_string(),
+                        "originalDst": o.original_dst,
+                        "actualDst": o.actual_dst.to_string(),
+                        "protocol": o.protocol.name(),
+                    })
+                })
+                .collect()
+        };
+        json!({"inbound": list(&inbound), "outbound": list(&outbound)})
     }
 
     /// How many are listed, inbound and outbound.
