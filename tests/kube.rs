@@ -471,3 +471,120 @@ fn the_agent_watches_again_each_time_the_api_server_ends_a_watch() {
         istio_rules(&s1) > 0
     });
 }
+
+/// In a cluster there is no kubeconfig: the agent finds the API server from
+/// `KUBERNETES_SERVICE_HOST`/`_PORT` and its service account's files at the
+/// fixed path `/var/run/secrets/kubernetes.io/serviceaccount`, and builds
+/// the plugin's kubeconfig from them. Here the agent runs in a mount
+/// namespace of its own where that path holds the stand-in's token and CA;
+/// the plugin, run by the CNI chain outside it, reads only what the agent
+/// left in its run dir.
+#[test]
+fn in_cluster_the_agent_and_the_plugin_reach_the_api_server_from_the_service_account() {
+    let (mut node, api) = kube_node("kubeinc", "10.117.0", "");
+    node.extra_env.retain(|(k, _)| k != "KUBECONFIG");
+    let home = node.dir.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    node.extra_env.extend(
+        [
+            ("KUBERNETES_SERVICE_HOST", api.addr.ip().to_string()),
+            ("KUBERNETES_SERVICE_PORT", api.addr.port().to_string()),
+            // No ~/.kube/config of the machine's is read instead.
+            ("HOME", home.display().to_string()),
+        ]
+        .map(|(k, v)| (k.to_string(), v)),
+    );
+    let sa = node.dir.join("serviceaccount");
+    api.write_service_account(&sa, "istio-system").unwrap();
+    // The mount point exists on the host (an empty directory in /run, a
+    // tmpfs); what is mounted on it is seen by the agent alone.
+    std::fs::create_dir_all("/run/secrets").unwrap();
+    let script = format!(
+        "set -e; mount -t tmpfs ambit-test /run/secrets; \
+         mkdir -p /run/secrets/kubernetes.io/serviceaccount; \
+         cp {}/* /run/secrets/kubernetes.io/serviceaccount/; exec \"$0\" \"$@\"",
+        sa.display()
+    );
+    let wrapper = [
+        "unshare",
+        "--mount",
+        // As a container whose host paths are mounted HostToContainer:
+        // the pods' netns mounts, made later on the host, reach it.
+        "--propagation",
+        "slave",
+        "sh",
+        "-c",
+        &script,
+    ];
+    node.lab
+        .spawn("node", node.command_through("node", &wrapper))
+        .unwrap();
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    assert!(
+        !std::path::Path::new("/run/secrets/kubernetes.io").exists(),
+        "the service account's files stayed in the agent's mount namespace"
+    );
+    assert!(has_plugin(&node));
+
+    // The agent listed and watched with the account's token.
+    wait_for("the agent watches its node's pods", &node, || {
+        api.requests()
+            .iter()
+            .any(|r| r == "WATCH /api/v1/pods node=node-a")
+    });
+    // The plugin's kubeconfig: the in-cluster server, the CA copied beside
+    // it, and a token of its own (TokenRequest), not the agent's.
+    let run = node.dir.join("run");
+    let kubeconfig = run.join("plugin-kubeconfig");
+    wait_for("the plugin's kubeconfig in the run dir", &node, || {
+        kubeconfig.exists()
+    });
+    let text = std::fs::read_to_string(&kubeconfig).unwrap();
+    assert!(
+        text.contains(&format!("https://{}", api.addr)),
+        "the in-cluster server: {text}"
+    );
+    assert!(
+        text.contains(&run.join("plugin-ca.crt").display().to_string()),
+        "{text}"
+    );
+    assert!(
+        !text.contains("fake-token"),
+        "the plugin got its own token: {text}"
+    );
+    assert_eq!(
+        std::fs::read(run.join("plugin-ca.crt")).unwrap(),
+        std::fs::read(sa.join("ca.crt")).unwrap()
+    );
+
+    // A pod of an ambient namespace, decided by the agent: captured.
+    api.put(Kind::Pod, pod("mesh", "ic1", "node-a", "default"));
+    let ic1 = node.add_pod("ic1", "mesh").unwrap();
+    assert!(istio_rules(&ic1) > 0, "captured:\n{}", node.log());
+
+    // With the agent gone, the plugin asks the API server itself, with the
+    // kubeconfig built from the service account: it reads the pod's label,
+    // so a labelled pod of a plain namespace fails closed and an unlabelled
+    // one starts.
+    node.lab.stop("node");
+    assert!(has_plugin(&node), "kept across an upgrade");
+    let asked_before = api.requests().len();
+    let mut labelled = pod("plain", "ic2", "node-a", "default");
+    labelled["metadata"]["labels"][MODE] = json!("ambient");
+    api.put(Kind::Pod, labelled);
+    let err = node.add_pod("ic2", "plain").unwrap_err();
+    assert!(
+        err.contains("is the Ambit agent running?") && !err.contains("could not say"),
+        "{err}"
+    );
+    api.put(Kind::Pod, pod("plain", "ic3", "node-a", "default"));
+    node.add_pod("ic3", "plain")
+        .expect("the API server says the plain pod is not in the mesh");
+    assert!(
+        api.requests()[asked_before..]
+            .iter()
+            .any(|r| r.contains("/namespaces/plain/pods/ic3")),
+        "the plugin asked the API server: {:?}",
+        &api.requests()[asked_before..]
+    );
+}

@@ -337,6 +337,22 @@ impl FakeApi {
         std::fs::write(path, text)
     }
 
+    /// The files a pod's service account mount holds (`token`, `ca.crt`,
+    /// `namespace`), for a client of this server that finds it in-cluster:
+    /// the token is the one [`FakeApi::write_kubeconfig`] writes. Over TLS
+    /// only, as a cluster's API server is.
+    pub fn write_service_account(&self, dir: &Path, namespace: &str) -> std::io::Result<()> {
+        let Some((_, ca)) = &self.tls else {
+            return Err(std::io::Error::other(
+                "an in-cluster client needs the server over TLS (FakeApi::start_tls)",
+            ));
+        };
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join("token"), "fake-token")?;
+        std::fs::write(dir.join("ca.crt"), ca)?;
+        std::fs::write(dir.join("namespace"), namespace)
+    }
+
     /// Creates or replaces an object; watchers see ADDED or MODIFIED.
     pub fn put(&self, kind: Kind, obj: Value) {
         self.lock().put(kind, obj);

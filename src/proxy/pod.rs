@@ -600,31 +600,51 @@ mod tests {
         );
     }
 
-    /// Bytes the kernel holds for `s` that it has not sent yet (`SIOCOUTQNSD`).
-    fn unsent(s: &TcpStream) -> usize {
+    /// One of a TCP socket's queue sizes, read with `ioctl` `request`.
+    fn queue(fd: std::os::fd::RawFd, request: libc::c_ulong) -> usize {
         let mut n: libc::c_int = 0;
-        // SAFETY: SIOCOUTQNSD writes one c_int for a TCP socket we hold open.
-        let rc = unsafe {
-            libc::ioctl(
-                std::os::fd::AsRawFd::as_raw_fd(s),
-                libc::SIOCOUTQNSD as _,
-                &mut n,
-            )
-        };
+        // SAFETY: these TCP ioctls write one c_int; `fd` is a socket we hold open.
+        let rc = unsafe { libc::ioctl(fd, request as _, &mut n) };
         assert_eq!(rc, 0, "{}", io::Error::last_os_error());
         n as usize
+    }
+
+    /// Bytes the kernel holds for `s` that it has not sent yet (`SIOCOUTQNSD`).
+    fn unsent(s: &TcpStream) -> usize {
+        queue(s.as_raw_fd(), libc::SIOCOUTQNSD)
+    }
+
+    /// Bytes the kernel holds for `s`, sent and not acked or not sent yet
+    /// (`SIOCOUTQ`).
+    fn queued(s: &TcpStream) -> usize {
+        queue(s.as_raw_fd(), libc::TIOCOUTQ)
+    }
+
+    /// Bytes received on `s` that nothing has read yet (`SIOCINQ`).
+    fn unread(s: &TcpStream) -> usize {
+        queue(s.as_raw_fd(), libc::FIONREAD)
+    }
+
+    /// Polls `cond` (every millisecond, at most 5 s) until it holds.
+    async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while !cond() {
+            assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     /// Writes to `s` until the kernel takes no more; the peer never reads.
     async fn fill(s: &TcpStream) {
         let chunk = vec![7u8; 256 * 1024];
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
-        while tokio::time::Instant::now() < deadline {
+        loop {
             match s.try_write(&chunk) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    // Let in-flight data land, then try once more.
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    // Full for now. Once every byte sent is acked, what is
+                    // left is held back by the peer's closed window and
+                    // nothing frees more room: then it is full for good.
+                    until("every sent byte acked", || queued(s) == unsent(s)).await;
                     if let Err(e) = s.try_write(&chunk) {
                         assert_eq!(e.kind(), io::ErrorKind::WouldBlock);
                         return;
@@ -691,12 +711,21 @@ mod tests {
         peer.write_all(b"a request the proxy never carries")
             .await
             .unwrap();
-        let ending = tokio::spawn(async move { end_unserved(&proxy).await });
+        let ending = end_unserved(&proxy);
+        tokio::pin!(ending);
         let mut buf = [0u8; 8];
-        assert_eq!(peer.read(&mut buf).await.unwrap(), 0, "an end of stream");
-        // Closed with those bytes unread, the proxy's side would follow its
-        // end of stream with a reset; reads would not show it, the state does.
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Driven together: the proxy's side ends its stream and drops what
+        // it was sent unread. Closed with those bytes unread, it would follow
+        // its end of stream with a reset.
+        tokio::select! {
+            _ = &mut ending => panic!("gave up before the peer closed"),
+            () = async {
+                assert_eq!(peer.read(&mut buf).await.unwrap(), 0, "an end of stream");
+                until("the request dropped unread", || unread(&proxy) == 0).await;
+            } => {}
+        }
+        // No reset followed the end of stream: reads would not show it, the
+        // state does.
         const TCP_CLOSE_WAIT: u8 = 8;
         assert_eq!(
             super::super::timewait::tcp_state(peer.as_raw_fd()).unwrap(),
@@ -705,10 +734,9 @@ mod tests {
         );
         assert!(peer.take_error().unwrap().is_none());
         drop(peer);
-        assert!(
-            ending.await.unwrap(),
-            "both closed cleanly, the proxy first"
-        );
+        assert!(ending.await, "both closed cleanly, the proxy first");
+        // Closed now, it sends no reset either: nothing is left unread.
+        assert_eq!(unread(&proxy), 0);
     }
 
     #[tokio::test(start_paused = true)]
