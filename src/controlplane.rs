@@ -402,8 +402,10 @@ async fn serve(cfg: ControlPlaneConfig) -> anyhow::Result<()> {
     });
 
     let server_cert = serving.issue_server(&cfg.tls_sans, Duration::from_secs(365 * 86400))?;
-    let mut tls = rustls::ServerConfig::builder_with_provider(crate::identity::tls::provider())
-        .with_safe_default_protocol_versions()?
+    let provider = crate::identity::tls::provider();
+    let versions = crate::identity::tls::versions(&provider);
+    let mut tls = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)?
         .with_no_client_auth()
         .with_single_cert(server_cert.chain.clone(), server_cert.private_key())?;
     tls.alpn_protocols = vec![b"h2".to_vec()];

@@ -116,8 +116,10 @@ pub async fn channel(
             .map_err(connect_err);
     }
     let roots = roots.unwrap_or_else(rustls::RootCertStore::empty);
-    let mut cfg = rustls::ClientConfig::builder_with_provider(crate::identity::tls::provider())
-        .with_safe_default_protocol_versions()
+    let provider = crate::identity::tls::provider();
+    let versions = crate::identity::tls::versions(&provider);
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(versions)
         .map_err(|e| GrpcError::Connect {
             addr: addr.into(),
             reason: e.to_string(),

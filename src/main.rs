@@ -113,6 +113,16 @@ fn main() -> ExitCode {
         }
         Err(_) => ambit::identity::set_compliance(Default::default()),
     }
+    // ztunnel's switch for TLS 1.2 peers, in the same roles.
+    let tls12 = std::env::var("TLS12_ENABLED").unwrap_or_default();
+    match ambit::identity::parse_tls12(&tls12) {
+        Ok(enabled) => ambit::identity::set_tls12(enabled),
+        Err(e) if argv0 != "ambit-cni" && std::env::var_os("CNI_COMMAND").is_none() => {
+            eprintln!("ambit: {e}");
+            return ExitCode::from(2);
+        }
+        Err(_) => {}
+    }
     // The container runtime calls the plugin by its file name with CNI_COMMAND set.
     if argv0 == "ambit-cni" || (std::env::var_os("CNI_COMMAND").is_some() && args.len() == 1) {
         return ExitCode::from(ambit::cni::plugin_main::main() as u8);

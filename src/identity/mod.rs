@@ -15,4 +15,4 @@ pub use ca::{
 pub use crl::Crls;
 pub use manager::{CertManager, CertSource, PodLease, TlsHandle, TlsIdentity};
 pub use spiffe::Identity;
-pub use tls::{set_compliance, Compliance};
+pub use tls::{parse_tls12, set_compliance, set_tls12, Compliance};

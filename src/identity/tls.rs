@@ -89,10 +89,71 @@ pub fn compliance() -> Compliance {
     COMPLIANCE.get().copied().unwrap_or_default()
 }
 
-/// aws-lc-rs with ztunnel's suites (TLS 1.3 AES-256-GCM, then AES-128-GCM)
-/// and the process's key-exchange policy.
+/// `TLS12_ENABLED`'s value, as ztunnel reads it: `true` adds TLS 1.2;
+/// empty, unset or `false` keeps TLS 1.3 alone. Anything else is refused
+/// (ztunnel takes it as `false`), so a typo does not silently leave a
+/// TLS 1.2 peer unable to connect.
+pub fn parse_tls12(value: &str) -> Result<bool, String> {
+    match value.trim() {
+        "" | "false" => Ok(false),
+        "true" => Ok(true),
+        v => Err(format!(
+            "TLS12_ENABLED={v:?}: use \"true\" (TLS 1.2 allowed beside 1.3) or \"false\""
+        )),
+    }
+}
+
+static TLS12: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// Allows TLS 1.2 (`TLS12_ENABLED=true`) in every role the policy covers,
+/// once, at start, before any TLS configuration is built.
+pub fn set_tls12(enabled: bool) {
+    let _ = TLS12.set(enabled);
+}
+
+/// Whether TLS 1.2 is allowed (off until [`set_tls12`]).
+pub fn tls12() -> bool {
+    TLS12.get().copied().unwrap_or(false)
+}
+
+/// aws-lc-rs with ztunnel's suites (TLS 1.3 AES-256-GCM, then AES-128-GCM;
+/// with `TLS12_ENABLED`, its four TLS 1.2 ones after them) and the
+/// process's key-exchange policy.
 pub fn provider() -> Arc<CryptoProvider> {
-    Arc::new(provider_for(compliance()))
+    let p = provider_for(compliance());
+    Arc::new(if tls12() { with_tls12(p) } else { p })
+}
+
+/// `p` with the TLS 1.2 suites ztunnel adds for `TLS12_ENABLED`: ECDHE
+/// with AES-GCM, for ECDSA and RSA keys (all FIPS-approved). TLS 1.2 has no
+/// post-quantum key exchange: under `COMPLIANCE_POLICY=pqc` no TLS 1.2
+/// handshake can complete, as in ztunnel.
+pub fn with_tls12(mut p: CryptoProvider) -> CryptoProvider {
+    use rustls::crypto::aws_lc_rs::cipher_suite;
+    p.cipher_suites.extend([
+        cipher_suite::TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384,
+        cipher_suite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256,
+        cipher_suite::TLS_ECDHE_RSA_WITH_AES_256_GCM_SHA384,
+        cipher_suite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256,
+    ]);
+    p
+}
+
+/// The TLS versions a configuration on `provider` allows: 1.3, and 1.2
+/// when the provider has a suite for it ([`with_tls12`]).
+pub fn versions(provider: &CryptoProvider) -> &'static [&'static rustls::SupportedProtocolVersion] {
+    static TLS13_ONLY: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
+    static TLS13_AND_12: &[&rustls::SupportedProtocolVersion] =
+        &[&rustls::version::TLS13, &rustls::version::TLS12];
+    let has_tls12 = provider
+        .cipher_suites
+        .iter()
+        .any(|s| s.version() == &rustls::version::TLS12);
+    if has_tls12 {
+        TLS13_AND_12
+    } else {
+        TLS13_ONLY
+    }
 }
 
 /// [`provider`] under `policy`. A FIPS build starts from aws-lc's FIPS
@@ -155,6 +216,17 @@ pub(crate) fn server_config_on(
     crls: Option<&Arc<Crls>>,
     provider: Arc<CryptoProvider>,
 ) -> Result<ServerConfig, IdentityError> {
+    let versions = versions(&provider);
+    server_config_for(cert, crls, provider, versions)
+}
+
+/// [`server_config_on`] allowing only `versions`.
+pub(crate) fn server_config_for(
+    cert: &WorkloadCert,
+    crls: Option<&Arc<Crls>>,
+    provider: Arc<CryptoProvider>,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> Result<ServerConfig, IdentityError> {
     let roots = Arc::new(roots(cert)?);
     let inner = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
@@ -169,7 +241,7 @@ pub(crate) fn server_config_on(
         }),
     });
     let mut cfg = ServerConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
+        .with_protocol_versions(versions)
         .map_err(|e| tls_err(cert, e))?
         .with_client_cert_verifier(verifier)
         .with_single_cert(cert.chain.clone(), cert.private_key())
@@ -197,6 +269,17 @@ pub(crate) fn client_config_on(
     crls: Option<&Arc<Crls>>,
     provider: Arc<CryptoProvider>,
 ) -> Result<ClientConfig, IdentityError> {
+    let versions = versions(&provider);
+    client_config_for(cert, crls, provider, versions)
+}
+
+/// [`client_config_on`] allowing only `versions`.
+pub(crate) fn client_config_for(
+    cert: &WorkloadCert,
+    crls: Option<&Arc<Crls>>,
+    provider: Arc<CryptoProvider>,
+    versions: &[&'static rustls::SupportedProtocolVersion],
+) -> Result<ClientConfig, IdentityError> {
     let roots = Arc::new(roots(cert)?);
     let algs = provider.signature_verification_algorithms;
     let verifier = Arc::new(ChainVerifier {
@@ -209,7 +292,7 @@ pub(crate) fn client_config_on(
         }),
     });
     let mut cfg = ClientConfig::builder_with_provider(provider)
-        .with_protocol_versions(&[&rustls::version::TLS13])
+        .with_protocol_versions(versions)
         .map_err(|e| tls_err(cert, e))?
         .dangerous()
         .with_custom_certificate_verifier(verifier)

@@ -88,6 +88,19 @@ pub(super) fn tls_io(e: rustls::Error) -> io::Error {
             "the peer offers no key exchange group this proxy allows: {}",
             allows()
         ),
+        Error::PeerIncompatible(
+            PeerIncompatible::SupportedVersionsExtensionRequired
+            | PeerIncompatible::Tls12NotOfferedOrEnabled
+            | PeerIncompatible::ServerTlsVersionIsDisabledByOurConfig,
+        )
+        | Error::AlertReceived(AlertDescription::ProtocolVersion) => format!(
+            "the peer and this proxy have no TLS version in common ({e}); this proxy allows {}",
+            if crate::identity::tls::tls12() {
+                "TLS 1.3 and 1.2"
+            } else {
+                "TLS 1.3 only (TLS12_ENABLED=true allows 1.2)"
+            }
+        ),
         Error::AlertReceived(AlertDescription::HandshakeFailure) => format!(
             "the peer refused the handshake (handshake_failure); if it allows none of this proxy's key exchange groups: {}",
             allows()
@@ -240,11 +253,12 @@ pub(super) async fn handshake<C: Handshaking>(
         }
     }
     let peer_certificates = conn.certificates();
-    let (group, suite) = conn.negotiated();
-    tracing::debug!(group = ?group, suite = ?suite, "HBONE TLS handshake done");
+    let (group, _) = conn.negotiated();
     let (secrets, keys) = conn.into_keys().map_err(tls_io)?;
     let rest = Handshaken { received, early };
     let stream = TlsStream::new(tcp, keys, secrets, rest).map_err(io::Error::from)?;
+    let (version, suite) = stream.agreed();
+    tracing::debug!(group = ?group, suite = ?Some(suite), version = ?version, "HBONE TLS handshake done");
     Ok((stream, peer_certificates))
 }
 

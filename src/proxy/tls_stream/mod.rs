@@ -10,12 +10,15 @@
 //! here one (into h2's buffer). Sent records are sealed by rustls' own
 //! encrypter, as before, and written many to one `writev`.
 //!
-//! TLS 1.3 only (HBONE's configs allow nothing else). After the handshake a
-//! peer may send application data, alerts, `KeyUpdate` (answered when asked,
-//! and sent by us before the cipher's confidentiality limit) and, to a
-//! client, `NewSessionTicket` (ignored: resumption is off); anything else,
-//! a record that does not open, or one longer than TLS allows ends the
-//! connection with an error. Knows nothing of HTTP/2.
+//! TLS 1.3, and TLS 1.2 when `TLS12_ENABLED` lets HBONE's configs agree on
+//! it. After a TLS 1.3 handshake a peer may send application data, alerts,
+//! `KeyUpdate` (answered when asked, and sent by us before the cipher's
+//! confidentiality limit) and, to a client, `NewSessionTicket` (ignored:
+//! resumption is off); after a TLS 1.2 one, data and alerts only (no
+//! renegotiation), and the connection ends before its key's limit, as
+//! TLS 1.2 cannot change keys. Anything else, a record that does not open,
+//! or one longer than TLS allows ends the connection with an error. Knows
+//! nothing of HTTP/2.
 
 use std::collections::VecDeque;
 use std::io;
@@ -117,6 +120,14 @@ pub struct TlsStream {
 }
 
 impl TlsStream {
+    /// The TLS version and cipher suite the handshake agreed on.
+    pub fn agreed(&self) -> (ProtocolVersion, rustls::CipherSuite) {
+        match &self.keys {
+            Keys::Client(k) => (k.protocol_version(), k.negotiated_cipher_suite().suite()),
+            Keys::Server(k) => (k.protocol_version(), k.negotiated_cipher_suite().suite()),
+        }
+    }
+
     /// Caps the sealed records waiting to be written; a write past it waits.
     pub fn set_buffer_limit(&mut self, limit: usize) {
         self.write_limit = limit.max(WRITE_AT);
@@ -129,7 +140,7 @@ impl TlsStream {
         rest: Handshaken,
     ) -> Result<Self, RecordError> {
         let suite = keys.suite();
-        let (enc, rekey_at) = encrypter(suite, secrets.tx.1)?;
+        let (enc, rekey_at) = encrypter(suite, secrets.tx.1, secrets.tx.0)?;
         let client = matches!(keys, Keys::Client(_));
         Ok(Self {
             tcp,
@@ -141,6 +152,7 @@ impl TlsStream {
                 closed: false,
                 key_updates_left: KEY_UPDATES_BETWEEN_DATA,
                 warnings_left: WARNING_ALERTS,
+                tls12: matches!(suite, SupportedCipherSuite::Tls12(_)),
             },
             tx: Sender {
                 encrypter: enc,
@@ -187,6 +199,11 @@ impl TlsStream {
     /// Sends a `KeyUpdate` (not asking the peer's) and seals what follows
     /// under the next key.
     fn key_update(&mut self) -> Result<(), RecordError> {
+        if self.rx.tls12 {
+            return Err(RecordError::KeyUpdate(
+                "TLS 1.2 cannot change keys: the connection ends at its key's record limit".into(),
+            ));
+        }
         let message = [HANDSHAKE_KEY_UPDATE, 0, 0, 1, 0];
         self.tx
             .seal(ContentType::Handshake, OutboundChunks::from(&message[..]))?;
@@ -194,7 +211,7 @@ impl TlsStream {
             .keys
             .next_tx()
             .map_err(|e| RecordError::KeyUpdate(e.to_string()))?;
-        let (enc, rekey_at) = encrypter(self.keys.suite(), next)?;
+        let (enc, rekey_at) = encrypter(self.keys.suite(), next, 0)?;
         self.tx.encrypter = enc;
         self.tx.rekey_at = rekey_at;
         self.tx.seq = 0;

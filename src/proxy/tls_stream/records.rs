@@ -7,7 +7,9 @@ use super::*;
 
 /// The most plaintext one record carries (RFC 8446 §5.1).
 pub(super) const MAX_PLAINTEXT: usize = 1 << 14;
-/// The most ciphertext one TLS 1.3 record may carry (RFC 8446 §5.2).
+/// The most ciphertext one TLS 1.3 record may carry (RFC 8446 §5.2). A
+/// TLS 1.2 record may carry 2,048 bytes of overhead, but its AES-GCM adds
+/// 24: one longer than this would not open either.
 pub(super) const MAX_CIPHERTEXT: usize = MAX_PLAINTEXT + 256;
 pub(super) const HEADER: usize = 5;
 /// Room for one whole record: the receive buffer never holds less.
@@ -36,7 +38,7 @@ pub(super) const ALERT_USER_CANCELED: u8 = 90;
 /// Why a TLS connection failed after its handshake.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum RecordError {
-    #[error("TLS record of {0} bytes is longer than TLS 1.3 allows")]
+    #[error("TLS record of {0} bytes is longer than TLS allows")]
     Oversized(usize),
     #[error("TLS record of outer type {0} after the handshake")]
     UnexpectedOuterType(u8),
@@ -96,6 +98,10 @@ pub(super) struct Receiver {
     /// bounds are rustls' and BoringSSL's).
     pub(super) key_updates_left: u8,
     pub(super) warnings_left: u8,
+    /// A TLS 1.2 connection: records carry their real type outside, and
+    /// nothing of the handshake may follow it (no key updates, tickets or
+    /// renegotiation).
+    pub(super) tls12: bool,
 }
 
 pub(super) const KEY_UPDATES_BETWEEN_DATA: u8 = 32;
@@ -109,7 +115,13 @@ impl Receiver {
             return Ok(None);
         }
         let (typ, len) = (buf[0], u16::from_be_bytes([buf[3], buf[4]]) as usize);
-        if typ != u8::from(ContentType::ApplicationData) {
+        let outer = ContentType::from(typ);
+        let allowed = match outer {
+            ContentType::ApplicationData => true,
+            ContentType::Alert | ContentType::Handshake => self.tls12,
+            _ => false,
+        };
+        if !allowed {
             return Err(RecordError::UnexpectedOuterType(typ));
         }
         if len > MAX_CIPHERTEXT {
@@ -123,11 +135,10 @@ impl Receiver {
         }
         let base = buf.as_ptr() as usize;
         let record = &mut buf[..HEADER + len];
-        let message = InboundOpaqueMessage::new(
-            ContentType::ApplicationData,
-            ProtocolVersion::TLSv1_2,
-            &mut record[HEADER..],
-        );
+        // TLS 1.2 authenticates the header's type and version with the
+        // record; TLS 1.3's are fixed (and checked above).
+        let version = ProtocolVersion::from(u16::from_be_bytes([record[1], record[2]]));
+        let message = InboundOpaqueMessage::new(outer, version, &mut record[HEADER..]);
         let plain = self
             .decrypter
             .decrypt(message, self.seq)
@@ -155,6 +166,12 @@ impl Receiver {
                 [_, description] => return Err(RecordError::Alert(*description)),
                 _ => return Err(RecordError::BadAlert),
             },
+            ContentType::Handshake if self.tls12 => {
+                // A HelloRequest (renegotiation), or anything else.
+                return Err(RecordError::UnexpectedHandshake(
+                    payload.first().copied().unwrap_or_default(),
+                ));
+            }
             ContentType::Handshake => {
                 if self.handshake.len() + payload.len() > MAX_HANDSHAKE_MESSAGE {
                     return Err(RecordError::BadHandshake);
@@ -333,48 +350,95 @@ impl Keys {
     }
 }
 
-/// One direction's cipher from its secrets.
-pub(super) fn cipher_parts(
-    suite: SupportedCipherSuite,
+/// One direction's key and IV from rustls' secrets.
+fn key_iv(
     secrets: ConnectionTrafficSecrets,
-) -> Result<
-    (
-        &'static dyn rustls::crypto::cipher::Tls13AeadAlgorithm,
-        u64,
-        rustls::crypto::cipher::AeadKey,
-        rustls::crypto::cipher::Iv,
-    ),
-    RecordError,
-> {
-    let SupportedCipherSuite::Tls13(suite) = suite else {
-        return Err(RecordError::KeyUpdate("not a TLS 1.3 connection".into()));
-    };
-    let (key, iv) = match secrets {
+) -> Result<(rustls::crypto::cipher::AeadKey, rustls::crypto::cipher::Iv), RecordError> {
+    match secrets {
         ConnectionTrafficSecrets::Aes128Gcm { key, iv }
         | ConnectionTrafficSecrets::Aes256Gcm { key, iv }
-        | ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (key, iv),
-        _ => return Err(RecordError::KeyUpdate("unknown cipher".into())),
-    };
-    Ok((suite.aead_alg, suite.common.confidentiality_limit, key, iv))
+        | ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => Ok((key, iv)),
+        _ => Err(RecordError::KeyUpdate("unknown cipher".into())),
+    }
+}
+
+/// A TLS 1.2 cipher's IV as rustls' secrets hold it (its fixed part, then
+/// the explicit nonce's start), split back into the two its cipher takes.
+fn tls12_iv<'a>(
+    suite: &rustls::Tls12CipherSuite,
+    iv: &'a rustls::crypto::cipher::Iv,
+) -> Result<(&'a [u8], &'a [u8]), RecordError> {
+    let shape = suite.aead_alg.key_block_shape();
+    let (fixed, explicit) = (shape.fixed_iv_len, shape.explicit_nonce_len);
+    let iv = iv.as_ref();
+    if fixed + explicit > iv.len() {
+        return Err(RecordError::KeyUpdate("unknown TLS 1.2 cipher".into()));
+    }
+    Ok((&iv[..fixed], &iv[fixed..fixed + explicit]))
 }
 
 pub(super) fn decrypter(
     suite: SupportedCipherSuite,
     secrets: ConnectionTrafficSecrets,
 ) -> Result<Box<dyn MessageDecrypter>, RecordError> {
-    let (aead, _, key, iv) = cipher_parts(suite, secrets)?;
-    Ok(aead.decrypter(key, iv))
+    let (key, iv) = key_iv(secrets)?;
+    Ok(match suite {
+        SupportedCipherSuite::Tls13(s) => s.aead_alg.decrypter(key, iv),
+        SupportedCipherSuite::Tls12(s) => s.aead_alg.decrypter(key, tls12_iv(s, &iv)?.0),
+    })
 }
 
-/// The encrypter and the record count at which it is replaced: a little
-/// short of the cipher's confidentiality limit, as rustls does.
+/// The encrypter for records from `first_seq` on, and the record count at
+/// which it is replaced (TLS 1.3) or the connection ends (TLS 1.2, which
+/// cannot change keys): a little short of the cipher's confidentiality
+/// limit, as rustls does.
 pub(super) fn encrypter(
     suite: SupportedCipherSuite,
     secrets: ConnectionTrafficSecrets,
+    first_seq: u64,
 ) -> Result<(Box<dyn MessageEncrypter>, u64), RecordError> {
-    let (aead, limit, key, iv) = cipher_parts(suite, secrets)?;
-    Ok((aead.encrypter(key, iv), limit.saturating_sub(1 << 10)))
+    let (key, iv) = key_iv(secrets)?;
+    let (mut encrypter, limit) = match suite {
+        SupportedCipherSuite::Tls13(s) => (
+            s.aead_alg.encrypter(key, iv),
+            s.common.confidentiality_limit,
+        ),
+        SupportedCipherSuite::Tls12(s) => {
+            let (fixed, explicit) = tls12_iv(s, &iv)?;
+            (
+                s.aead_alg.encrypter(key, fixed, explicit),
+                s.common.confidentiality_limit,
+            )
+        }
+    };
+    // aws-lc's GCM sealing key (TLS 1.3 nonces, which rustls uses for
+    // TLS 1.2 too) takes its first nonce as sequence number 0 and refuses
+    // any nonce that does not grow from it. A TLS 1.2 key sealed the
+    // handshake's Finished (record 0) before the keys came here, so its
+    // first record here is 1: the records before it are sealed once more
+    // into nothing (their output is dropped, never sent) so that the key
+    // counts from 0. A TLS 1.3 traffic key starts at 0.
+    if first_seq > PRIMED_RECORDS {
+        return Err(RecordError::KeyUpdate(format!(
+            "a key handed over at record {first_seq}"
+        )));
+    }
+    for seq in 0..first_seq {
+        let message = OutboundPlainMessage {
+            typ: ContentType::ApplicationData,
+            version: ProtocolVersion::TLSv1_2,
+            payload: OutboundChunks::from(&[][..]),
+        };
+        encrypter
+            .encrypt(message, seq)
+            .map_err(|e| RecordError::Seal(e.to_string()))?;
+    }
+    Ok((encrypter, limit.saturating_sub(1 << 10)))
 }
+
+/// The most records a key may have sealed before the record layer takes
+/// it: a TLS 1.2 handshake seals one (its Finished).
+const PRIMED_RECORDS: u64 = 4;
 
 #[cfg(test)]
 mod receiver_tests {
@@ -403,6 +467,7 @@ mod receiver_tests {
             closed: false,
             key_updates_left: KEY_UPDATES_BETWEEN_DATA,
             warnings_left: WARNING_ALERTS,
+            tls12: false,
         }
     }
 

@@ -280,7 +280,7 @@ async fn a_record_longer_than_tls_allows_is_refused_before_it_is_read() {
         .await
         .unwrap();
     let e = read_error(&mut ours).await;
-    assert!(e.contains("longer than TLS 1.3 allows"), "{e}");
+    assert!(e.contains("longer than TLS allows"), "{e}");
     let (mut ours, mut raw) = hostile_peer().await;
     raw.write_all(&[22, 3, 3, 0, 4, 1, 2, 3, 4]).await.unwrap();
     let e = read_error(&mut ours).await;
@@ -454,4 +454,314 @@ async fn a_peer_without_an_allowed_key_exchange_group_is_refused_in_words() {
         "{err}"
     );
     assert!(theirs.is_err(), "the peer was told");
+}
+
+/// HBONE configurations as `TLS12_ENABLED=true` makes them, on the default
+/// key-exchange policy, and a rustls peer's limited to TLS 1.2.
+mod tls12 {
+    use super::*;
+    use crate::identity::tls::{
+        client_config_on, provider_for, server_config_on, with_tls12, Compliance,
+    };
+
+    fn ours(ca: &LocalCa) -> Configs {
+        let p = Arc::new(with_tls12(provider_for(Compliance::Default)));
+        Configs {
+            client: Arc::new(client_config_on(&issue(ca, "client"), None, p.clone()).unwrap()),
+            server: Arc::new(server_config_on(&issue(ca, "server"), None, p).unwrap()),
+        }
+    }
+
+    /// A peer that speaks TLS 1.2 alone (its builder allows no other), and
+    /// otherwise as HBONE's.
+    fn tls12_only(ca: &LocalCa) -> Configs {
+        use crate::identity::tls::{client_config_for, server_config_for};
+        let p = Arc::new(with_tls12(provider_for(Compliance::Default)));
+        let only = &[&rustls::version::TLS12];
+        Configs {
+            client: Arc::new(
+                client_config_for(&issue(ca, "client"), None, p.clone(), only).unwrap(),
+            ),
+            server: Arc::new(server_config_for(&issue(ca, "server"), None, p, only).unwrap()),
+        }
+    }
+
+    /// The TLS version, suite and group a rustls connection agreed on.
+    fn agreed(c: &rustls::CommonState) -> String {
+        format!(
+            "{:?} {:?} {:?}",
+            c.protocol_version().unwrap(),
+            c.negotiated_cipher_suite().unwrap().suite(),
+            c.negotiated_key_exchange_group().unwrap().name()
+        )
+    }
+
+    /// X25519 is not FIPS-approved: a FIPS build agrees on P-256.
+    const AGREED: &str = if cfg!(feature = "fips") {
+        "TLSv1_2 TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384 secp256r1"
+    } else {
+        "TLSv1_2 TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384 X25519"
+    };
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn our_client_carries_every_byte_both_ways_over_tls12_to_a_tls12_only_server() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let (c, peer) = (ours(&ca), tls12_only(&ca));
+        let (a, b) = tcp_pair().await;
+        let acceptor = tokio_rustls::TlsAcceptor::from(peer.server);
+        let server = tokio::spawn(async move {
+            let s = acceptor.accept(b).await?;
+            let agreed = agreed(s.get_ref().1);
+            Ok::<_, io::Error>((agreed, exchange(s, pattern(BULK, 6)).await?))
+        });
+        let (ours, _) = connect(c.client, hbone_server_name(), a).await.unwrap();
+        let got = exchange(ours, pattern(BULK, 5)).await.unwrap();
+        assert!(got == pattern(BULK, 6), "the server's bytes, in order");
+        let (agreed, theirs) = server.await.unwrap().unwrap();
+        assert!(theirs == pattern(BULK, 5), "our bytes, in order");
+        assert_eq!(agreed, AGREED);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn our_server_carries_every_byte_both_ways_over_tls12_from_a_tls12_only_client() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let (c, peer) = (ours(&ca), tls12_only(&ca));
+        let (a, b) = tcp_pair().await;
+        let connector = tokio_rustls::TlsConnector::from(peer.client);
+        let client = tokio::spawn(async move {
+            let s = connector.connect(hbone_server_name(), a).await?;
+            let agreed = agreed(s.get_ref().1);
+            Ok::<_, io::Error>((agreed, exchange(s, pattern(BULK, 7)).await?))
+        });
+        let (ours, certs) = accept(c.server, b).await.unwrap();
+        let peer = certs.first().and_then(identity_of);
+        assert_eq!(peer, Some(Identity::new("cluster.local", "ns", "client")));
+        let got = exchange(ours, pattern(BULK, 8)).await.unwrap();
+        assert!(got == pattern(BULK, 7));
+        let (agreed, theirs) = client.await.unwrap().unwrap();
+        assert!(theirs == pattern(BULK, 8));
+        assert_eq!(agreed, AGREED);
+    }
+
+    /// Off (the default), a TLS 1.2 peer is refused both ways, in words.
+    #[tokio::test]
+    async fn without_tls12_a_tls12_only_peer_is_refused_in_words() {
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let peer = tls12_only(&ca);
+        let p = Arc::new(provider_for(Compliance::Default));
+        let server = Arc::new(server_config_on(&issue(&ca, "server"), None, p.clone()).unwrap());
+        let client = Arc::new(client_config_on(&issue(&ca, "client"), None, p).unwrap());
+
+        let (a, b) = tcp_pair().await;
+        let connector = tokio_rustls::TlsConnector::from(peer.client);
+        let (ours, theirs) =
+            tokio::join!(accept(server, b), connector.connect(hbone_server_name(), a));
+        let err = ours.err().expect("refused").to_string();
+        assert!(err.contains("no TLS version in common"), "{err}");
+        assert!(err.contains("TLS12_ENABLED=true allows 1.2"), "{err}");
+        assert!(theirs.is_err(), "the peer was told");
+
+        let (a, b) = tcp_pair().await;
+        let acceptor = tokio_rustls::TlsAcceptor::from(peer.server);
+        let (ours, theirs) =
+            tokio::join!(connect(client, hbone_server_name(), a), acceptor.accept(b));
+        let err = ours.err().expect("refused").to_string();
+        assert!(err.contains("no TLS version in common"), "{err}");
+        assert!(theirs.is_err());
+    }
+
+    /// Records a TLS 1.2 connection must not carry after its handshake: a
+    /// HelloRequest (renegotiation) and a KeyUpdate are refused; so is a
+    /// record of a type TLS 1.2 never encrypts.
+    #[test]
+    fn after_a_tls12_handshake_no_handshake_message_is_taken() {
+        use super::super::records::*;
+        use rustls::crypto::cipher::{InboundOpaqueMessage, InboundPlainMessage};
+        struct Clear12;
+        impl MessageDecrypter for Clear12 {
+            fn decrypt<'a>(
+                &mut self,
+                msg: InboundOpaqueMessage<'a>,
+                _seq: u64,
+            ) -> Result<InboundPlainMessage<'a>, rustls::Error> {
+                Ok(msg.into_plain_message())
+            }
+        }
+        let mut rx = Receiver {
+            decrypter: Box::new(Clear12),
+            seq: 0,
+            handshake: Vec::new(),
+            client: true,
+            closed: false,
+            key_updates_left: KEY_UPDATES_BETWEEN_DATA,
+            warnings_left: WARNING_ALERTS,
+            tls12: true,
+        };
+        let mut open = |typ: u8, payload: &[u8]| {
+            let mut r = vec![typ, 3, 3];
+            r.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+            r.extend_from_slice(payload);
+            rx.open(&mut r).map(|o| o.map(|(_, opened)| opened))
+        };
+        assert_eq!(open(23, b"data").unwrap(), Some(Opened::Data(5..9)));
+        assert_eq!(open(21, &[1, 90]).unwrap(), Some(Opened::Nothing));
+        assert_eq!(
+            open(22, &[0, 0, 0, 0]),
+            Err(RecordError::UnexpectedHandshake(0)),
+            "a HelloRequest"
+        );
+        assert_eq!(
+            open(22, &[24, 0, 0, 1, 1]),
+            Err(RecordError::UnexpectedHandshake(24)),
+            "a KeyUpdate"
+        );
+        assert_eq!(open(20, &[1]), Err(RecordError::UnexpectedOuterType(20)));
+        assert_eq!(open(21, &[1, 0]).unwrap(), Some(Opened::Closed));
+    }
+
+    /// PEM of one DER item.
+    fn pem(label: &str, der: &[u8]) -> String {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+        let lines: Vec<&str> = b64
+            .as_bytes()
+            .chunks(64)
+            .map(|c| std::str::from_utf8(c).unwrap())
+            .collect();
+        format!(
+            "-----BEGIN {label}-----\n{}\n-----END {label}-----\n",
+            lines.join("\n")
+        )
+    }
+
+    /// `cert`'s chain, key and roots as PEM files in a new directory.
+    fn pem_files(cert: &crate::identity::WorkloadCert, name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("ambit-tls12-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let chain: String = cert.chain.iter().map(|c| pem("CERTIFICATE", c)).collect();
+        let roots: String = cert.roots.iter().map(|c| pem("CERTIFICATE", c)).collect();
+        std::fs::write(dir.join("cert.pem"), chain).unwrap();
+        std::fs::write(
+            dir.join("key.pem"),
+            pem("PRIVATE KEY", cert.key.secret_pkcs8_der()),
+        )
+        .unwrap();
+        std::fs::write(dir.join("roots.pem"), roots).unwrap();
+        dir
+    }
+
+    /// OpenSSL's own TLS 1.2 (not rustls') on the other side: `s_server
+    /// -rev` answers each line reversed, to our client; `s_client` sends a
+    /// line to our server and prints what comes back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn openssl_speaking_tls12_is_carried_by_our_client_and_our_server() {
+        use std::process::{Command, Stdio};
+        let ca = LocalCa::generate("cluster.local").unwrap();
+        let c = ours(&ca);
+
+        // Our client to `openssl s_server -tls1_2`, which asks for our
+        // certificate and verifies it against the mesh's roots.
+        let dir = pem_files(&issue(&ca, "server"), "server");
+        let port = {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port()
+        };
+        let server = Command::new("openssl")
+            .current_dir(&dir)
+            .args([
+                "s_server", "-tls1_2", "-rev", "-naccept", "1", "-Verify", "1",
+            ])
+            .args([
+                "-cert",
+                "cert.pem",
+                "-key",
+                "key.pem",
+                "-CAfile",
+                "roots.pem",
+            ])
+            .args(["-accept", &format!("127.0.0.1:{port}")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let tcp = loop {
+            match TcpStream::connect(("127.0.0.1", port)).await {
+                Ok(t) => break t,
+                Err(e) => {
+                    assert!(std::time::Instant::now() < deadline, "s_server: {e}");
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+        };
+        let (mut ours, certs) = connect(c.client.clone(), hbone_server_name(), tcp)
+            .await
+            .expect("a TLS 1.2 handshake with openssl");
+        let peer = certs.first().and_then(identity_of);
+        assert_eq!(peer, Some(Identity::new("cluster.local", "ns", "server")));
+        ours.write_all(b"hbone over tls12\n").await.unwrap();
+        ours.flush().await.unwrap();
+        let mut line = Vec::new();
+        while !line.ends_with(b"\n") {
+            let mut b = [0u8; 64];
+            let n = ours.read(&mut b).await.unwrap();
+            assert!(n > 0, "openssl closed before answering: {line:?}");
+            line.extend_from_slice(&b[..n]);
+        }
+        assert_eq!(line, b"21slt revo enobh\n", "openssl reversed our line");
+        assert_eq!(
+            format!("{:?}", ours.agreed()),
+            "(TLSv1_2, TLS_ECDHE_ECDSA_WITH_AES_256_GCM_SHA384)"
+        );
+        ours.shutdown().await.unwrap();
+        drop(ours);
+        // `-naccept 1`: it exits once our connection ends.
+        let waited = tokio::task::spawn_blocking(move || server.wait_with_output());
+        let out = tokio::time::timeout(Duration::from_secs(10), waited)
+            .await
+            .expect("s_server exits after its one connection")
+            .unwrap()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+
+        // `openssl s_client -tls1_2` to our server, with its certificate.
+        let dir = pem_files(&issue(&ca, "client"), "client");
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let client = std::thread::spawn(move || {
+            Command::new("sh")
+                .current_dir(&dir)
+                .args([
+                    "-c",
+                    &format!(
+                    "echo hello-from-openssl | openssl s_client -connect {addr} -tls1_2 -ign_eof \
+                     -cert cert.pem -key key.pem -CAfile roots.pem 2>&1"
+                ),
+                ])
+                .output()
+                .unwrap()
+        });
+        let (tcp, _) = listener.accept().await.unwrap();
+        let (mut ours, certs) = accept(c.server.clone(), tcp).await.unwrap();
+        let peer = certs.first().and_then(identity_of);
+        assert_eq!(peer, Some(Identity::new("cluster.local", "ns", "client")));
+        let mut line = Vec::new();
+        while !line.ends_with(b"\n") {
+            let mut b = [0u8; 64];
+            let n = ours.read(&mut b).await.unwrap();
+            assert!(n > 0, "openssl closed before its line: {line:?}");
+            line.extend_from_slice(&b[..n]);
+        }
+        assert_eq!(line, b"hello-from-openssl\n");
+        ours.write_all(b"answer-from-ambit\n").await.unwrap();
+        ours.shutdown().await.unwrap();
+        let out = tokio::task::spawn_blocking(move || client.join().unwrap())
+            .await
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(said.contains("answer-from-ambit"), "{said}");
+        assert!(said.contains("Protocol  : TLSv1.2"), "{said}");
+        assert!(said.contains("ECDHE-ECDSA-AES256-GCM-SHA384"), "{said}");
+    }
 }
