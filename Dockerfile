@@ -1,6 +1,10 @@
 # Ambit: one image for every role (agent, proxy, node, cni, control-plane).
 #
 #   podman build -t ambit .          (or docker build)
+#   podman build --build-arg FEATURES=fips -t ambit:fips .
+#                                    the FIPS flavour: every TLS and key
+#                                    operation on aws-lc's FIPS 140-3 module
+#                                    (building it needs CMake and Go)
 #
 # Both stages take their base as a build argument so the image can be built
 # where no registry is reachable (the tests build it on a local Debian base;
@@ -9,6 +13,13 @@ ARG BUILD_IMAGE=docker.io/library/rust:1-bookworm
 ARG BASE_IMAGE=docker.io/library/debian:bookworm-slim
 
 FROM ${BUILD_IMAGE} AS build
+ARG FEATURES=
+# The FIPS module's build needs CMake and Go; the default build needs neither.
+RUN if [ "$FEATURES" = fips ] && ! { command -v cmake && command -v go; } >/dev/null; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends cmake golang-go \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 WORKDIR /src
 COPY Cargo.toml Cargo.lock build.rs ./
 COPY proto proto
@@ -19,7 +30,7 @@ COPY link link
 # CNI plugin, whose glibc may be older than the image's.
 RUN target="$(uname -m)-unknown-linux-gnu" \
  && RUSTFLAGS="-C target-feature=+crt-static" \
-    cargo build --release --locked --bin ambit --target "$target" \
+    cargo build --release --locked --bin ambit --target "$target" ${FEATURES:+--features "$FEATURES"} \
  && install -m 0755 "target/$target/release/ambit" /ambit
 
 FROM ${BASE_IMAGE}

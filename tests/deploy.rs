@@ -305,16 +305,30 @@ fn home_dir(var: &str, default: &str) -> PathBuf {
         .unwrap_or_else(|| Path::new(&std::env::var("HOME").expect("HOME")).join(default))
 }
 
-#[test]
-fn image_builds_from_the_dockerfile_and_every_role_answers_through_its_symlink() {
+/// An image built from the Dockerfile with `features`, removed when dropped.
+struct Image(String);
+
+impl Drop for Image {
+    fn drop(&mut self) {
+        let _ = Command::new("podman").args(["rmi", "-f", &self.0]).output();
+    }
+}
+
+/// Builds the Dockerfile (with `--build-arg FEATURES=<features>` when
+/// given) on the local base images; `cache` under target/ keeps the build
+/// stage's target dir between runs.
+fn build_image(features: &str, cache: &str) -> Image {
     for image in [BASE, BUILDER] {
         assert!(
             podman_image_exists(image),
             "{image} is missing: run .ci/install-deps"
         );
     }
-    let tag = format!("localhost/ambit:test-{}", std::process::id());
-    let cache = repo().join("target/image");
+    let mut tag = format!("localhost/ambit:test-{}", std::process::id());
+    if !features.is_empty() {
+        tag = format!("{tag}-{features}");
+    }
+    let cache = repo().join("target").join(cache);
     std::fs::create_dir_all(&cache).expect("cache dir");
     let (rustup, cargo) = (
         home_dir("RUSTUP_HOME", ".rustup"),
@@ -325,6 +339,7 @@ fn image_builds_from_the_dockerfile_and_every_role_answers_through_its_symlink()
         .args(["build", "--network", "host", "-t", &tag])
         .args(["--build-arg", &format!("BUILD_IMAGE={BUILDER}")])
         .args(["--build-arg", &format!("BASE_IMAGE={BASE}")])
+        .args(["--build-arg", &format!("FEATURES={features}")])
         // The host's Rust toolchain and crate cache stand in for the rust image.
         .arg("-v")
         .arg(format!("{}:/usr/local/rustup:ro", rustup.display()))
@@ -333,24 +348,72 @@ fn image_builds_from_the_dockerfile_and_every_role_answers_through_its_symlink()
         .arg("-v")
         .arg(format!("{}:/src/target", cache.display()))
         .arg("."));
-    eprintln!("image built in {:?}", started.elapsed());
-    struct Remove(String);
-    impl Drop for Remove {
-        fn drop(&mut self) {
-            let _ = Command::new("podman").args(["rmi", "-f", &self.0]).output();
-        }
-    }
-    let _cleanup = Remove(tag.clone());
-    let podman_run = |entrypoint: &str, args: &[&str], env: &[&str]| {
-        let mut cmd = tool("podman");
-        cmd.args(["run", "--rm", "--network", "none"]).args(ULIMITS);
-        for e in env {
-            cmd.args(["-e", e]);
-        }
-        cmd.args(["--entrypoint", entrypoint, &tag]).args(args);
-        stdout(&mut cmd)
-    };
+    eprintln!("image {tag} built in {:?}", started.elapsed());
+    Image(tag)
+}
 
+/// Runs `entrypoint args` in `image` with `env`, without a network; its
+/// stdout, or the test fails with its output.
+fn podman_run(image: &Image, entrypoint: &str, args: &[&str], env: &[&str]) -> String {
+    let mut cmd = tool("podman");
+    cmd.args(["run", "--rm", "--network", "none"]).args(ULIMITS);
+    for e in env {
+        cmd.args(["-e", e]);
+    }
+    cmd.args(["--entrypoint", entrypoint, &image.0]).args(args);
+    stdout(&mut cmd)
+}
+
+/// `ambit version` in `image` under `env`: whether it ran, and what it said.
+fn version_in(image: &Image, env: &[&str]) -> (bool, String) {
+    let mut cmd = Command::new("podman");
+    cmd.args(["run", "--rm", "--network", "none"]).args(ULIMITS);
+    for e in env {
+        cmd.args(["-e", e]);
+    }
+    let out = cmd
+        .args(["--entrypoint", "/usr/local/bin/ambit", &image.0, "version"])
+        .output()
+        .expect("podman run");
+    let said =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), said)
+}
+
+/// The binary in `image` is static: the agent installs it on hosts of any
+/// glibc as the CNI plugin.
+fn assert_static(image: &Image) {
+    let out = Command::new("podman")
+        .args(["run", "--rm", "--network", "none"])
+        .args(ULIMITS)
+        .args(["--entrypoint", "ldd"])
+        .args([image.0.as_str(), "/usr/local/bin/ambit"])
+        .output()
+        .expect("ldd");
+    let ldd =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        ldd.contains("not a dynamic executable") || ldd.contains("statically linked"),
+        "ldd: {ldd}"
+    );
+}
+
+/// What the Dockerfile adds on top of the base, in MB.
+fn added_mb(image: &Image) -> u64 {
+    let size = |image: &str| {
+        stdout(tool("podman").args(["image", "inspect", "--format", "{{.Size}}", image]))
+            .trim()
+            .parse::<u64>()
+            .expect("size")
+    };
+    (size(&image.0) - size(BASE)) / 1_000_000
+}
+
+#[test]
+fn image_builds_from_the_dockerfile_and_every_role_answers_through_its_symlink() {
+    let image = build_image("", "image");
+    let podman_run =
+        |entrypoint: &str, args: &[&str], env: &[&str]| podman_run(&image, entrypoint, args, env);
     let ours = stdout(Command::new(BIN).arg("version"));
     let theirs = podman_run("/usr/local/bin/ambit", &["version"], &[]);
     assert_eq!(
@@ -384,28 +447,30 @@ fn image_builds_from_the_dockerfile_and_every_role_answers_through_its_symlink()
         ],
         &[],
     );
-    // The binary is static: the agent installs it on hosts of any glibc as the CNI plugin.
-    let out = Command::new("podman")
-        .args(["run", "--rm", "--network", "none"])
-        .args(ULIMITS)
-        .args(["--entrypoint", "ldd"])
-        .args([tag.as_str(), "/usr/local/bin/ambit"])
-        .output()
-        .expect("ldd");
-    let ldd =
-        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
-    assert!(
-        ldd.contains("not a dynamic executable") || ldd.contains("statically linked"),
-        "ldd: {ldd}"
-    );
-    // What the Dockerfile adds on top of the base: the binary and the tools.
-    let size = |image: &str| {
-        stdout(tool("podman").args(["image", "inspect", "--format", "{{.Size}}", image]))
-            .trim()
-            .parse::<u64>()
-            .expect("size")
-    };
-    let added = (size(&tag) - size(BASE)) / 1_000_000;
+    assert_static(&image);
+    // A default image has no FIPS module, and says so rather than run as
+    // if it had one.
+    let (ran, said) = version_in(&image, &["COMPLIANCE_POLICY=fips-140-3"]);
+    assert!(!ran && said.contains("has no FIPS module"), "{said}");
+    let added = added_mb(&image);
     eprintln!("image adds {added} MB to its base");
     assert!(added < 60, "the image adds {added} MB to its base");
+}
+
+/// The second flavour: `--build-arg FEATURES=fips`, every TLS and key
+/// operation on aws-lc's FIPS 140-3 module. It takes Istio's FIPS
+/// policies (a build without the module refuses them, as the test above
+/// shows), and still links statically.
+#[test]
+fn the_fips_image_builds_and_takes_istio_s_fips_policy() {
+    let image = build_image("fips", "image-fips");
+    for policy in ["fips-140-3", "fips-140-2", "pqc", ""] {
+        let (ran, said) = version_in(&image, &[&format!("COMPLIANCE_POLICY={policy}")]);
+        assert!(ran, "COMPLIANCE_POLICY={policy}: {said}");
+        assert!(said.starts_with("ambit "), "{said}");
+    }
+    assert_static(&image);
+    let added = added_mb(&image);
+    eprintln!("the FIPS image adds {added} MB to its base");
+    assert!(added < 60, "the FIPS image adds {added} MB to its base");
 }
