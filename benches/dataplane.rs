@@ -1055,7 +1055,9 @@ const AIMS: [(&str, &str, f64); 6] = [
     ("CPU per byte (processes", "HBONE", 0.7),
     ("latency (1-byte ping-pong, p50", "HBONE", 0.7),
     ("connect + 1-byte echo", "HBONE", 1.3),
-    ("proxies' RSS", "HBONE", 0.5),
+    // Private memory: RSS also counts each binary's mapped code, which
+    // every process of it on the node shares.
+    ("  of it private", "HBONE", 0.5),
     ("throughput (iperf3, 1 stream", "passthrough", 1.5),
 ];
 
