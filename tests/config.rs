@@ -367,9 +367,16 @@ fn go_pprof(home: &std::path::Path, ns: &ambit::netns::Netns, args: &[&str], pat
 #[test]
 fn cpu_and_heap_profiles_from_the_admin_port_are_read_by_go_s_pprof() {
     // The client's proxy is started with jemalloc's profiler armed; the
-    // server's, as by default, without.
-    let (m, client, server, echo) =
-        common::meshed_pair_env("pprof", &[("_RJEM_MALLOC_CONF", "prof:true")], &[]);
+    // server's, as by default, without. It samples once per 16 KiB here,
+    // not 512 KiB: the ~1 MB the held connections keep live made about
+    // two samples at 512 KiB, and a profile with none (about one run in
+    // eight; it happened in CI) failed the test by chance alone. At 16 KiB
+    // it takes ~60.
+    let (m, client, server, echo) = common::meshed_pair_env(
+        "pprof",
+        &[("_RJEM_MALLOC_CONF", "prof:true,lg_prof_sample:14")],
+        &[],
+    );
     let (status, body) =
         ambit::lab::http_request_in(&server.ns, "GET", "127.0.0.1:15000", "/debug/pprof/heap")
             .unwrap();
