@@ -101,27 +101,22 @@ fn main() -> ExitCode {
         .first()
         .map(|a| a.rsplit('/').next().unwrap_or(a).to_string())
         .unwrap_or_default();
-    // Istio's key-exchange policy, for every TLS this process speaks. The
-    // plugin (run by the container runtime, whose environment does not
-    // carry it) keeps the default.
-    let policy = std::env::var("COMPLIANCE_POLICY").unwrap_or_default();
-    match ambit::identity::Compliance::parse(&policy) {
-        Ok(policy) => ambit::identity::set_compliance(policy),
+    // Istio's key-exchange policy and ztunnel's switch for TLS 1.2 peers,
+    // for every TLS this process speaks. The plugin (run by the container
+    // runtime, whose environment does not carry them) keeps the defaults.
+    let env = |name| std::env::var(name).unwrap_or_default();
+    let crypto = ambit::identity::Compliance::parse(&env("COMPLIANCE_POLICY"))
+        .and_then(|policy| Ok((policy, ambit::identity::parse_tls12(&env("TLS12_ENABLED"))?)));
+    match crypto {
+        Ok((policy, tls12)) => {
+            ambit::identity::set_compliance(policy);
+            ambit::identity::set_tls12(tls12);
+        }
         Err(e) if argv0 != "ambit-cni" && std::env::var_os("CNI_COMMAND").is_none() => {
             eprintln!("ambit: {e}");
             return ExitCode::from(2);
         }
         Err(_) => ambit::identity::set_compliance(Default::default()),
-    }
-    // ztunnel's switch for TLS 1.2 peers, in the same roles.
-    let tls12 = std::env::var("TLS12_ENABLED").unwrap_or_default();
-    match ambit::identity::parse_tls12(&tls12) {
-        Ok(enabled) => ambit::identity::set_tls12(enabled),
-        Err(e) if argv0 != "ambit-cni" && std::env::var_os("CNI_COMMAND").is_none() => {
-            eprintln!("ambit: {e}");
-            return ExitCode::from(2);
-        }
-        Err(_) => {}
     }
     // The container runtime calls the plugin by its file name with CNI_COMMAND set.
     if argv0 == "ambit-cni" || (std::env::var_os("CNI_COMMAND").is_some() && args.len() == 1) {

@@ -352,27 +352,28 @@ fn build_image(features: &str, cache: &str) -> Image {
     Image(tag)
 }
 
-/// Runs `entrypoint args` in `image` with `env`, without a network; its
-/// stdout, or the test fails with its output.
-fn podman_run(image: &Image, entrypoint: &str, args: &[&str], env: &[&str]) -> String {
+/// `podman run` of `entrypoint` in `image` with `env`, without a network,
+/// under the limits podman needs here; the caller adds the arguments.
+fn podman_in(image: &Image, entrypoint: &str, env: &[&str]) -> Command {
     let mut cmd = tool("podman");
     cmd.args(["run", "--rm", "--network", "none"]).args(ULIMITS);
     for e in env {
         cmd.args(["-e", e]);
     }
-    cmd.args(["--entrypoint", entrypoint, &image.0]).args(args);
-    stdout(&mut cmd)
+    cmd.args(["--entrypoint", entrypoint, &image.0]);
+    cmd
+}
+
+/// Runs `entrypoint args` in `image` with `env`: its stdout, or the test
+/// fails with its output.
+fn podman_run(image: &Image, entrypoint: &str, args: &[&str], env: &[&str]) -> String {
+    stdout(podman_in(image, entrypoint, env).args(args))
 }
 
 /// `ambit version` in `image` under `env`: whether it ran, and what it said.
 fn version_in(image: &Image, env: &[&str]) -> (bool, String) {
-    let mut cmd = Command::new("podman");
-    cmd.args(["run", "--rm", "--network", "none"]).args(ULIMITS);
-    for e in env {
-        cmd.args(["-e", e]);
-    }
-    let out = cmd
-        .args(["--entrypoint", "/usr/local/bin/ambit", &image.0, "version"])
+    let out = podman_in(image, "/usr/local/bin/ambit", env)
+        .arg("version")
         .output()
         .expect("podman run");
     let said =
@@ -383,11 +384,8 @@ fn version_in(image: &Image, env: &[&str]) -> (bool, String) {
 /// The binary in `image` is static: the agent installs it on hosts of any
 /// glibc as the CNI plugin.
 fn assert_static(image: &Image) {
-    let out = Command::new("podman")
-        .args(["run", "--rm", "--network", "none"])
-        .args(ULIMITS)
-        .args(["--entrypoint", "ldd"])
-        .args([image.0.as_str(), "/usr/local/bin/ambit"])
+    let out = podman_in(image, "ldd", &[])
+        .arg("/usr/local/bin/ambit")
         .output()
         .expect("ldd");
     let ldd =

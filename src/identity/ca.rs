@@ -436,6 +436,20 @@ impl LocalCa {
 }
 
 /// Writes a file that must not exist yet with `mode`, via a temporary name.
+/// `der` as one PEM item labelled `label` (`CERTIFICATE`, `PRIVATE KEY`,
+/// …): base64 in lines of 64.
+pub fn pem(label: &str, der: &[u8]) -> String {
+    use base64::Engine as _;
+    let body = base64::engine::general_purpose::STANDARD.encode(der);
+    let mut pem = format!("-----BEGIN {label}-----\n");
+    for line in body.as_bytes().chunks(64) {
+        pem.push_str(&String::from_utf8_lossy(line));
+        pem.push('\n');
+    }
+    pem.push_str(&format!("-----END {label}-----\n"));
+    pem
+}
+
 fn write_new(path: &Path, contents: &str, mode: u32) -> Result<(), IdentityError> {
     let err = |e: std::io::Error| IdentityError::CaFile {
         path: path.into(),
@@ -575,17 +589,7 @@ mod tests {
             .position(|w| w == ours)
             .expect("the CSR carries its key");
         der[at..at + ours.len()].copy_from_slice(theirs);
-        use base64::Engine as _;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(&der);
-        let lines: Vec<&str> = b64
-            .as_bytes()
-            .chunks(64)
-            .map(|c| std::str::from_utf8(c).unwrap())
-            .collect();
-        let pem = format!(
-            "-----BEGIN CERTIFICATE REQUEST-----\n{}\n-----END CERTIFICATE REQUEST-----\n",
-            lines.join("\n")
-        );
+        let pem = super::pem("CERTIFICATE REQUEST", &der);
         let id = Identity::new("cluster.local", "default", "web");
         let err = ca
             .sign_csr(&pem, &id, Duration::from_secs(3600))

@@ -9,8 +9,8 @@ mod spiffe;
 pub(crate) mod tls;
 
 pub use ca::{
-    IdentityError, LocalCa, WorkloadCert, GENERATED_CERT, GENERATED_KEY, GENERATED_SERVING_CERT,
-    GENERATED_SERVING_KEY,
+    pem, IdentityError, LocalCa, WorkloadCert, GENERATED_CERT, GENERATED_KEY,
+    GENERATED_SERVING_CERT, GENERATED_SERVING_KEY,
 };
 pub use crl::Crls;
 pub use manager::{CertManager, CertSource, PodLease, TlsHandle, TlsIdentity};

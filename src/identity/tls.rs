@@ -139,20 +139,16 @@ pub fn with_tls12(mut p: CryptoProvider) -> CryptoProvider {
     p
 }
 
-/// The TLS versions a configuration on `provider` allows: 1.3, and 1.2
-/// when the provider has a suite for it ([`with_tls12`]).
+/// The TLS versions a configuration on `provider` allows: those it has a
+/// suite for (1.3; 1.2 too after [`with_tls12`]).
 pub fn versions(provider: &CryptoProvider) -> &'static [&'static rustls::SupportedProtocolVersion] {
-    static TLS13_ONLY: &[&rustls::SupportedProtocolVersion] = &[&rustls::version::TLS13];
-    static TLS13_AND_12: &[&rustls::SupportedProtocolVersion] =
-        &[&rustls::version::TLS13, &rustls::version::TLS12];
-    let has_tls12 = provider
-        .cipher_suites
-        .iter()
-        .any(|s| s.version() == &rustls::version::TLS12);
-    if has_tls12 {
-        TLS13_AND_12
-    } else {
-        TLS13_ONLY
+    use rustls::version::{TLS12, TLS13};
+    static BOTH: &[&rustls::SupportedProtocolVersion] = &[&TLS13, &TLS12];
+    let has = |v| provider.cipher_suites.iter().any(|s| s.version() == v);
+    match (has(&TLS13), has(&TLS12)) {
+        (true, true) => BOTH,
+        (false, true) => &BOTH[1..],
+        _ => &BOTH[..1],
     }
 }
 
@@ -216,17 +212,6 @@ pub(crate) fn server_config_on(
     crls: Option<&Arc<Crls>>,
     provider: Arc<CryptoProvider>,
 ) -> Result<ServerConfig, IdentityError> {
-    let versions = versions(&provider);
-    server_config_for(cert, crls, provider, versions)
-}
-
-/// [`server_config_on`] allowing only `versions`.
-pub(crate) fn server_config_for(
-    cert: &WorkloadCert,
-    crls: Option<&Arc<Crls>>,
-    provider: Arc<CryptoProvider>,
-    versions: &[&'static rustls::SupportedProtocolVersion],
-) -> Result<ServerConfig, IdentityError> {
     let roots = Arc::new(roots(cert)?);
     let inner = WebPkiClientVerifier::builder_with_provider(roots.clone(), provider.clone())
         .build()
@@ -240,6 +225,7 @@ pub(crate) fn server_config_for(
             algs: provider.signature_verification_algorithms,
         }),
     });
+    let versions = versions(&provider);
     let mut cfg = ServerConfig::builder_with_provider(provider)
         .with_protocol_versions(versions)
         .map_err(|e| tls_err(cert, e))?
@@ -269,17 +255,6 @@ pub(crate) fn client_config_on(
     crls: Option<&Arc<Crls>>,
     provider: Arc<CryptoProvider>,
 ) -> Result<ClientConfig, IdentityError> {
-    let versions = versions(&provider);
-    client_config_for(cert, crls, provider, versions)
-}
-
-/// [`client_config_on`] allowing only `versions`.
-pub(crate) fn client_config_for(
-    cert: &WorkloadCert,
-    crls: Option<&Arc<Crls>>,
-    provider: Arc<CryptoProvider>,
-    versions: &[&'static rustls::SupportedProtocolVersion],
-) -> Result<ClientConfig, IdentityError> {
     let roots = Arc::new(roots(cert)?);
     let algs = provider.signature_verification_algorithms;
     let verifier = Arc::new(ChainVerifier {
@@ -291,6 +266,7 @@ pub(crate) fn client_config_for(
             algs,
         }),
     });
+    let versions = versions(&provider);
     let mut cfg = ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(versions)
         .map_err(|e| tls_err(cert, e))?

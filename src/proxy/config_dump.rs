@@ -394,13 +394,7 @@ fn certificate(
 
 fn cert(der: &CertificateDer<'_>) -> Value {
     let b64 = base64::engine::general_purpose::STANDARD;
-    let body = b64.encode(der.as_ref());
-    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
-    for line in body.as_bytes().chunks(64) {
-        pem.push_str(&String::from_utf8_lossy(line));
-        pem.push('\n');
-    }
-    pem.push_str("-----END CERTIFICATE-----\n");
+    let pem = crate::identity::pem("CERTIFICATE", der.as_ref());
     let (serial, from, to) = match x509_parser::parse_x509_certificate(der.as_ref()) {
         Ok((_, c)) => (
             c.tbs_certificate.serial.to_string(),

@@ -458,6 +458,18 @@ mod receiver_tests {
         }
     }
 
+    /// TLS 1.2's records: the type is outside, nothing inside to strip.
+    struct Clear12;
+    impl MessageDecrypter for Clear12 {
+        fn decrypt<'a>(
+            &mut self,
+            msg: InboundOpaqueMessage<'a>,
+            _seq: u64,
+        ) -> Result<InboundPlainMessage<'a>, rustls::Error> {
+            Ok(msg.into_plain_message())
+        }
+    }
+
     fn receiver(client: bool) -> Receiver {
         Receiver {
             decrypter: Box::new(Clear),
@@ -487,6 +499,42 @@ mod receiver_tests {
         let (used, opened) = rx.open(&mut r)?.expect("a whole record");
         assert_eq!(used, len);
         Ok(opened)
+    }
+
+    /// After a TLS 1.2 handshake: data and alerts, under their own outer
+    /// type, are taken; a HelloRequest (renegotiation), a KeyUpdate and a
+    /// type TLS 1.2 never encrypts are refused.
+    #[test]
+    fn after_a_tls12_handshake_no_handshake_message_is_taken() {
+        let mut rx = Receiver {
+            decrypter: Box::new(Clear12),
+            tls12: true,
+            ..receiver(true)
+        };
+        let mut open = |typ: u8, payload: &[u8]| {
+            let mut r = vec![typ, 3, 3];
+            r.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+            r.extend_from_slice(payload);
+            rx.open(&mut r).map(|o| o.map(|(_, opened)| opened))
+        };
+        assert_eq!(open(23, b"data").unwrap(), Some(Opened::Data(5..9)));
+        assert_eq!(open(21, &[1, 90]).unwrap(), Some(Opened::Nothing));
+        assert_eq!(
+            open(22, &[0, 0, 0, 0]),
+            Err(RecordError::UnexpectedHandshake(0)),
+            "a HelloRequest"
+        );
+        assert_eq!(
+            open(22, &[24, 0, 0, 1, 1]),
+            Err(RecordError::UnexpectedHandshake(24)),
+            "a KeyUpdate"
+        );
+        assert_eq!(open(20, &[1]), Err(RecordError::UnexpectedOuterType(20)));
+        assert_eq!(open(21, &[1, 0]).unwrap(), Some(Opened::Closed));
+        // Over TLS 1.3 an alert or handshake type outside is refused.
+        let mut rx = receiver(true);
+        let mut r = vec![21, 3, 3, 0, 2, 1, 0];
+        assert_eq!(rx.open(&mut r), Err(RecordError::UnexpectedOuterType(21)));
     }
 
     #[test]

@@ -472,17 +472,16 @@ mod tls12 {
         }
     }
 
-    /// A peer that speaks TLS 1.2 alone (its builder allows no other), and
-    /// otherwise as HBONE's.
+    /// A peer that speaks TLS 1.2 alone (its provider has no other suite),
+    /// and otherwise as HBONE's.
     fn tls12_only(ca: &LocalCa) -> Configs {
-        use crate::identity::tls::{client_config_for, server_config_for};
-        let p = Arc::new(with_tls12(provider_for(Compliance::Default)));
-        let only = &[&rustls::version::TLS12];
+        let mut p = with_tls12(provider_for(Compliance::Default));
+        p.cipher_suites
+            .retain(|s| s.version() == &rustls::version::TLS12);
+        let p = Arc::new(p);
         Configs {
-            client: Arc::new(
-                client_config_for(&issue(ca, "client"), None, p.clone(), only).unwrap(),
-            ),
-            server: Arc::new(server_config_for(&issue(ca, "server"), None, p, only).unwrap()),
+            client: Arc::new(client_config_on(&issue(ca, "client"), None, p.clone()).unwrap()),
+            server: Arc::new(server_config_on(&issue(ca, "server"), None, p).unwrap()),
         }
     }
 
@@ -570,74 +569,11 @@ mod tls12 {
         assert!(theirs.is_err());
     }
 
-    /// Records a TLS 1.2 connection must not carry after its handshake: a
-    /// HelloRequest (renegotiation) and a KeyUpdate are refused; so is a
-    /// record of a type TLS 1.2 never encrypts.
-    #[test]
-    fn after_a_tls12_handshake_no_handshake_message_is_taken() {
-        use super::super::records::*;
-        use rustls::crypto::cipher::{InboundOpaqueMessage, InboundPlainMessage};
-        struct Clear12;
-        impl MessageDecrypter for Clear12 {
-            fn decrypt<'a>(
-                &mut self,
-                msg: InboundOpaqueMessage<'a>,
-                _seq: u64,
-            ) -> Result<InboundPlainMessage<'a>, rustls::Error> {
-                Ok(msg.into_plain_message())
-            }
-        }
-        let mut rx = Receiver {
-            decrypter: Box::new(Clear12),
-            seq: 0,
-            handshake: Vec::new(),
-            client: true,
-            closed: false,
-            key_updates_left: KEY_UPDATES_BETWEEN_DATA,
-            warnings_left: WARNING_ALERTS,
-            tls12: true,
-        };
-        let mut open = |typ: u8, payload: &[u8]| {
-            let mut r = vec![typ, 3, 3];
-            r.extend_from_slice(&(payload.len() as u16).to_be_bytes());
-            r.extend_from_slice(payload);
-            rx.open(&mut r).map(|o| o.map(|(_, opened)| opened))
-        };
-        assert_eq!(open(23, b"data").unwrap(), Some(Opened::Data(5..9)));
-        assert_eq!(open(21, &[1, 90]).unwrap(), Some(Opened::Nothing));
-        assert_eq!(
-            open(22, &[0, 0, 0, 0]),
-            Err(RecordError::UnexpectedHandshake(0)),
-            "a HelloRequest"
-        );
-        assert_eq!(
-            open(22, &[24, 0, 0, 1, 1]),
-            Err(RecordError::UnexpectedHandshake(24)),
-            "a KeyUpdate"
-        );
-        assert_eq!(open(20, &[1]), Err(RecordError::UnexpectedOuterType(20)));
-        assert_eq!(open(21, &[1, 0]).unwrap(), Some(Opened::Closed));
-    }
-
-    /// PEM of one DER item.
-    fn pem(label: &str, der: &[u8]) -> String {
-        use base64::Engine;
-        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
-        let lines: Vec<&str> = b64
-            .as_bytes()
-            .chunks(64)
-            .map(|c| std::str::from_utf8(c).unwrap())
-            .collect();
-        format!(
-            "-----BEGIN {label}-----\n{}\n-----END {label}-----\n",
-            lines.join("\n")
-        )
-    }
-
     /// `cert`'s chain, key and roots as PEM files in a new directory.
     fn pem_files(cert: &crate::identity::WorkloadCert, name: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("ambit-tls12-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        use crate::identity::pem;
         let chain: String = cert.chain.iter().map(|c| pem("CERTIFICATE", c)).collect();
         let roots: String = cert.roots.iter().map(|c| pem("CERTIFICATE", c)).collect();
         std::fs::write(dir.join("cert.pem"), chain).unwrap();
