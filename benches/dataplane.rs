@@ -35,7 +35,12 @@
 //! (set) paths from Ambit's client side to the first peer's server side and back,
 //! with `AMBIT_BENCH_CA=cert.pem:key.pem` the root Ambit issues from (the
 //! peer's), `AMBIT_BENCH_LOAD` busy loops at nice 19 kept running through
-//! the run (0). The direct path's rounds warn (`UNSTEADY`) when they spread
+//! the run (0), `AMBIT_BENCH_POOL=off` every proxy with HBONE pooling off, so
+//! that each connection is a new mTLS handshake between the proxies (Ambit:
+//! `POOL_UNUSED_RELEASE_TIMEOUT=0s`; peers: `POOL_MAX_STREAMS_PER_CONNECTION=1`,
+//! with which ztunnel never returns a connection to its pool); the
+//! connection figures then count the handshakes each connection cost.
+//! The direct path's rounds warn (`UNSTEADY`) when they spread
 //! past 1.5×. After the memory figures (taken on proxies that have carried
 //! no bulk flow) and before any other, 32 MB go through each proxied
 //! path's echo server and must come back intact.
@@ -46,7 +51,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use ambit::lab::{
-    anon_kb, close_first_echo, connect_from, cpu_seconds, iperf3, rss_kb,
+    anon_kb, close_first_echo, connect_from, cpu_seconds, iperf3, passive_opens, rss_kb,
     set_default_congestion_control, short_connection, write_ca, EchoServer, Ends, Lab, LabPod,
     ProxySpec,
 };
@@ -183,9 +188,14 @@ fn proxy_pids(lab: &Lab, path: &Path) -> Vec<u32> {
 
 /// Connections per second, one after another from the path's client, and
 /// how many were made in all (warm-up included).
-fn connect_rate(path: &Path, secs: f64) -> (f64, f64) {
+/// Connections per second for `secs`, connections made (warm-ups
+/// included), and the HBONE connections the server's side accepted per
+/// connection made (0 for paths with no proxy at the server).
+fn connect_rate(path: &Path, secs: f64) -> (f64, f64, f64) {
     let target = path.short;
-    path.client
+    let accepted_before = passive_opens(&path.server).unwrap();
+    let (rate, made) = path
+        .client
         .ns
         .run(move || {
             let once = || short_connection(target, Ends::Echo).unwrap();
@@ -199,7 +209,14 @@ fn connect_rate(path: &Path, secs: f64) -> (f64, f64) {
             }
             (n as f64 / start.elapsed().as_secs_f64(), (n + 50) as f64)
         })
+        .unwrap();
+    // Each connection made is one the server app accepted; any more the
+    // pod's netns accepted were its proxy's, HBONE connections.
+    let more = passive_opens(&path.server)
         .unwrap()
+        .saturating_sub(accepted_before) as f64
+        - made;
+    (rate, made, (more / made).max(0.0))
 }
 
 /// p50 and p99 of `rounds` round trips of `size`-byte messages on one
@@ -432,6 +449,30 @@ fn profiled<T>(pids: &[u32], out: &std::path::Path, f: impl FnOnce() -> T) -> T 
     let mut args = vec!["record", "-F", "4999", "-o", &out_arg];
     args.extend(extra.split_whitespace());
     let (value, _) = under_perf(&args, pids, f);
+    // The cipher's share, summed over its functions (ring's, aws-lc's and
+    // OpenSSL-derived names: AES rounds, CTR, GHASH, the fused GCM loops).
+    let symbols = std::process::Command::new("perf")
+        .args(["report", "--stdio", "--no-children", "--sort", "sym", "-i"])
+        .arg(out)
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let cipher: f64 = symbols
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            let l = l.to_ascii_lowercase();
+            l.contains("aes") || l.contains("gcm") || l.contains("ghash")
+        })
+        .filter_map(|l| {
+            l.split_whitespace()
+                .next()?
+                .strip_suffix('%')?
+                .parse::<f64>()
+                .ok()
+        })
+        .fold(0.0, |sum, share| sum + share);
+    println!("    AES-GCM: {cipher:.1}% of the samples");
     for (sort, limit) in [("dso", "0.5"), ("dso,sym", "0.7")] {
         let report = std::process::Command::new("perf")
             .args(["report", "--stdio", "--no-children", "--sort", sort])
@@ -716,6 +757,13 @@ fn phase(
                 extra_env.push(("AMBIT_CONGESTION_CONTROL".into(), cc.into()));
             }
             extra_env.extend(kind.env.iter().cloned());
+            if pool_off() {
+                extra_env.push(if kind.ambit {
+                    ("POOL_UNUSED_RELEASE_TIMEOUT".into(), "0s".into())
+                } else {
+                    ("POOL_MAX_STREAMS_PER_CONNECTION".into(), "1".into())
+                });
+            }
             let spec = ProxySpec {
                 config: cfg.clone(),
                 ca_cert: ca_cert.clone(),
@@ -982,26 +1030,36 @@ fn phase(
         });
     }
     if wanted("connections") {
-        let mut rates = vec![Vec::new(); n];
+        let (mut rates, mut handshakes) = (vec![Vec::new(); n], vec![Vec::new(); n]);
         for _ in 0..rounds {
             for (i, p) in paths.iter().enumerate() {
-                rates[i].push(connect_rate(p, 2.0).0);
+                let (rate, _, hbone) = connect_rate(p, 2.0);
+                rates[i].push(rate);
+                handshakes[i].push(hbone);
             }
         }
         // Counted apart from the timed rounds, as above.
         let costs: Vec<Option<(f64, f64)>> = paths
             .iter()
             .map(|p| {
-                let ((_, made), c) = counted(&proxy_pids(p), || connect_rate(p, 2.0));
+                let ((_, made, _), c) = counted(&proxy_pids(p), || connect_rate(p, 2.0));
                 c.map(|(sys, cs)| (sys / made, cs / made))
             })
             .collect();
+        let pooling = if pool_off() { " (pool off)" } else { "" };
         measures.push(Measure {
-            title: "connect + 1-byte echo + close".into(),
+            title: format!("connect + 1-byte echo + close{pooling}"),
             unit: "conn/s",
             decimals: 0,
             higher_is_better: true,
             values: rates.into_iter().map(median).collect(),
+        });
+        measures.push(Measure {
+            title: "  proxy-to-proxy connections per connection".into(),
+            unit: "",
+            decimals: 3,
+            higher_is_better: false,
+            values: handshakes.into_iter().map(median).collect(),
         });
         measures.push(Measure {
             title: "  proxies' syscalls per connection".into(),
@@ -1060,6 +1118,11 @@ const AIMS: [(&str, &str, f64); 6] = [
     ("  of it private", "HBONE", 0.5),
     ("throughput (iperf3, 1 stream", "passthrough", 1.5),
 ];
+
+/// `AMBIT_BENCH_POOL=off`: no proxy pools HBONE connections.
+fn pool_off() -> bool {
+    std::env::var("AMBIT_BENCH_POOL").is_ok_and(|v| v == "off")
+}
 
 /// `K=V K=V` (space-separated) as pairs.
 fn key_values(text: &str) -> Vec<(String, String)> {

@@ -6,7 +6,7 @@ mod common;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
+use ambit::lab::{connect_from, echo_roundtrip, passive_opens, EchoServer, LabPod};
 use common::{counter, wait_until, workload, Mesh};
 
 /// Long enough for a loaded machine; the waits end as soon as the state is there.
@@ -729,6 +729,48 @@ fn a_quiet_connection_outlives_the_idle_timeout_of_its_hbone_connection() {
         echo_roundtrip(&mut quiet, b"still here").unwrap(),
         b"still here",
         "{}",
+        m.proxy_log(&server)
+    );
+}
+
+/// `POOL_UNUSED_RELEASE_TIMEOUT=0s`, pooling off: each connection after the
+/// last one ended is a new HBONE connection (a new mTLS handshake), closed
+/// as its stream ends; one that carries a stream stays open however quiet,
+/// on both sides (the server's proxy checks every 100 ms).
+#[test]
+fn with_pooling_off_each_connection_is_a_new_hbone_connection_and_a_quiet_one_stays() {
+    let off = [("POOL_UNUSED_RELEASE_TIMEOUT", "0s")];
+    let (m, client, server, echo) = common::meshed_pair_env("nopool", &off, &off);
+    let before = passive_opens(&server).unwrap();
+    for i in 0..5 {
+        let mut c = connect_from(&client, echo.addr).unwrap();
+        assert_eq!(
+            echo_roundtrip(&mut c, b"hi").unwrap(),
+            b"hi",
+            "connection {i}"
+        );
+    }
+    // Five for the app, and one HBONE connection each at the server's proxy.
+    wait_until("ten accepts", Duration::from_secs(5), || {
+        passive_opens(&server).unwrap() - before >= 10
+    });
+    assert_eq!(passive_opens(&server).unwrap() - before, 10);
+
+    let mut quiet = connect_from(&client, echo.addr).unwrap();
+    wait_until(
+        "the quiet connection carried to the server",
+        Duration::from_secs(5),
+        || echo.peers().len() == 6,
+    );
+    // A fixed window on purpose: nothing may happen in it. Ten of the
+    // server's idle checks.
+    std::thread::sleep(Duration::from_secs(1));
+    let again = echo_roundtrip(&mut quiet, b"still here");
+    assert_eq!(
+        again.as_deref().ok(),
+        Some(&b"still here"[..]),
+        "{again:?}\nclient's proxy:\n{}\nserver's proxy:\n{}",
+        m.proxy_log(&client),
         m.proxy_log(&server)
     );
 }

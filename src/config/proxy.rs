@@ -231,7 +231,7 @@ pub static PROXY_KEYS: &[Key] = &[
         name: "pool_unused_release_timeout",
         env: &["POOL_UNUSED_RELEASE_TIMEOUT"],
         default: "5m",
-        help: "HBONE connections that carry no stream (pooled outbound ones, and inbound ones) are closed after this",
+        help: "HBONE connections that carry no stream (pooled outbound ones, and inbound ones) are closed after this; 0s: no pooling, an outbound connection closes as its last stream ends",
     },
     Key {
         name: "http2_stream_window_size",

@@ -30,7 +30,7 @@ pub mod waypoint;
 
 pub use cni_call::CniCall;
 pub use probes::{
-    aborts, anon_kb, cpu_seconds, established, iptables_save, istio_rules, rss_kb,
+    aborts, anon_kb, cpu_seconds, established, iptables_save, istio_rules, passive_opens, rss_kb,
     set_default_congestion_control, stdout_in, time_waits, Established,
 };
 pub use sandbox::pod_uid;

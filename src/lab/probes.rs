@@ -49,13 +49,25 @@ pub(super) fn aborts_here() -> io::Result<u64> {
 
 /// A `TcpExt` counter of the calling thread's netns.
 pub(super) fn tcp_ext(name: &str) -> io::Result<u64> {
-    let text = std::fs::read_to_string("/proc/thread-self/net/netstat")?;
-    let mut lines = text.lines().filter(|l| l.starts_with("TcpExt:"));
+    counter("netstat", "TcpExt:", name)
+}
+
+/// The TCP connections a pod's netns has accepted so far (`PassiveOpens`):
+/// its applications' and its proxy's.
+pub fn passive_opens(pod: &LabPod) -> io::Result<u64> {
+    pod.ns.run(|| counter("snmp", "Tcp:", "PassiveOpens"))?
+}
+
+/// Counter `name` of the `prefix` table of `/proc/net/<file>`, for the
+/// calling thread's netns (`/proc/self/net` is the process's).
+fn counter(file: &str, prefix: &str, name: &str) -> io::Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/thread-self/net/{file}"))?;
+    let mut lines = text.lines().filter(|l| l.starts_with(prefix));
     let (keys, values) = (lines.next().unwrap_or(""), lines.next().unwrap_or(""));
     keys.split_whitespace()
         .position(|k| k == name)
         .and_then(|at| values.split_whitespace().nth(at)?.parse().ok())
-        .ok_or_else(|| io::Error::other(format!("no TcpExt {name}")))
+        .ok_or_else(|| io::Error::other(format!("no {prefix} {name} in /proc/net/{file}")))
 }
 
 /// An established TCP connection as `ss` shows it.

@@ -93,15 +93,14 @@ impl Activity {
         })
     }
 
-    /// How long the connection has carried no stream (zero while it does).
-    fn idle_for(&self) -> Duration {
+    /// How long the connection has carried no stream; `None` while it
+    /// carries one (so that a zero timeout never closes a busy connection).
+    fn idle_for(&self) -> Option<Duration> {
         if self.open.load(Ordering::Acquire) > 0 {
-            return Duration::ZERO;
+            return None;
         }
-        self.idle_since
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .elapsed()
+        let since = self.idle_since.lock().unwrap_or_else(|e| e.into_inner());
+        Some(since.elapsed())
     }
 }
 
@@ -285,7 +284,7 @@ impl Inbound {
             let next = tokio::select! {
                 n = conn.accept() => n,
                 _ = idle_tick.tick(), if let_go.is_none() => {
-                    if activity.idle_for() >= self.idle_timeout {
+                    if activity.idle_for().is_some_and(|idle| idle >= self.idle_timeout) {
                         tracing::debug!(src.addr = %peer, idle = ?self.idle_timeout, "idle HBONE connection closed");
                         conn.abrupt_shutdown(h2::Reason::NO_ERROR);
                         let_go = Some(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);

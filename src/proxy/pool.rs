@@ -11,7 +11,10 @@
 //! (eight bulk streams on one connection carried less than one alone). Past
 //! that, a stream goes to the connection (or dial under way) with the fewest.
 //! A connection serves at most `max_streams` streams at once. Idle
-//! connections are closed after `idle_timeout`, dead ones are dropped.
+//! connections are closed after `idle_timeout`, dead ones are dropped; an
+//! `idle_timeout` of zero turns pooling off: a connection leaves the pool,
+//! and closes, as its last stream ends, so each connection a pod makes
+//! after a quiet moment is a new TLS handshake.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -106,12 +109,19 @@ impl Lifeline {
 #[derive(Debug)]
 pub struct Lease {
     conn: Arc<PooledConn>,
+    /// With pooling off: the entry the connection leaves as its last
+    /// stream ends.
+    unpool: Option<Arc<Entry>>,
 }
 
 impl Lease {
-    fn new(conn: Arc<PooledConn>) -> Self {
+    /// The caller holds `entry`'s lock or owns `conn` alone (a dial not
+    /// yet published), so no one can take the connection as this lease
+    /// leaves it.
+    fn new(conn: Arc<PooledConn>, entry: &Arc<Entry>) -> Self {
         conn.active.fetch_add(1, Ordering::AcqRel);
-        Lease { conn }
+        let unpool = entry.unpooled.then(|| entry.clone());
+        Lease { conn, unpool }
     }
 
     pub fn sender(&self) -> SendRequest<Bytes> {
@@ -126,6 +136,16 @@ impl Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        if let Some(entry) = self.unpool.take() {
+            // Under the entry's lock, where streams are placed: a stream
+            // that took the connection between the count and the lock
+            // keeps it, and its own lease removes it.
+            let mut state = entry.lock();
+            if self.conn.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+                state.conns.retain(|c| !Arc::ptr_eq(c, &self.conn));
+            }
+            return;
+        }
         if self.conn.active.fetch_sub(1, Ordering::AcqRel) == 1 {
             *self
                 .conn
@@ -154,6 +174,8 @@ struct Dial {
 #[derive(Debug, Default)]
 struct Entry {
     state: Mutex<State>,
+    /// Pooling off: connections leave the entry as their last stream ends.
+    unpooled: bool,
 }
 
 #[derive(Debug, Default)]
@@ -262,7 +284,7 @@ impl Entry {
             .min_by_key(|(active, _)| *active)
             .map(|(active, c)| (active, c.clone()));
         if let Some((0, c)) = least {
-            return Pick::Lease(Lease::new(c));
+            return Pick::Lease(Lease::new(c, self));
         }
         let held = state.spread_held_until.is_some_and(|t| Instant::now() < t);
         if alive + state.dials.len() < spread && !held {
@@ -280,7 +302,7 @@ impl Entry {
             .map(|(load, d)| (load, d.clone()));
         match (least, pending) {
             (Some((active, _)), Some((load, d))) if load < active => Pick::Join(d.joined()),
-            (Some((_, c)), _) => Pick::Lease(Lease::new(c)),
+            (Some((_, c)), _) => Pick::Lease(Lease::new(c, self)),
             (None, Some((_, d))) => Pick::Join(d.joined()),
             (None, None) => Pick::Dial {
                 dialing: Dialing::start(self, &mut state),
@@ -351,7 +373,15 @@ impl Pool {
         let entry = {
             let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
             let was_empty = entries.is_empty();
-            let entry = entries.entry(key).or_default().clone();
+            let entry = entries
+                .entry(key)
+                .or_insert_with(|| {
+                    Arc::new(Entry {
+                        unpooled: self.idle_timeout.is_zero(),
+                        ..Entry::default()
+                    })
+                })
+                .clone();
             if was_empty {
                 self.filled.notify_one();
             }
@@ -374,7 +404,7 @@ impl Pool {
                 // cannot all see its last slot free and take it.
                 let _state = entry.lock();
                 if conn.usable(self.max_streams) {
-                    return Ok(Lease::new(conn));
+                    return Ok(Lease::new(conn, &entry));
                 }
             }
             pick = entry.pick(self.max_streams, 1, false);
@@ -409,7 +439,7 @@ impl Pool {
     /// A dialed connection joins the pool, with a stream for its dialer.
     fn dialed(&self, dialing: Dialing, conn: Arc<PooledConn>) -> Lease {
         self.dials.fetch_add(1, Ordering::Relaxed);
-        let lease = Lease::new(conn.clone());
+        let lease = Lease::new(conn.clone(), &dialing.entry);
         dialing.publish(&conn);
         lease
     }

@@ -359,3 +359,40 @@ async fn callers_woken_by_one_dial_never_put_more_than_max_streams_on_it() {
     );
     assert_eq!(pool.dials(), 3);
 }
+
+// A zero release timeout turns pooling off: each stream after the last
+// one ended dials (a TLS handshake between proxies), and the connection
+// it used is let go (GOAWAY) at once, not at the next eviction sweep.
+#[tokio::test(start_paused = true)]
+async fn a_zero_release_timeout_dials_for_each_stream_and_closes_at_once() {
+    let pool = Pool::new(100, 1, Duration::ZERO);
+    let (first, first_end) = h2_conn_watched().await;
+    let lease = pool.get(key(), given(first)).await.unwrap();
+    assert_eq!(pool.open(), 1);
+    // While it carries a stream, a second one may share it.
+    let (unused, _) = h2_conn_watched().await;
+    let shared = pool.get(key(), given(unused)).await.unwrap();
+    assert_eq!(pool.dials(), 1, "a connection in use is shared");
+    drop(lease);
+    assert_eq!(pool.open(), 1, "still carrying a stream");
+    drop(shared);
+    assert_eq!(pool.open(), 0, "left the pool as its last stream ended");
+    let clean = tokio::time::timeout(Duration::from_secs(2), first_end).await;
+    assert_eq!(
+        clean.ok().and_then(Result::ok),
+        Some(true),
+        "closed with GOAWAY (NO_ERROR) without an eviction sweep"
+    );
+    let (second, _) = h2_conn_watched().await;
+    let _again = pool.get(key(), given(second)).await.unwrap();
+    assert_eq!(pool.dials(), 2, "the next stream dials anew");
+
+    // With a timeout, the same sequence reuses the connection.
+    let pooled = Pool::new(100, 1, Duration::from_secs(60));
+    let (one, _) = h2_conn_watched().await;
+    drop(pooled.get(key(), given(one)).await.unwrap());
+    let (two, _) = h2_conn_watched().await;
+    let _reused = pooled.get(key(), given(two)).await.unwrap();
+    assert_eq!(pooled.dials(), 1);
+    assert_eq!(pooled.open(), 1);
+}

@@ -569,8 +569,24 @@ mod tls12 {
         assert!(theirs.is_err());
     }
 
+    /// A directory removed when dropped.
+    struct PemDir(std::path::PathBuf);
+
+    impl std::ops::Deref for PemDir {
+        type Target = std::path::Path;
+        fn deref(&self) -> &std::path::Path {
+            &self.0
+        }
+    }
+
+    impl Drop for PemDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
     /// `cert`'s chain, key and roots as PEM files in a new directory.
-    fn pem_files(cert: &crate::identity::WorkloadCert, name: &str) -> std::path::PathBuf {
+    fn pem_files(cert: &crate::identity::WorkloadCert, name: &str) -> PemDir {
         let dir = std::env::temp_dir().join(format!("ambit-tls12-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         use crate::identity::pem;
@@ -583,7 +599,7 @@ mod tls12 {
         )
         .unwrap();
         std::fs::write(dir.join("roots.pem"), roots).unwrap();
-        dir
+        PemDir(dir)
     }
 
     /// OpenSSL's own TLS 1.2 (not rustls') on the other side: `s_server
@@ -603,7 +619,7 @@ mod tls12 {
             l.local_addr().unwrap().port()
         };
         let server = Command::new("openssl")
-            .current_dir(&dir)
+            .current_dir(&*dir)
             .args([
                 "s_server", "-tls1_2", "-rev", "-naccept", "1", "-Verify", "1",
             ])
@@ -667,7 +683,7 @@ mod tls12 {
         let addr = listener.local_addr().unwrap();
         let client = std::thread::spawn(move || {
             Command::new("sh")
-                .current_dir(&dir)
+                .current_dir(&*dir)
                 .args([
                     "-c",
                     &format!(
