@@ -19,14 +19,13 @@ use std::time::Duration;
 use prost::Message;
 use tokio::sync::mpsc;
 
-use super::convert::{self, AddressResource, ADDRESS_TYPE, AUTHORIZATION_TYPE};
+use super::convert::{self, ADDRESS_TYPE, AUTHORIZATION_TYPE};
 pub use super::metrics::XdsMetrics;
-use super::store::{Claims, ListEntry, ResourceError, State, StateHandle};
-use super::types::Authorization;
+use super::store::{State, StateHandle};
 use crate::backoff::Backoff;
 use crate::proto::core::Node;
 use crate::proto::discovery::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
+use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse};
 use crate::proto::rpc;
 
 /// Where and how to reach the control plane.
@@ -161,73 +160,35 @@ impl Demand {
     }
 }
 
-/// The resources held, with their versions and when each was first held.
-/// When two conflict (one IP claimed twice, say after a pod IP is reused),
-/// the one held first wins, whatever order a map would give.
+/// The resources held: the state they make, changed resource by resource
+/// as responses arrive (with the version of each that serves: what a
+/// reconnect tells istiod this proxy has).
 #[derive(Debug, Default)]
 pub struct Held {
-    addresses: HashMap<String, (String, AddressResource, u64)>,
-    policies: HashMap<String, (String, Authorization, u64)>,
-    /// Addresses refused (NACKed) as they stand now, by resource name, with
-    /// what each claimed: refused in the state, never passed through.
-    refused: HashMap<String, (Claims, String)>,
-    /// Stand-ins for policies refused as they stand now, by resource name:
-    /// they fail closed where they apply (see `Authorization::refused`).
-    refused_policies: HashMap<String, Authorization>,
-    /// Next arrival number.
-    arrivals: u64,
-}
-
-/// Holds `value` as resource `r`, keeping the arrival number it already had.
-fn hold<T>(
-    map: &mut HashMap<String, (String, T, u64)>,
-    arrivals: &mut u64,
-    r: &Resource,
-    value: T,
-) {
-    // An update counts as a new arrival: among workloads sharing an
-    // address, or services sharing a VIP, the latest one sent wins ties
-    // (as in ztunnel, which re-inserts a resource on every update).
-    *arrivals += 1;
-    map.insert(r.name.clone(), (r.version.clone(), value, *arrivals));
-}
-
-/// The values of `map` with their resource names, first held first.
-fn in_arrival_order<T>(map: &HashMap<String, (String, T, u64)>) -> Vec<(&String, &T)> {
-    let mut held: Vec<_> = map.iter().collect();
-    held.sort_by_key(|(_, (_, _, arrived))| *arrived);
-    held.into_iter()
-        .map(|(name, (_, v, _))| (name, v))
-        .collect()
-}
-
-/// A held resource the state leaves out, for a conflict with another
-/// held resource (one uid, service or policy key claimed twice).
-#[derive(Debug)]
-pub struct Dropped {
-    pub type_url: &'static str,
-    pub name: String,
-    pub reason: String,
+    state: State,
 }
 
 impl Held {
     fn versions(&self, type_url: &str) -> HashMap<String, String> {
+        let own = |(name, version): (&str, &str)| (name.to_string(), version.to_string());
         match type_url {
-            ADDRESS_TYPE => self
-                .addresses
-                .iter()
-                .map(|(n, (v, _, _))| (n.clone(), v.clone()))
-                .collect(),
-            _ => self
-                .policies
-                .iter()
-                .map(|(n, (v, _, _))| (n.clone(), v.clone()))
-                .collect(),
+            ADDRESS_TYPE => self.state.address_versions().map(own).collect(),
+            _ => self.state.policy_versions().map(own).collect(),
         }
     }
 
     /// Applies one response; returns the rejected resources as (name, reason).
     pub fn apply(&mut self, resp: &DeltaDiscoveryResponse) -> Vec<(String, String)> {
+        self.apply_noting(resp, &mut HashSet::new())
+    }
+
+    /// [`Held::apply`], noting in `left_out` the resources held but left
+    /// out (for a conflict) as they were put.
+    fn apply_noting(
+        &mut self,
+        resp: &DeltaDiscoveryResponse,
+        left_out: &mut HashSet<String>,
+    ) -> Vec<(String, String)> {
         if resp.type_url != ADDRESS_TYPE && resp.type_url != AUTHORIZATION_TYPE {
             // Nothing of it applies, removals included.
             let why = format!("unknown type {}", resp.type_url);
@@ -244,11 +205,9 @@ impl Held {
         let mut rejected = Vec::new();
         for name in &resp.removed_resources {
             if resp.type_url == ADDRESS_TYPE {
-                self.addresses.remove(name);
-                self.refused.remove(name);
+                self.state.remove_address(name);
             } else {
-                self.policies.remove(name);
-                self.refused_policies.remove(name);
+                self.state.remove_policy(name);
             }
         }
         for r in &resp.resources {
@@ -271,31 +230,37 @@ impl Held {
                     .and_then(|a| match a.unsupported() {
                         Some(reason) => Err(reason),
                         None => Ok(a),
-                    })
-                    .map(|a| hold(&mut self.addresses, &mut self.arrivals, r, a));
-                match &held {
-                    Ok(()) => self.refused.remove(&r.name),
-                    Err(reason) => self
-                        .refused
-                        .insert(r.name.clone(), (claims, reason.clone())),
-                };
-                held
+                    });
+                match held {
+                    Ok(a) => {
+                        let served = self.state.put_address(&r.name, &r.version, a).is_none();
+                        note_left_out(left_out, &r.name, served);
+                        Ok(())
+                    }
+                    Err(reason) => {
+                        self.state.refuse_address(&r.name, claims, reason.clone());
+                        Err(reason)
+                    }
+                }
             } else {
                 let decoded = crate::proto::security::Authorization::decode(any.value.as_slice());
                 let stand_in =
                     |reason: &str| convert::refused_policy(decoded.as_ref().ok(), &r.name, reason);
-                let held = decoded
+                match decoded
                     .clone()
                     .map_err(|e| e.to_string())
                     .and_then(convert::authorization_from_proto)
-                    .map(|p| hold(&mut self.policies, &mut self.arrivals, r, p));
-                match &held {
-                    Ok(()) => self.refused_policies.remove(&r.name),
-                    Err(reason) => self
-                        .refused_policies
-                        .insert(r.name.clone(), stand_in(reason)),
-                };
-                held
+                {
+                    Ok(p) => {
+                        let served = self.state.put_policy(&r.name, &r.version, p).is_none();
+                        note_left_out(left_out, &r.name, served);
+                        Ok(())
+                    }
+                    Err(reason) => {
+                        self.state.refuse_policy(&r.name, stand_in(&reason));
+                        Err(reason)
+                    }
+                }
             };
             if let Err(reason) = outcome {
                 rejected.push((r.name.clone(), reason));
@@ -304,82 +269,44 @@ impl Held {
         rejected
     }
 
-    /// Applies one response and builds the state it leaves. Returns that
-    /// state and what the response's NACK names: the resources it carries
-    /// that are refused, or left out for a conflict with one held before.
-    /// A refusal or conflict held from an earlier response, or of the other
-    /// type, was NACKed with the response that brought it and never NACKs
-    /// a later one (istiod would take this proxy's view as stale).
+    /// Applies one response and returns the state it leaves, and what the
+    /// response's NACK names: the resources it carries that are refused,
+    /// or left out for a conflict with one held before. A refusal or
+    /// conflict held from an earlier response, or of the other type, was
+    /// NACKed with the response that brought it and never NACKs a later
+    /// one (istiod would take this proxy's view as stale).
     pub fn answer(&mut self, resp: &DeltaDiscoveryResponse) -> (State, Vec<(String, String)>) {
-        let mut rejected = self.apply(resp);
-        let (state, dropped) = self.state();
-        let carried: HashSet<&str> = resp.resources.iter().map(|r| r.name.as_str()).collect();
-        for d in dropped {
-            if d.type_url == resp.type_url
-                && carried.contains(d.name.as_str())
-                && !rejected.iter().any(|(name, _)| *name == d.name)
-            {
-                rejected.push((d.name, d.reason));
+        // Held and serving as it was put: so it stays to the response's end
+        // (only one that arrives earlier could take its place). One left
+        // out may serve by then, if the one ahead of it went after it:
+        // asked again.
+        let mut left_out = HashSet::new();
+        let mut rejected = self.apply_noting(resp, &mut left_out);
+        for name in left_out {
+            let reason = match resp.type_url.as_str() {
+                ADDRESS_TYPE => self.state.left_out(&name),
+                _ => self.state.policy_left_out(&name),
+            };
+            if let Some(reason) = reason {
+                rejected.push((name, reason));
             }
         }
-        (state, rejected)
+        (self.state(), rejected)
     }
 
-    /// The state these resources make, and the held resources it leaves
-    /// out for a conflict.
-    pub fn state(&mut self) -> (State, Vec<Dropped>) {
-        let (mut workloads, mut workload_names) = (Vec::new(), Vec::new());
-        let (mut services, mut service_names) = (Vec::new(), Vec::new());
-        for (name, a) in in_arrival_order(&self.addresses) {
-            match a {
-                AddressResource::Workload(w) => {
-                    workloads.push(w.as_ref().clone());
-                    workload_names.push(name);
-                }
-                AddressResource::Service(s) => {
-                    services.push(s.as_ref().clone());
-                    service_names.push(name);
-                }
-            }
-        }
-        // A refused policy stands in only where no valid version is held
-        // (which keeps serving, as a NACK leaves it).
-        let (policy_names, policies): (Vec<&String>, Vec<Authorization>) =
-            in_arrival_order(&self.policies)
-                .into_iter()
-                .map(|(name, p)| (name, p.clone()))
-                .chain(
-                    self.refused_policies
-                        .iter()
-                        .filter(|(name, _)| !self.policies.contains_key(*name))
-                        .map(|(name, p)| (name, p.clone())),
-                )
-                .unzip();
-        let (mut st, errors) = State::build_lenient(workloads, services, policies);
-        let dropped = errors
-            .into_iter()
-            .filter_map(|e| {
-                let (type_url, name) = match e.entry? {
-                    ListEntry::Workload(i) => (ADDRESS_TYPE, workload_names[i]),
-                    ListEntry::Service(i) => (ADDRESS_TYPE, service_names[i]),
-                    ListEntry::Policy(i) => (AUTHORIZATION_TYPE, policy_names[i]),
-                };
-                Some(Dropped {
-                    type_url,
-                    name: name.clone(),
-                    reason: e.reason,
-                })
-            })
-            .collect();
-        for (name, (claims, reason)) in &self.refused {
-            let refusal = ResourceError {
-                resource: name.clone(),
-                reason: reason.clone(),
-                entry: None,
-            };
-            st.refuse(claims.clone(), &refusal);
-        }
-        (st, dropped)
+    /// The state the resources held make (a copy: its maps are shared).
+    pub fn state(&self) -> State {
+        self.state.clone()
+    }
+}
+
+/// Keeps in `left_out` the resources of a response that, as last put,
+/// do not serve.
+fn note_left_out(left_out: &mut HashSet<String>, name: &str, served: bool) {
+    if served {
+        left_out.remove(name);
+    } else {
+        left_out.insert(name.to_string());
     }
 }
 
@@ -413,6 +340,17 @@ fn termination_reason(ended: &anyhow::Result<()>) -> &'static str {
         Some(crate::grpc::GrpcError::Connect { .. }) => "ConnectionError",
         _ => "Error",
     }
+}
+
+/// Responses carrying more resources than this are applied off the
+/// runtime's workers (about a millisecond's work at this size).
+const BLOCKING_RESPONSE: usize = 1_000;
+
+/// Whether this task runs on a multi-thread runtime (where a worker can
+/// be handed over for blocking work; a current-thread one cannot).
+fn multi_thread() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
 }
 
 /// The running client.
@@ -623,7 +561,17 @@ impl XdsClient {
                 .get_or_create(&url)
                 .inc_by(bytes as u64);
             let rejected = {
-                let (state, rejected) = self.held.lock().await.answer(&resp);
+                let mut held = self.held.lock().await;
+                let (state, rejected) =
+                    if resp.resources.len() > BLOCKING_RESPONSE && multi_thread() {
+                        // A push of a whole mesh takes seconds: this thread
+                        // leaves the data path's workers for it, their other
+                        // tasks handed to a thread that stays. A change of a
+                        // few resources costs microseconds and stays here.
+                        tokio::task::block_in_place(|| held.answer(&resp))
+                    } else {
+                        held.answer(&resp)
+                    };
                 self.state.store(state);
                 rejected
             };

@@ -1,20 +1,34 @@
-//! The mesh state the data path reads: an immutable, indexed snapshot swapped
-//! in whole by whichever source owns the state (xDS or the local file).
+//! The mesh state the data path reads: an immutable, indexed snapshot that
+//! whichever source owns the state (xDS or the local file) changes one
+//! resource at a time and swaps in whole.
 //!
-//! Readers call [`StateHandle::load`] once per connection and never lock;
-//! writers build a complete new [`State`] and swap it in one step, so a reader
-//! sees either the old state or the new one, never a mix.
+//! Readers call [`StateHandle::load`] once per connection and never lock. A
+//! writer changes its own copy and swaps it in one step, so a reader sees
+//! either the old state or the new one, never a mix. The copy costs nothing
+//! and a change costs what it touches, not what the state holds: every map
+//! is persistent (`imbl`: a copy shares all its nodes, a change copies only
+//! the path to what changed). The changes themselves are in `change.rs`.
 
-use std::collections::HashMap;
 use std::net::IpAddr;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use imbl::OrdMap;
 
+use super::convert::AddressResource;
 use super::types::{
     same_text, Authorization, HealthStatus, NetworkAddress, NetworkCidr, NetworkMode, PolicyScope,
     Protocol, Service, Workload,
 };
+
+mod change;
+
+use change::{AddressEntry, PolicyEntry, Queue, Ranges, Refusals};
+
+/// The state's maps: persistent, hashed with foldhash (seeded per process;
+/// SipHash was the largest single cost of a full push).
+type Map<K, V> =
+    imbl::GenericHashMap<K, V, foldhash::fast::RandomState, imbl::shared_ptr::DefaultSharedPtr>;
 
 /// A workload backing a service, with its own port overrides.
 #[derive(Debug, Clone)]
@@ -25,37 +39,62 @@ pub struct Endpoint {
 }
 
 /// One consistent view of workloads, services and policies.
-#[derive(Debug, Default)]
+///
+/// Resources arrive one by one, each numbered in arrival order (an update
+/// is a new arrival). Where several claim one key, the arrival order
+/// decides, as a build from lists in that order would: the first to
+/// arrive holds a uid, a service's `namespace/hostname` or a policy key
+/// (the others are left out, and take over in turn when it goes); all the
+/// workloads at an address, and all the services at a VIP, are held, and
+/// lookups rank them.
+#[derive(Debug, Clone, Default)]
 pub struct State {
-    workloads: HashMap<String, Arc<Workload>>,
-    /// Every workload claiming an address, in arrival order.
-    by_addr: HashMap<NetworkAddress, Vec<Arc<Workload>>>,
-    /// Namespace → name → workload, for finding a pod the agent names;
-    /// nested so that a lookup (one per connection, for the pod's own
-    /// labels) borrows the names instead of copying them.
-    by_name: HashMap<String, HashMap<String, Arc<Workload>>>,
-    /// Services may share a VIP (across namespaces): in arrival order.
-    services_by_vip: HashMap<NetworkAddress, Vec<Arc<Service>>>,
-    /// VIP ranges, matched when no VIP matches exactly.
-    services_by_cidr: Vec<(NetworkCidr, Arc<Service>)>,
-    services_by_host: HashMap<String, Arc<Service>>,
+    arrivals: u64,
+    /// What each address resource holds, by resource name.
+    addresses: Map<Arc<str>, AddressEntry>,
+    /// What each policy resource holds, by resource name.
+    policy_entries: Map<Arc<str>, PolicyEntry>,
+    /// The valid workloads claiming each uid: the first serves. (istiod
+    /// names a workload by its uid: the key is the name's, shared.)
+    workloads: Map<Arc<str>, Queue<Workload>>,
+    /// Every served workload claiming an address.
+    by_addr: Map<NetworkAddress, Queue<Workload>>,
+    /// Namespace → name → served workloads of that name: the latest is
+    /// found. Nested so that a lookup (one per connection, for the pod's
+    /// own labels) borrows the names instead of copying them.
+    by_name: Map<Arc<str>, Map<Arc<str>, Queue<Workload>>>,
+    /// Services may share a VIP (across namespaces).
+    services_by_vip: Map<NetworkAddress, Queue<Service>>,
+    /// VIP ranges, matched when no VIP matches exactly; in arrival order.
+    services_by_cidr: Ranges<Service>,
+    /// The valid services claiming each `namespace/hostname`: the first serves.
+    services_by_host: Map<Arc<str>, Queue<Service>>,
+    /// Each service's endpoints (by `namespace/hostname`), keyed by their
+    /// workload's arrival.
+    endpoints: Map<Arc<str>, OrdMap<u64, Endpoint>>,
     /// Addresses and names of resources that were refused: a connection to
     /// one is refused with the reason, never passed through (when no
     /// served resource holds the address).
     refused: Refusals,
-    /// The refused resources themselves, when the state was built from
-    /// them (a control plane serves them as they are; a proxy never uses
-    /// them).
-    refused_workloads: Vec<Arc<Workload>>,
-    refused_services: Vec<Arc<Service>>,
-    endpoints: HashMap<String, Vec<Endpoint>>,
-    policies: HashMap<String, Arc<Authorization>>,
+    /// The refused resources themselves, by arrival (a control plane
+    /// serves them as they are; a proxy never uses them).
+    refused_workloads: OrdMap<u64, Arc<Workload>>,
+    refused_services: OrdMap<u64, Arc<Service>>,
+    /// The policies claiming each key (`namespace/name`): the first decides.
+    policies: Map<Arc<str>, Queue<Authorization>>,
+    /// How many times served workloads name each policy key.
+    named_policies: Map<Arc<str>, usize>,
     /// Policies a workload names that are not held: denying stand-ins
     /// until they arrive (never "no ALLOW policy, so allow").
-    missing_policies: HashMap<String, Arc<Authorization>>,
+    missing_policies: Map<Arc<str>, Arc<Authorization>>,
     /// Namespace-scoped policies by namespace, and the global ones.
-    policies_by_ns: HashMap<String, Vec<Arc<Authorization>>>,
-    global_policies: Vec<Arc<Authorization>>,
+    policies_by_ns: Map<Arc<str>, Queue<Authorization>>,
+    global_policies: Arc<Vec<(u64, Arc<Authorization>)>>,
+}
+
+/// The one serving of those claiming a key.
+fn first<T>(queue: &Queue<T>) -> Option<&Arc<T>> {
+    queue.first().map(|(_, v)| v)
 }
 
 /// ztunnel's choice among services that share a VIP or a hostname.
@@ -124,13 +163,6 @@ impl Claims {
     }
 }
 
-#[derive(Debug, Default)]
-struct Refusals {
-    by_addr: HashMap<NetworkAddress, Arc<Refused>>,
-    by_range: Vec<(NetworkCidr, Arc<Refused>)>,
-    by_host: HashMap<String, Arc<Refused>>,
-}
-
 /// Why a resource could not join the state; names the resource.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 #[error("{resource}: {reason}")]
@@ -166,7 +198,8 @@ impl State {
     }
 
     /// Builds a state from everything that fits, and names what did not
-    /// (for xDS, where one bad resource rejects only itself).
+    /// (for xDS, where one bad resource rejects only itself). The lists
+    /// arrive in order: workloads, services, then policies.
     pub fn build_lenient(
         workloads: Vec<Workload>,
         services: Vec<Service>,
@@ -174,147 +207,35 @@ impl State {
     ) -> (State, Vec<ResourceError>) {
         let mut st = State::default();
         let mut errors = Vec::new();
-        for (i, mut w) in workloads.into_iter().enumerate() {
-            let name = format!("workloads[{i}] ({}/{})", w.namespace, w.name);
-            if w.uid.is_empty() {
-                w.uid = format!("{}/{}", w.namespace, w.name);
-            }
-            let refusal = if w.name.is_empty() || w.namespace.is_empty() {
-                Some("name and namespace are required".to_string())
-            } else if let Some(reason) = w.unsupported() {
-                Some(reason)
-            } else if st.workloads.contains_key(&w.uid) {
-                Some(format!("uid {:?} is used twice", w.uid))
-            } else {
-                None
+        let mut check = |st: &State, resource: String, entry: ListEntry| {
+            let left_out = match entry {
+                ListEntry::Policy(_) => st.policy_left_out(&resource),
+                _ => st.left_out(&resource),
             };
-            if let Some(reason) = refusal {
-                let e = ResourceError {
-                    resource: name,
+            if let Some(reason) = left_out {
+                errors.push(ResourceError {
+                    resource,
                     reason,
-                    entry: Some(ListEntry::Workload(i)),
-                };
-                st.refuse(Claims::of_workload(&w), &e);
-                st.refused_workloads.push(Arc::new(w));
-                errors.push(e);
-                continue;
-            }
-            let w = Arc::new(w);
-            // A hostNetwork workload's IPs are its node's, shared with the
-            // node's other hostNetwork pods: it is never found by IP.
-            let indexed: &[IpAddr] = match w.network_mode {
-                NetworkMode::HostNetwork => &[],
-                NetworkMode::Standard => &w.workload_ips,
-            };
-            // Several workloads may claim an address (an IP reused while
-            // the old pod's removal is on its way, a WorkloadEntry beside a
-            // pod): all are held; lookups pick as ztunnel does.
-            for ip in indexed {
-                let key = NetworkAddress {
-                    network: w.network.clone(),
-                    address: *ip,
-                };
-                st.by_addr.entry(key).or_default().push(w.clone());
-            }
-            for (svc, ports) in &w.services {
-                st.endpoints.entry(svc.clone()).or_default().push(Endpoint {
-                    workload: w.clone(),
-                    ports: ports.clone(),
+                    entry: Some(entry),
                 });
             }
-            st.by_name
-                .entry(w.namespace.clone())
-                .or_default()
-                .insert(w.name.clone(), w.clone());
-            st.workloads.insert(w.uid.clone(), w);
+        };
+        for (i, w) in workloads.into_iter().enumerate() {
+            let name = format!("workloads[{i}] ({}/{})", w.namespace, w.name);
+            st.put_address(&name, "", AddressResource::Workload(Box::new(w)));
+            check(&st, name, ListEntry::Workload(i));
         }
         for (i, s) in services.into_iter().enumerate() {
             let name = format!("services[{i}] ({}/{})", s.namespace, s.hostname);
-            let refusal = if s.hostname.is_empty() || s.namespace.is_empty() {
-                Some("hostname and namespace are required".to_string())
-            } else if let Some(reason) = s.unsupported() {
-                Some(reason)
-            } else if st.services_by_host.contains_key(&s.key()) {
-                Some(format!("service {} is defined twice", s.key()))
-            } else {
-                None
-            };
-            if let Some(reason) = refusal {
-                let e = ResourceError {
-                    resource: name,
-                    reason,
-                    entry: Some(ListEntry::Service(i)),
-                };
-                st.refuse(Claims::of_service(&s), &e);
-                st.refused_services.push(Arc::new(s));
-                errors.push(e);
-                continue;
-            }
-            let s = Arc::new(s);
-            for vip in &s.vips {
-                st.services_by_vip
-                    .entry(vip.clone())
-                    .or_default()
-                    .push(s.clone());
-            }
-            for range in &s.cidr_vips {
-                st.services_by_cidr.push((range.clone(), s.clone()));
-            }
-            st.services_by_host.insert(s.key(), s);
+            st.put_address(&name, "", AddressResource::Service(Box::new(s)));
+            check(&st, name, ListEntry::Service(i));
         }
         for (i, p) in policies.into_iter().enumerate() {
-            let key = p.key();
-            if st.policies.contains_key(&key) {
-                errors.push(ResourceError {
-                    resource: format!("policies[{i}] ({key})"),
-                    reason: "defined twice".into(),
-                    entry: Some(ListEntry::Policy(i)),
-                });
-                continue;
-            }
-            let p = Arc::new(p);
-            match p.scope {
-                PolicyScope::Global => st.global_policies.push(p.clone()),
-                PolicyScope::Namespace => st
-                    .policies_by_ns
-                    .entry(p.namespace.clone())
-                    .or_default()
-                    .push(p.clone()),
-                PolicyScope::WorkloadSelector => {}
-            }
-            st.policies.insert(key, p);
-        }
-        for w in st.workloads.values() {
-            for key in &w.authorization_policies {
-                if !st.policies.contains_key(key) && !st.missing_policies.contains_key(key) {
-                    let stand_in = Authorization::refused_stand_in(
-                        key,
-                        "named by the workload but not held (refused, not yet sent, or removed)"
-                            .into(),
-                    );
-                    st.missing_policies.insert(key.clone(), Arc::new(stand_in));
-                }
-            }
+            let name = format!("policies[{i}] ({})", p.key());
+            st.put_policy(&name, "", p);
+            check(&st, name, ListEntry::Policy(i));
         }
         (st, errors)
-    }
-
-    /// Holds what a refused resource claimed, so that a connection to it
-    /// is refused with `refused`'s reason instead of passed through.
-    pub fn refuse(&mut self, claims: Claims, refused: &ResourceError) {
-        let r = Arc::new(Refused {
-            resource: refused.resource.clone(),
-            reason: refused.reason.clone(),
-        });
-        for a in claims.addresses {
-            self.refused.by_addr.entry(a).or_insert_with(|| r.clone());
-        }
-        for c in claims.ranges {
-            self.refused.by_range.push((c, r.clone()));
-        }
-        for h in claims.hosts {
-            self.refused.by_host.entry(h).or_insert_with(|| r.clone());
-        }
     }
 
     /// The refused resource that claimed an address (exactly, or in a
@@ -324,37 +245,55 @@ impl State {
             network: network.to_string(),
             address: ip,
         };
-        if let Some(r) = self.refused.by_addr.get(&key) {
+        if let Some((_, r)) = self.refused.by_addr.get(&key).and_then(|q| q.first()) {
             return Some(r);
         }
         self.refused
             .by_range
             .iter()
-            .filter(|(c, _)| same_text(&c.network, network) && c.cidr.contains(ip))
-            .max_by_key(|(c, _)| c.cidr.len)
-            .map(|(_, r)| r.as_ref())
+            .filter(|(_, (c, _))| same_text(&c.network, network) && c.cidr.contains(ip))
+            .max_by_key(|(_, (c, _))| c.cidr.len)
+            .map(|(_, (_, r))| r.as_ref())
     }
 
-    /// The workloads and services refused when this state was built, as
-    /// they were given.
-    pub fn refused_resources(&self) -> (&[Arc<Workload>], &[Arc<Service>]) {
-        (&self.refused_workloads, &self.refused_services)
+    /// The workloads and services held as refused (invalid, or left out
+    /// for a conflict), as they were given, in arrival order.
+    pub fn refused_resources(
+        &self,
+    ) -> (
+        impl Iterator<Item = &Arc<Workload>>,
+        impl Iterator<Item = &Arc<Service>>,
+    ) {
+        (
+            self.refused_workloads.values(),
+            self.refused_services.values(),
+        )
     }
 
     /// The refused resource that claimed a name (`namespace/hostname`).
     pub fn refused_host(&self, key: &str) -> Option<&Refused> {
-        self.refused.by_host.get(key).map(Arc::as_ref)
+        let (_, r) = self.refused.by_host.get(key)?.first()?;
+        Some(r)
     }
 
     /// Every refused claim as text (`network/ip`, `network/ip/len`,
     /// `namespace/hostname`) with its refusal, for the config dump.
-    pub fn refusals(&self) -> impl Iterator<Item = (String, &Refused)> {
+    pub fn refusals(&self) -> impl Iterator<Item = (String, Arc<Refused>)> + '_ {
         let r = &self.refused;
+        let first = |q: &Queue<Refused>| q.first().map(|(_, r)| r.clone());
         r.by_addr
             .iter()
-            .map(|(a, r)| (a.to_string(), r.as_ref()))
-            .chain(r.by_range.iter().map(|(c, r)| (c.to_string(), r.as_ref())))
-            .chain(r.by_host.iter().map(|(h, r)| (h.clone(), r.as_ref())))
+            .filter_map(move |(a, q)| Some((a.to_string(), first(q)?)))
+            .chain(
+                r.by_range
+                    .iter()
+                    .map(|(_, (c, r))| (c.to_string(), r.clone())),
+            )
+            .chain(
+                r.by_host
+                    .iter()
+                    .filter_map(move |(h, q)| Some((h.to_string(), first(q)?))),
+            )
     }
 
     /// The workload at an address. Of several claimants, as ztunnel
@@ -367,11 +306,16 @@ impl State {
             address: ip,
         };
         let rank = |w: &Arc<Workload>| (w.uid.contains("//Pod/"), w.protocol == Protocol::Hbone);
-        self.by_addr.get(&key)?.iter().max_by_key(|w| rank(w))
+        self.by_addr
+            .get(&key)?
+            .iter()
+            .map(|(_, w)| w)
+            .max_by_key(|w| rank(w))
     }
 
     pub fn workload_by_name(&self, namespace: &str, name: &str) -> Option<&Arc<Workload>> {
-        self.by_name.get(namespace)?.get(name)
+        let (_, w) = self.by_name.get(namespace)?.get(name)?.last()?;
+        Some(w)
     }
 
     /// The service a client in namespace `client` (any, if `None`) reaches
@@ -391,7 +335,7 @@ impl State {
         if let Some(s) = self
             .services_by_vip
             .get(&key)
-            .and_then(|s| best_service(s.iter(), client))
+            .and_then(|s| best_service(s.iter().map(|(_, s)| s), client))
         {
             return Some(s);
         }
@@ -410,7 +354,7 @@ impl State {
         // (in the client's namespace, prefix length, canonical)
         type Rank = (bool, u8, bool);
         let mut best: Option<(Rank, &Arc<Service>)> = None;
-        for (range, s) in &self.services_by_cidr {
+        for (_, (range, s)) in self.services_by_cidr.iter() {
             if !same_text(&range.network, network)
                 || !range.cidr.contains(ip)
                 || client.is_some_and(|c| !s.visible_to(c))
@@ -434,38 +378,37 @@ impl State {
         &'a self,
         hostname: &'a str,
     ) -> impl Iterator<Item = &'a Arc<Service>> + 'a {
-        self.services_by_host
-            .values()
-            .filter(move |s| s.hostname == hostname)
+        self.services().filter(move |s| s.hostname == hostname)
     }
 
     pub fn service_by_host(&self, key: &str) -> Option<&Arc<Service>> {
-        self.services_by_host.get(key)
+        first(self.services_by_host.get(key)?)
     }
 
-    /// Healthy endpoints of a service.
-    /// Every workload backing `service`, healthy or not.
+    /// Every workload backing `service`, healthy or not, first to arrive
+    /// first.
     pub fn endpoints<'a>(&'a self, service: &Service) -> impl Iterator<Item = &'a Endpoint> + 'a {
-        self.endpoints.get(&service.key()).into_iter().flatten()
+        self.endpoints
+            .get(service.key().as_str())
+            .into_iter()
+            .flat_map(OrdMap::values)
     }
 
+    /// The healthy ones of [`State::endpoints`].
     pub fn healthy_endpoints<'a>(
         &'a self,
         service: &Service,
     ) -> impl Iterator<Item = &'a Endpoint> + 'a {
-        self.endpoints
-            .get(&service.key())
-            .into_iter()
-            .flatten()
+        self.endpoints(service)
             .filter(|e| e.workload.status == HealthStatus::Healthy)
     }
 
     pub fn workloads(&self) -> impl Iterator<Item = &Arc<Workload>> {
-        self.workloads.values()
+        self.workloads.values().filter_map(first)
     }
 
     pub fn services(&self) -> impl Iterator<Item = &Arc<Service>> {
-        self.services_by_host.values()
+        self.services_by_host.values().filter_map(first)
     }
 
     /// Policies that apply to a workload in `namespace` naming `selected`
@@ -479,22 +422,24 @@ impl State {
         let ns = self
             .policies_by_ns
             .get(namespace)
-            .map(Vec::as_slice)
+            .map(|q| &q[..])
             .unwrap_or_default();
-        self.global_policies.iter().chain(ns.iter()).chain(
+        let global = self.global_policies.iter().map(|(_, p)| p);
+        global.chain(ns.iter().map(|(_, p)| p)).chain(
             selected
                 .iter()
                 .filter_map(|k| {
                     self.policies
-                        .get(k)
-                        .or_else(|| self.missing_policies.get(k))
+                        .get(k.as_str())
+                        .and_then(first)
+                        .or_else(|| self.missing_policies.get(k.as_str()))
                 })
                 .filter(|p| p.scope == PolicyScope::WorkloadSelector),
         )
     }
 
     pub fn policies(&self) -> impl Iterator<Item = &Arc<Authorization>> {
-        self.policies.values()
+        self.policies.values().filter_map(first)
     }
 }
 
@@ -525,7 +470,8 @@ impl StateHandle {
         self.current.load_full()
     }
 
-    /// Replaces the state in one atomic step.
+    /// Replaces the state in one atomic step. Readers holding the old one
+    /// keep it (and the nodes it shares with the new one) until they let go.
     pub fn store(&self, state: State) {
         self.current.store(Arc::new(state));
         self.version.send_modify(|v| *v += 1);
@@ -538,201 +484,4 @@ impl StateHandle {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::path::Path;
-
-    use super::*;
-
-    fn state(yaml: &str) -> Result<State, String> {
-        crate::xds::local::parse(Path::new("s.yaml"), yaml).map_err(|e| e.to_string())
-    }
-
-    #[test]
-    fn services_share_a_vip_and_the_clients_namespace_wins_then_canonical_then_first() {
-        let st = state(
-            r#"
-services:
-- {name: a, namespace: one, hostname: db.example.com, vips: ["/10.96.0.30"], ports: {5432: 5432}}
-- {name: b, namespace: two, hostname: db.example.com, vips: ["/10.96.0.30"], ports: {5432: 5432}}
-- {name: c, namespace: three, hostname: db.example.com, vips: ["/10.96.0.30"], ports: {5432: 5432}, canonical: true}
-- {name: hidden, namespace: four, hostname: private.four, vips: ["/10.96.0.31"], ports: {80: 80}, visibility: NAMESPACE}
-"#,
-        )
-        .unwrap();
-        let at = |ip: &str, ns: Option<&str>| {
-            st.service_by_vip("", ip.parse().unwrap(), ns)
-                .map(|s| s.name.clone())
-        };
-        assert_eq!(
-            at("10.96.0.30", Some("two")).as_deref(),
-            Some("b"),
-            "own namespace"
-        );
-        assert_eq!(
-            at("10.96.0.30", Some("elsewhere")).as_deref(),
-            Some("c"),
-            "canonical"
-        );
-        assert_eq!(at("10.96.0.30", None).as_deref(), Some("c"));
-        // Namespace-only visibility: seen from its namespace alone.
-        assert_eq!(at("10.96.0.31", Some("four")).as_deref(), Some("hidden"));
-        assert_eq!(at("10.96.0.31", Some("one")), None);
-        // The same namespace/hostname twice is still a conflict.
-        let twice = state(
-            "services:\n- {name: a, namespace: n, hostname: h, vips: [\"/10.96.0.1\"]}\n- {name: b, namespace: n, hostname: h, vips: [\"/10.96.0.2\"]}\n",
-        );
-        assert!(twice.unwrap_err().contains("defined twice"));
-    }
-
-    #[test]
-    fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason() {
-        use crate::xds::types::{
-            ApplicationTunnel, GatewayAddress, GatewayDestination, TunnelToApp, WeightedWaypoint,
-        };
-        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
-        let wl = |name: &str, addr: &str| Workload {
-            name: name.into(),
-            namespace: "ns".into(),
-            workload_ips: vec![ip(addr)],
-            ..Workload::default()
-        };
-        let svc = |name: &str, vip: &str| Service {
-            name: name.into(),
-            namespace: "ns".into(),
-            hostname: format!("{name}.ns"),
-            vips: vec![NetworkAddress {
-                network: String::new(),
-                address: ip(vip),
-            }],
-            ..Service::default()
-        };
-        let mut ext = wl("ext", "10.0.0.1");
-        ext.extensions = vec!["istio.io/x".into()];
-        let mut gated = wl("gated", "10.0.0.2");
-        gated.network_gateway = Some(GatewayAddress {
-            destination: GatewayDestination::Address(NetworkAddress {
-                network: "n2".into(),
-                address: ip("192.0.2.1"),
-            }),
-            hbone_mtls_port: 15008,
-        });
-        let mut proxied = wl("proxied", "10.0.0.3");
-        proxied.application_tunnel = Some(ApplicationTunnel {
-            protocol: TunnelToApp::Proxy,
-            port: None,
-        });
-        let mut own_wp = wl("own-wp", "10.0.0.4");
-        own_wp.waypoint = Some(GatewayAddress {
-            destination: GatewayDestination::Address(NetworkAddress {
-                network: String::new(),
-                address: ip("10.0.0.4"),
-            }),
-            hbone_mtls_port: 15008,
-        });
-        let nameless = Workload {
-            namespace: "ns".into(),
-            workload_ips: vec![ip("10.0.0.5")],
-            ..Workload::default()
-        };
-        let mut twice = wl("twice", "10.0.0.6");
-        twice.uid = "dup".into();
-        let mut twice2 = wl("twice2", "10.0.0.7");
-        twice2.uid = "dup".into();
-        let mut svc_ext = svc("sext", "10.96.0.1");
-        svc_ext.extensions = vec!["istio.io/y".into()];
-        let mut weightless = svc("weightless", "10.96.0.2");
-        weightless.weighted_waypoints = vec![WeightedWaypoint {
-            destination: GatewayDestination::Address(NetworkAddress {
-                network: String::new(),
-                address: ip("10.0.0.9"),
-            }),
-            hbone_mtls_port: 15008,
-            weight: 0,
-        }];
-        let defined = svc("defined", "10.96.0.3");
-        let mut defined_again = svc("defined", "10.96.0.4");
-        defined_again.name = "other".into();
-        let (st, errors) = State::build_lenient(
-            vec![ext, gated, proxied, own_wp, nameless, twice, twice2],
-            vec![svc_ext, weightless, defined, defined_again],
-            vec![],
-        );
-        assert_eq!(errors.len(), 9, "{errors:?}");
-        for (addr, why) in [
-            ("10.0.0.1", "extension"),
-            ("10.0.0.2", "network gateway"),
-            ("10.0.0.3", "PROXY"),
-            ("10.0.0.4", "the workload itself"),
-            ("10.0.0.5", "name and namespace are required"),
-            ("10.0.0.7", "used twice"),
-            ("10.96.0.1", "extension"),
-            ("10.96.0.2", "total weight of 0"),
-            ("10.96.0.4", "defined twice"),
-        ] {
-            let r = st
-                .refused_at("", ip(addr))
-                .unwrap_or_else(|| panic!("{addr} is not refused"));
-            assert!(r.reason.contains(why), "{addr}: {}", r.reason);
-        }
-        // What was served stays served, and not refused.
-        assert!(st.workload_by_addr("", ip("10.0.0.6")).is_some());
-        assert!(st.refused_at("", ip("10.0.0.6")).is_none());
-        assert!(st.service_by_vip("", ip("10.96.0.3"), None).is_some());
-        assert!(st.refused_host("ns/weightless.ns").is_some());
-    }
-
-    #[test]
-    fn host_network_workloads_share_the_node_ip_and_are_not_found_by_it() {
-        let st = state(
-            r#"
-workloads:
-- {name: kube-proxy, namespace: kube-system, workloadIps: [192.168.1.10], networkMode: HOST_NETWORK}
-- {name: node-exporter, namespace: monitoring, workloadIps: [192.168.1.10], networkMode: HOST_NETWORK}
-- {name: app, namespace: shop, workloadIps: [10.0.0.3]}
-"#,
-        )
-        .unwrap();
-        assert_eq!(
-            st.workloads().count(),
-            3,
-            "both hostNetwork workloads are held"
-        );
-        assert!(st
-            .workload_by_addr("", "192.168.1.10".parse().unwrap())
-            .is_none());
-        assert!(st.workload_by_name("monitoring", "node-exporter").is_some());
-        assert!(st
-            .workload_by_addr("", "10.0.0.3".parse().unwrap())
-            .is_some());
-    }
-
-    #[test]
-    fn workloads_sharing_an_ip_are_all_held_and_the_lookup_ranks_them() {
-        let st = state(
-            r#"
-workloads:
-- {uid: c//Pod/n/old, name: old, namespace: n, workloadIps: [10.0.0.9], protocol: HBONE}
-- {uid: c//WorkloadEntry/n/vm, name: vm, namespace: n, workloadIps: [10.0.0.9], protocol: HBONE}
-- {uid: c//Pod/n/new, name: new, namespace: n, workloadIps: [10.0.0.9], protocol: HBONE}
-- {uid: c//Pod/n/plain, name: plain, namespace: n, workloadIps: [10.0.0.8]}
-- {uid: c//WorkloadEntry/n/meshed, name: meshed, namespace: n, workloadIps: [10.0.0.8], protocol: HBONE}
-"#,
-        )
-        .unwrap();
-        let at = |ip: &str| {
-            st.workload_by_addr("", ip.parse().unwrap())
-                .map(|w| w.name.clone())
-        };
-        assert_eq!(st.workloads().count(), 5);
-        assert_eq!(
-            at("10.0.0.9").as_deref(),
-            Some("new"),
-            "a meshed pod, the latest"
-        );
-        assert_eq!(
-            at("10.0.0.8").as_deref(),
-            Some("plain"),
-            "a pod over a WorkloadEntry"
-        );
-    }
-}
+mod tests;
