@@ -137,7 +137,7 @@ impl Snapshot {
                 .map(|ip| address_name(&w.network, *ip))
                 .collect();
             addresses.insert(
-                w.uid.clone(),
+                w.uid.to_string(),
                 served(
                     ADDRESS_TYPE,
                     convert::workload_to_proto(w).encode_to_vec(),
@@ -160,7 +160,7 @@ impl Snapshot {
             svc.with = st
                 .workloads()
                 .filter(|w| w.services.contains_key(&key))
-                .map(|w| w.uid.clone())
+                .map(|w| w.uid.to_string())
                 .collect();
             addresses.insert(key, svc);
         }

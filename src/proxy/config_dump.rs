@@ -6,7 +6,6 @@
 //! addresses and names of refused resources, with the reasons). Read-only, built
 //! per request from snapshots; never on the data path.
 
-use std::collections::BTreeMap;
 use std::time::SystemTime;
 
 use base64::Engine;
@@ -136,8 +135,9 @@ fn gateway(g: &GatewayAddress) -> Value {
     json!({"destination": g.destination.to_string(), "hboneMtlsPort": g.hbone_mtls_port})
 }
 
-fn ports(p: &BTreeMap<u16, u16>) -> Value {
-    p.iter()
+/// `{service port: target port}`, from a service's map or a workload's.
+fn ports<'a>(p: impl IntoIterator<Item = (&'a u16, &'a u16)>) -> Value {
+    p.into_iter()
         .map(|(k, v)| (k.to_string(), json!(v)))
         .collect::<Map<_, _>>()
         .into()
@@ -223,8 +223,8 @@ fn workload(w: &Workload, trust_domain: &str) -> Value {
         json!(w.authorization_policies),
     );
     // ztunnel's: the names only (the ports are the services' endpoints').
-    let mut services: Vec<&String> = w.services.keys().collect();
-    services.sort();
+    // Sorted, as BackedServices keeps them.
+    let services: Vec<&str> = w.services.keys().map(|k| k.as_str()).collect();
     put(&mut m, "services", json!(services));
     m.into()
 }
@@ -252,8 +252,8 @@ fn service(st: &State, s: &Service) -> Value {
     let endpoints: Map<String, Value> = st
         .endpoints(s)
         .map(|e| {
-            let uid = e.workload.uid.clone();
-            let v = json!({"workloadUid": uid, "port": ports(&e.ports),
+            let uid = e.workload.uid.to_string();
+            let v = json!({"workloadUid": uid, "port": ports(e.ports.iter()),
                 "status": health(e.workload.status)});
             (uid, v)
         })

@@ -704,8 +704,8 @@ fn inbound_service<'a>(
     host: Option<&str>,
 ) -> Option<&'a Arc<Service>> {
     let w = state.workload_by_name(namespace, name)?;
-    let mut keys: Vec<&String> = w.services.keys().collect();
-    keys.sort();
+    // In order: BackedServices keeps them sorted.
+    let keys: Vec<&str> = w.services.keys().map(|k| k.as_str()).collect();
     let named = host.and_then(|h| {
         keys.iter()
             .filter_map(|k| state.service_by_host(k))
@@ -715,7 +715,8 @@ fn inbound_service<'a>(
         keys.iter()
             .filter(|k| {
                 let svc = state.service_by_host(k);
-                w.services[k.as_str()].iter().any(|(sp, tp)| {
+                let ports = w.services.get(k).into_iter().flat_map(|p| p.iter());
+                ports.into_iter().any(|(sp, tp)| {
                     let target = match (*tp, svc.and_then(|s| s.ports.get(sp))) {
                         (0, Some(&t)) if t != 0 => t,
                         (0, _) => *sp,

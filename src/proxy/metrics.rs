@@ -112,7 +112,7 @@ impl WorkloadLabels {
             |value: &str, default: &str| if value.is_empty() { default } else { value }.to_string();
         WorkloadLabels {
             workload: or(&w.workload_name, &w.name),
-            namespace: w.namespace.clone(),
+            namespace: w.namespace.to_string(),
             canonical_service: w.canonical_service().to_string(),
             canonical_revision: or(&w.canonical_revision, "latest"),
             cluster: or(&w.cluster_id, DEFAULT_CLUSTER),

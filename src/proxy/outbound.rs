@@ -273,7 +273,7 @@ impl Outbound {
             Route::SelfCall => Err(OutboundError::SelfCall(dst)),
             Route::Unresolved { reason, .. } => Err(OutboundError::Unresolved(reason)),
             Route::Hostname { workload, .. } => {
-                Err(OutboundError::Unresolved(workload.hostname.clone()))
+                Err(OutboundError::Unresolved(workload.hostname.to_string()))
             }
         };
         match upstream {

@@ -140,7 +140,7 @@ impl ProxyShared {
             namespace: info.namespace.clone(),
             service_account: info.service_account.clone(),
             network: workload
-                .map(|w| w.network.clone())
+                .map(|w| w.network.to_string())
                 .unwrap_or_else(|| self.network.clone()),
             unlisted,
             said,

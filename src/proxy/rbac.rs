@@ -43,7 +43,7 @@ pub struct Verdict {
 pub fn applicable<'a>(
     state: &'a State,
     namespace: &str,
-    selected: &'a [String],
+    selected: &'a [crate::xds::types::Name],
 ) -> impl Iterator<Item = &'a Authorization> + 'a {
     state.policies_for(namespace, selected).map(|p| p.as_ref())
 }

@@ -2,16 +2,17 @@
 //! conversion of received data checks it and names what is wrong, so a bad
 //! resource is rejected alone (NACKed) and the rest is applied.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::net::IpAddr;
 
 use crate::proto::security as pb_sec;
 use crate::proto::workload as pb;
 use crate::xds::types::{
-    ApplicationTunnel, Authorization, Cidr, GatewayAddress, GatewayDestination, HealthStatus,
-    IpFamilies, LbHealthPolicy, LbMode, LbScope, LoadBalancing, Locality, NetworkAddress,
-    NetworkCidr, NetworkMode, PolicyAction, PolicyScope, Protocol, RbacMatch, Service,
-    ServiceAccountMatch, StringMatch, TunnelToApp, Visibility, WeightedWaypoint, Workload,
+    ApplicationTunnel, Authorization, BackedServices, Cidr, GatewayAddress, GatewayDestination,
+    HealthStatus, IpFamilies, LbHealthPolicy, LbMode, LbScope, LoadBalancing, Locality, Name,
+    NetworkAddress, NetworkCidr, NetworkMode, PolicyAction, PolicyScope, Ports, Protocol,
+    RbacMatch, Service, ServiceAccountMatch, StringMatch, TunnelToApp, Visibility,
+    WeightedWaypoint, Workload,
 };
 use crate::xds::Claims;
 
@@ -110,55 +111,57 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
             },
         }),
     };
-    let mut services = HashMap::new();
+    let mut services = Vec::with_capacity(w.services.len());
     for (svc, list) in w.services {
-        let mut ports = BTreeMap::new();
-        for p in list.ports {
-            ports.insert(port(p.service_port)?, port(p.target_port)?);
-        }
-        services.insert(svc, ports);
+        let ports = list
+            .ports
+            .iter()
+            .map(|p| Ok((port(p.service_port)?, port(p.target_port)?)))
+            .collect::<Result<Ports, String>>()?;
+        services.push((Name::intern(&svc), ports));
     }
+    let intern = |s: String| Name::intern(&s);
     Ok(Workload {
-        uid: w.uid,
-        name: w.name,
-        namespace: w.namespace,
+        uid: w.uid.into(),
+        name: w.name.into(),
+        namespace: intern(w.namespace),
         service_account: if w.service_account.is_empty() {
-            "default".into()
+            Name::intern("default")
         } else {
-            w.service_account
+            intern(w.service_account)
         },
-        trust_domain: w.trust_domain,
+        trust_domain: intern(w.trust_domain),
         workload_ips: w
             .addresses
             .iter()
             .map(|b| ip_from(b))
             .collect::<Result<_, _>>()?,
         protocol,
-        node: w.node,
-        network: w.network,
-        cluster_id: w.cluster_id,
-        canonical_name: w.canonical_name,
-        canonical_revision: w.canonical_revision,
-        workload_name: w.workload_name,
+        node: intern(w.node),
+        network: intern(w.network),
+        cluster_id: intern(w.cluster_id),
+        canonical_name: intern(w.canonical_name),
+        canonical_revision: intern(w.canonical_revision),
+        workload_name: intern(w.workload_name),
         status: if w.status == pb::WorkloadStatus::Unhealthy as i32 {
             HealthStatus::Unhealthy
         } else {
             HealthStatus::Healthy
         },
-        services,
-        authorization_policies: w.authorization_policies,
-        hostname: w.hostname,
+        services: BackedServices::new(services),
+        authorization_policies: w.authorization_policies.into_iter().map(intern).collect(),
+        hostname: w.hostname.into(),
         waypoint: w.waypoint.map(gateway_from_proto).transpose()?,
         network_gateway: w.network_gateway.map(gateway_from_proto).transpose()?,
-        workload_type: workload_type.into(),
+        workload_type: Name::intern(workload_type),
         native_tunnel: w.native_tunnel,
         application_tunnel,
         locality: w
             .locality
             .map(|l| Locality {
-                region: l.region,
-                zone: l.zone,
-                subzone: l.subzone,
+                region: intern(l.region),
+                zone: intern(l.zone),
+                subzone: intern(l.subzone),
             })
             .unwrap_or_default(),
         network_mode,
@@ -347,34 +350,38 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
                     app_protocol: pb::AppProtocol::Unknown as i32,
                 })
                 .collect();
-            (k.clone(), pb::PortList { ports })
+            (k.to_string(), pb::PortList { ports })
         })
         .collect();
     pb::Address {
         r#type: Some(pb::address::Type::Workload(pb::Workload {
-            uid: w.uid.clone(),
-            name: w.name.clone(),
-            namespace: w.namespace.clone(),
+            uid: w.uid.to_string(),
+            name: w.name.to_string(),
+            namespace: w.namespace.to_string(),
             addresses: w.workload_ips.iter().map(|ip| ip_bytes(*ip)).collect(),
-            network: w.network.clone(),
+            network: w.network.to_string(),
             tunnel_protocol: match w.protocol {
                 Protocol::Hbone => pb::TunnelProtocol::Hbone as i32,
                 Protocol::Tcp => pb::TunnelProtocol::None as i32,
             },
-            trust_domain: w.trust_domain.clone(),
-            service_account: w.service_account.clone(),
-            node: w.node.clone(),
-            canonical_name: w.canonical_name.clone(),
-            canonical_revision: w.canonical_revision.clone(),
-            workload_name: w.workload_name.clone(),
-            authorization_policies: w.authorization_policies.clone(),
+            trust_domain: w.trust_domain.to_string(),
+            service_account: w.service_account.to_string(),
+            node: w.node.to_string(),
+            canonical_name: w.canonical_name.to_string(),
+            canonical_revision: w.canonical_revision.to_string(),
+            workload_name: w.workload_name.to_string(),
+            authorization_policies: w
+                .authorization_policies
+                .iter()
+                .map(Name::to_string)
+                .collect(),
             status: match w.status {
                 HealthStatus::Healthy => pb::WorkloadStatus::Healthy as i32,
                 HealthStatus::Unhealthy => pb::WorkloadStatus::Unhealthy as i32,
             },
-            cluster_id: w.cluster_id.clone(),
+            cluster_id: w.cluster_id.to_string(),
             services,
-            hostname: w.hostname.clone(),
+            hostname: w.hostname.to_string(),
             waypoint: w.waypoint.as_ref().map(gateway_to_proto),
             network_gateway: w.network_gateway.as_ref().map(gateway_to_proto),
             workload_type: match w.workload_type.as_str() {
@@ -392,9 +399,9 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
                 port: t.port.map_or(0, u32::from),
             }),
             locality: (w.locality != Locality::default()).then(|| pb::Locality {
-                region: w.locality.region.clone(),
-                zone: w.locality.zone.clone(),
-                subzone: w.locality.subzone.clone(),
+                region: w.locality.region.to_string(),
+                zone: w.locality.zone.to_string(),
+                subzone: w.locality.subzone.to_string(),
             }),
             network_mode: match w.network_mode {
                 NetworkMode::Standard => pb::NetworkMode::Standard,

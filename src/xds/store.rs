@@ -17,8 +17,8 @@ use imbl::OrdMap;
 
 use super::convert::AddressResource;
 use super::types::{
-    same_text, Authorization, HealthStatus, NetworkAddress, NetworkCidr, NetworkMode, PolicyScope,
-    Protocol, Service, Workload,
+    same_text, Authorization, HealthStatus, Name, NetworkAddress, NetworkCidr, NetworkMode,
+    PolicyScope, Protocol, Service, Workload,
 };
 
 mod change;
@@ -35,7 +35,7 @@ type Map<K, V> =
 pub struct Endpoint {
     pub workload: Arc<Workload>,
     /// Service port → target port for this workload (may override the service's).
-    pub ports: std::collections::BTreeMap<u16, u16>,
+    pub ports: super::types::Ports,
 }
 
 /// One consistent view of workloads, services and policies.
@@ -139,7 +139,7 @@ impl Claims {
                 .workload_ips
                 .iter()
                 .map(|ip| NetworkAddress {
-                    network: w.network.clone(),
+                    network: w.network.to_string(),
                     address: *ip,
                 })
                 .collect(),
@@ -147,7 +147,7 @@ impl Claims {
         Claims {
             addresses,
             ranges: Vec::new(),
-            hosts: [w.hostname.clone()]
+            hosts: [w.hostname.to_string()]
                 .into_iter()
                 .filter(|h| !h.is_empty())
                 .collect(),
@@ -417,7 +417,7 @@ impl State {
     pub fn policies_for<'a>(
         &'a self,
         namespace: &str,
-        selected: &'a [String],
+        selected: &'a [Name],
     ) -> impl Iterator<Item = &'a Arc<Authorization>> + 'a {
         let ns = self
             .policies_by_ns

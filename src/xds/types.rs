@@ -4,13 +4,19 @@
 //! Pure data. Converting xDS protobufs into these types belongs next to the
 //! xDS client; the data path only ever reads them through a `State` snapshot.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
 use serde::Deserialize;
 
 use crate::identity::Identity;
+
+mod name;
+mod ports;
+
+pub use name::Name;
+pub use ports::{BackedServices, Ports};
 
 /// How a workload accepts inbound mesh traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -92,42 +98,42 @@ impl fmt::Display for NetworkAddress {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Workload {
     #[serde(default)]
-    pub uid: String,
-    pub name: String,
-    pub namespace: String,
+    pub uid: Name,
+    pub name: Name,
+    pub namespace: Name,
     #[serde(default = "default_service_account")]
-    pub service_account: String,
+    pub service_account: Name,
     #[serde(default)]
-    pub trust_domain: String,
+    pub trust_domain: Name,
     #[serde(default)]
     pub workload_ips: Vec<IpAddr>,
     #[serde(default)]
     pub protocol: Protocol,
     #[serde(default)]
-    pub node: String,
+    pub node: Name,
     #[serde(default)]
-    pub network: String,
+    pub network: Name,
     #[serde(default)]
-    pub cluster_id: String,
+    pub cluster_id: Name,
     #[serde(default)]
-    pub canonical_name: String,
+    pub canonical_name: Name,
     #[serde(default)]
-    pub canonical_revision: String,
+    pub canonical_revision: Name,
     #[serde(default)]
-    pub workload_name: String,
+    pub workload_name: Name,
     /// `deployment`, `cronjob`, `pod` or `job` (istiod's `workload_type`).
     #[serde(default = "default_workload_type")]
-    pub workload_type: String,
+    pub workload_type: Name,
     #[serde(default)]
     pub status: HealthStatus,
     /// Services this workload backs: `"ns/hostname" → {service port: target port}`.
     #[serde(default)]
-    pub services: HashMap<String, BTreeMap<u16, u16>>,
+    pub services: BackedServices,
     #[serde(default)]
-    pub authorization_policies: Vec<String>,
+    pub authorization_policies: Vec<Name>,
     /// Set for a workload reached by name instead of by address.
     #[serde(default)]
-    pub hostname: String,
+    pub hostname: Name,
     /// Traffic to this workload goes through this waypoint.
     #[serde(default)]
     pub waypoint: Option<GatewayAddress>,
@@ -256,9 +262,9 @@ pub enum TunnelToApp {
 #[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Locality {
-    pub region: String,
-    pub zone: String,
-    pub subzone: String,
+    pub region: Name,
+    pub zone: Name,
+    pub subzone: Name,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
@@ -271,12 +277,12 @@ pub enum NetworkMode {
     HostNetwork,
 }
 
-fn default_workload_type() -> String {
-    "deployment".to_string()
+fn default_workload_type() -> Name {
+    Name::intern("deployment")
 }
 
-fn default_service_account() -> String {
-    "default".to_string()
+fn default_service_account() -> Name {
+    Name::intern("default")
 }
 
 impl Workload {
@@ -330,7 +336,7 @@ impl Workload {
         [&self.canonical_name, &self.workload_name, &self.name]
             .into_iter()
             .find(|s| !s.is_empty())
-            .map(String::as_str)
+            .map(Name::as_str)
             .unwrap_or("unknown")
     }
 }

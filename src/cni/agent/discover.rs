@@ -70,7 +70,8 @@ pub(super) fn discover(
     let wanted: Vec<Wanted> = state
         .workloads()
         .filter(|w| {
-            !cfg.exclude_namespaces.contains(&w.namespace) && enroll.selects(&w.namespace, &w.name)
+            !cfg.exclude_namespaces.iter().any(|n| *n == w.namespace)
+                && enroll.selects(&w.namespace, &w.name)
         })
         .filter(|w| {
             !held
@@ -80,10 +81,10 @@ pub(super) fn discover(
         // On a node that knows its name, only its own workloads can be here.
         .filter(|w| cfg.node_name.is_empty() || w.node.is_empty() || w.node == cfg.node_name)
         .map(|w| Wanted {
-            uid: w.uid.clone(),
-            name: w.name.clone(),
-            namespace: w.namespace.clone(),
-            service_account: w.service_account.clone(),
+            uid: w.uid.to_string(),
+            name: w.name.to_string(),
+            namespace: w.namespace.to_string(),
+            service_account: w.service_account.to_string(),
             ips: w.workload_ips.clone(),
             overrides: Default::default(),
         })

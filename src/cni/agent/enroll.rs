@@ -94,13 +94,13 @@ impl Agent {
         let state = mesh.load();
         let by_name = state
             .workload_by_name(&ev.pod_namespace, &ev.pod_name)
-            .map(|w| w.service_account.clone());
+            .map(|w| w.service_account.to_string());
         let by_ip = || {
             ev.ips.iter().find_map(|ip| {
                 let addr = ip.address.split('/').next()?.parse().ok()?;
                 state
                     .workload_by_addr("", addr)
-                    .map(|w| w.service_account.clone())
+                    .map(|w| w.service_account.to_string())
             })
         };
         by_name.or_else(by_ip).unwrap_or_else(|| "default".into())

@@ -315,7 +315,7 @@ fn routed_from(st: &State, ns: &str, name: &str, src: &str, dst: &str) -> Route 
 /// The name of the workload a route ends at (its endpoint, or waypoint).
 fn endpoint_of(r: &Route) -> String {
     match r {
-        Route::Hbone { workload, .. } | Route::Tcp { workload, .. } => workload.name.clone(),
+        Route::Hbone { workload, .. } | Route::Tcp { workload, .. } => workload.name.to_string(),
         other => panic!("no endpoint: {other:?}"),
     }
 }

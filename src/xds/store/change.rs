@@ -14,7 +14,7 @@ use std::hash::Hash;
 use std::sync::Arc;
 
 use super::{
-    AddressResource, Authorization, Claims, Endpoint, Map, NetworkAddress, NetworkCidr,
+    AddressResource, Authorization, Claims, Endpoint, Map, Name, NetworkAddress, NetworkCidr,
     NetworkMode, PolicyScope, Refused, Service, State, Workload,
 };
 
@@ -52,11 +52,11 @@ where
 }
 
 /// `key`'s value, made (with the key's allocation) only when missing.
-fn slot<'m, V: Clone + Default>(map: &'m mut Map<Arc<str>, V>, key: &str) -> &'m mut V {
-    if !map.contains_key(key) {
-        map.insert(key.into(), V::default());
+fn slot<'m, V: Clone + Default>(map: &'m mut Map<Arc<str>, V>, key: &Name) -> &'m mut V {
+    if !map.contains_key(key.as_str()) {
+        map.insert(key.shared().clone(), V::default());
     }
-    map.get_mut(key).expect("inserted above")
+    map.get_mut(key.as_str()).expect("inserted above")
 }
 
 /// Takes arrival `arrival` out of `key`'s queue; the key goes with its
@@ -238,7 +238,7 @@ impl State {
         let held = match resource {
             AddressResource::Workload(mut w) => {
                 if w.uid.is_empty() {
-                    w.uid = format!("{}/{}", w.namespace, w.name);
+                    w.uid = format!("{}/{}", w.namespace, w.name).into();
                 }
                 Address::Workload(Arc::new(*w))
             }
@@ -334,7 +334,7 @@ impl State {
                 let uid = w.uid.as_str();
                 let key = || match **name == *uid {
                     true => name.clone(),
-                    false => uid.into(),
+                    false => w.uid.shared().clone(),
                 };
                 if enqueue(&mut self.workloads, uid, key, arrival, w) {
                     self.serve_workload(arrival, w);
@@ -438,7 +438,7 @@ impl State {
             NetworkMode::Standard => &w.workload_ips[..],
         };
         ips.iter().map(|ip| NetworkAddress {
-            network: w.network.clone(),
+            network: w.network.to_string(),
             address: *ip,
         })
     }
@@ -462,7 +462,7 @@ impl State {
         enqueue(
             names,
             w.name.as_str(),
-            || w.name.as_str().into(),
+            || w.name.shared().clone(),
             arrival,
             w,
         );
@@ -516,11 +516,12 @@ impl State {
 
     /// A served workload names policy `key`: until it is held, a denying
     /// stand-in decides in its place.
-    fn name_policy(&mut self, key: &str) {
+    fn name_policy(&mut self, key: &Name) {
         let count = slot(&mut self.named_policies, key);
         *count += 1;
-        if *count == 1 && !self.policies.contains_key(key) {
-            self.missing_policies.insert(key.into(), Self::missing(key));
+        if *count == 1 && !self.policies.contains_key(key.as_str()) {
+            self.missing_policies
+                .insert(key.shared().clone(), Self::missing(key));
         }
     }
 

@@ -1,6 +1,7 @@
 use std::path::Path;
 
 use super::*;
+use crate::xds::types::{BackedServices, Ports};
 
 fn state(yaml: &str) -> Result<State, String> {
     crate::xds::local::parse(Path::new("s.yaml"), yaml).map_err(|e| e.to_string())
@@ -215,18 +216,17 @@ fn random_workload(rng: &mut fastrand::Rng) -> Workload {
         ips.push(ip(rng));
     }
     let services = match rng.u8(..3) {
-        0 => std::collections::HashMap::new(),
-        1 => [("a/s0.a".to_string(), [(80, 8080)].into())].into(),
-        _ => [("b/s1.b".to_string(), [(80, 9090)].into())].into(),
+        0 => BackedServices::default(),
+        1 => BackedServices::new([(Name::intern("a/s0.a"), Ports::new([(80, 8080)]))]),
+        _ => BackedServices::new([(Name::intern("b/s1.b"), Ports::new([(80, 9090)]))]),
     };
     Workload {
-        uid: pick(
+        uid: Name::from(*pick(
             rng,
             &["c//Pod/a/w0", "c//Pod/a/w1", "c//WorkloadEntry/b/w2", ""],
-        )
-        .to_string(),
-        name: pick(rng, &["w0", "w1", "w2", ""]).to_string(),
-        namespace: pick(rng, &["a", "b"]).to_string(),
+        )),
+        name: Name::from(*pick(rng, &["w0", "w1", "w2", ""])),
+        namespace: Name::intern(pick::<&str>(rng, &["a", "b"])),
         workload_ips: ips,
         protocol: if rng.bool() {
             Protocol::Hbone
@@ -242,7 +242,7 @@ fn random_workload(rng: &mut fastrand::Rng) -> Workload {
         authorization_policies: POLICY_KEYS
             .iter()
             .filter(|_| rng.u8(..3) == 0)
-            .map(|k| k.to_string())
+            .map(|k| Name::intern(k))
             .collect(),
         ..Workload::default()
     }
@@ -335,7 +335,7 @@ impl Seen {
         let mut policies: Vec<_> = st.policies().map(|p| p.key()).collect();
         policies.sort();
         s.put("policies", policies);
-        let selected: Vec<String> = POLICY_KEYS.iter().map(|k| k.to_string()).collect();
+        let selected: Vec<Name> = POLICY_KEYS.iter().map(|k| Name::intern(k)).collect();
         for ns in ["a", "b", "c"] {
             let applied: Vec<_> = st
                 .policies_for(ns, &selected)

@@ -49,12 +49,12 @@ impl Reference {
             let Ok(w) = a else { continue };
             let mut w = w.clone();
             if w.uid.is_empty() {
-                w.uid = format!("{}/{}", w.namespace, w.name);
+                w.uid = format!("{}/{}", w.namespace, w.name).into();
             }
             let invalid = w.name.is_empty() || w.namespace.is_empty() || w.unsupported().is_some();
-            if invalid || r.workloads.contains_key(&w.uid) {
+            if invalid || r.workloads.contains_key(w.uid.as_str()) {
                 refuse(&mut r, Claims::of_workload(&w));
-                r.refused_workloads.push(w.uid.clone());
+                r.refused_workloads.push(w.uid.to_string());
                 r.left_out.insert(name.clone());
                 continue;
             }
@@ -62,7 +62,7 @@ impl Reference {
             if w.network_mode == NetworkMode::Standard {
                 for ip in &w.workload_ips {
                     let at = NetworkAddress {
-                        network: w.network.clone(),
+                        network: w.network.to_string(),
                         address: *ip,
                     };
                     r.by_addr.entry(at).or_default().push(w.clone());
@@ -70,13 +70,13 @@ impl Reference {
             }
             for svc in w.services.keys() {
                 r.endpoints
-                    .entry(svc.clone())
+                    .entry(svc.to_string())
                     .or_default()
-                    .push(w.uid.clone());
+                    .push(w.uid.to_string());
             }
             r.by_name
-                .insert((w.namespace.clone(), w.name.clone()), w.clone());
-            r.workloads.insert(w.uid.clone(), w);
+                .insert((w.namespace.to_string(), w.name.to_string()), w.clone());
+            r.workloads.insert(w.uid.to_string(), w);
         }
         for (name, a) in addresses {
             let Err(s) = a else { continue };
@@ -115,8 +115,8 @@ impl Reference {
         }
         for w in r.workloads.values() {
             for key in &w.authorization_policies {
-                if !r.policies.contains_key(key) {
-                    r.missing.insert(key.clone());
+                if !r.policies.contains_key(key.as_str()) {
+                    r.missing.insert(key.to_string());
                 }
             }
         }

@@ -1,0 +1,184 @@
+//! What a workload says of the services it backs, in the few bytes it
+//! needs: `Ports` (service port → target port) and `BackedServices`
+//! (service → its `Ports`).
+//!
+//! A workload backs one or two services with one or two ports each. As a
+//! `HashMap` of `BTreeMap`s that was three allocations and ~400 bytes per
+//! workload; as sorted slices it is two small ones, the service's name is
+//! shared (interned), and an endpoint shares its workload's `Ports`.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use super::Name;
+
+/// Service port → target port, sorted by service port, shared by clones.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Ports(Option<Arc<[(u16, u16)]>>);
+
+impl Ports {
+    /// From pairs in any order; a later pair for a service port wins, as
+    /// a map's insert would.
+    pub fn new(pairs: impl IntoIterator<Item = (u16, u16)>) -> Ports {
+        let mut v: Vec<(u16, u16)> = Vec::new();
+        for (service, target) in pairs {
+            match v.binary_search_by_key(&service, |&(s, _)| s) {
+                Ok(at) => v[at].1 = target,
+                Err(at) => v.insert(at, (service, target)),
+            }
+        }
+        if v.is_empty() {
+            Ports(None)
+        } else {
+            Ports(Some(v.into()))
+        }
+    }
+
+    fn pairs(&self) -> &[(u16, u16)] {
+        self.0.as_deref().unwrap_or(&[])
+    }
+
+    /// The target port of `service_port`.
+    pub fn get(&self, service_port: &u16) -> Option<&u16> {
+        let pairs = self.pairs();
+        pairs
+            .binary_search_by_key(service_port, |&(s, _)| s)
+            .ok()
+            .map(|at| &pairs[at].1)
+    }
+
+    pub fn contains_key(&self, service_port: &u16) -> bool {
+        self.get(service_port).is_some()
+    }
+
+    /// `(service port, target port)` in service-port order.
+    pub fn iter(&self) -> impl Iterator<Item = (&u16, &u16)> {
+        self.pairs().iter().map(|(s, t)| (s, t))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pairs().is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.pairs().len()
+    }
+}
+
+impl FromIterator<(u16, u16)> for Ports {
+    fn from_iter<I: IntoIterator<Item = (u16, u16)>>(pairs: I) -> Ports {
+        Ports::new(pairs)
+    }
+}
+
+impl<'de> Deserialize<'de> for Ports {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Ports::new(BTreeMap::<u16, u16>::deserialize(d)?))
+    }
+}
+
+/// The services a workload backs (`namespace/hostname` → its ports),
+/// sorted by name.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct BackedServices(Box<[(Name, Ports)]>);
+
+impl BackedServices {
+    /// From pairs in any order; a later pair for a service wins.
+    pub fn new(pairs: impl IntoIterator<Item = (Name, Ports)>) -> BackedServices {
+        let mut v: Vec<(Name, Ports)> = Vec::new();
+        for (service, ports) in pairs {
+            match v.binary_search_by(|(s, _)| s.as_str().cmp(&service)) {
+                Ok(at) => v[at].1 = ports,
+                Err(at) => v.insert(at, (service, ports)),
+            }
+        }
+        BackedServices(v.into_boxed_slice())
+    }
+
+    /// The ports of service `key` (`namespace/hostname`).
+    pub fn get(&self, key: &str) -> Option<&Ports> {
+        self.0
+            .binary_search_by(|(s, _)| s.as_str().cmp(key))
+            .ok()
+            .map(|at| &self.0[at].1)
+    }
+
+    pub fn contains_key(&self, key: &str) -> bool {
+        self.get(key).is_some()
+    }
+
+    /// The services' keys, in order.
+    pub fn keys(&self) -> impl Iterator<Item = &Name> {
+        self.0.iter().map(|(s, _)| s)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&Name, &Ports)> {
+        self.0.iter().map(|(s, p)| (s, p))
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+impl<'a> IntoIterator for &'a BackedServices {
+    type Item = (&'a Name, &'a Ports);
+    type IntoIter = std::iter::Map<
+        std::slice::Iter<'a, (Name, Ports)>,
+        fn(&'a (Name, Ports)) -> (&'a Name, &'a Ports),
+    >;
+    fn into_iter(self) -> Self::IntoIter {
+        self.0.iter().map(|(s, p)| (s, p))
+    }
+}
+
+impl FromIterator<(Name, Ports)> for BackedServices {
+    fn from_iter<I: IntoIterator<Item = (Name, Ports)>>(pairs: I) -> BackedServices {
+        BackedServices::new(pairs)
+    }
+}
+
+impl<'de> Deserialize<'de> for BackedServices {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        // A map in the file: a key written twice is the file's error.
+        let map = BTreeMap::<Name, Ports>::deserialize(d)?;
+        Ok(BackedServices::new(map))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_read_as_the_map_they_stand_for() {
+        let p = Ports::new([(443, 8443), (80, 8080), (80, 9090)]);
+        assert_eq!(p.get(&80), Some(&9090), "the later pair wins");
+        assert_eq!(p.get(&443), Some(&8443));
+        assert_eq!(p.get(&81), None);
+        assert_eq!(p.iter().map(|(s, _)| *s).collect::<Vec<_>>(), [80, 443]);
+        assert!(Ports::new([]).is_empty());
+        let clone = p.clone();
+        assert_eq!(clone, p);
+    }
+
+    #[test]
+    fn backed_services_are_found_by_key() {
+        let b = BackedServices::new([
+            (Name::intern("ns/b.ns.svc"), Ports::new([(80, 80)])),
+            (Name::intern("ns/a.ns.svc"), Ports::new([(81, 8081)])),
+        ]);
+        assert_eq!(
+            b.keys().map(|k| k.as_str()).collect::<Vec<_>>(),
+            ["ns/a.ns.svc", "ns/b.ns.svc"]
+        );
+        assert_eq!(b.get("ns/a.ns.svc").and_then(|p| p.get(&81)), Some(&8081));
+        assert!(!b.contains_key("ns/c.ns.svc"));
+    }
+}
