@@ -185,6 +185,21 @@ async fn serve_and_connect_with<S>(
 where
     S: AggregatedDiscoveryService,
 {
+    let cfg = XdsConfig {
+        on_demand,
+        ..serve(svc).await
+    };
+    let state = StateHandle::default();
+    let client = XdsClient::new(cfg, state.clone());
+    let task = tokio::spawn(client.clone().run());
+    (state, client, task)
+}
+
+/// Serves `svc` on a fresh loopback port; a client config for it.
+async fn serve<S>(svc: AggregatedDiscoveryServiceServer<S>) -> XdsConfig
+where
+    S: AggregatedDiscoveryService,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let incoming = futures_util::stream::unfold(listener, |l| async move {
@@ -195,8 +210,7 @@ where
             .add_service(svc)
             .serve_with_incoming(incoming),
     );
-    let state = StateHandle::default();
-    let cfg = XdsConfig {
+    XdsConfig {
         address: format!("http://{addr}"),
         root_ca: None,
         token: None,
@@ -204,12 +218,10 @@ where
         node_id: "ztunnel~10.0.0.9~ambit.istio-system~istio-system.svc.cluster.local".into(),
         metadata: vec![],
         mark: 1337,
-        on_demand,
+        on_demand: false,
         on_demand_wait: Duration::from_secs(2),
-    };
-    let client = XdsClient::new(cfg, state.clone());
-    let task = tokio::spawn(client.clone().run());
-    (state, client, task)
+        max_message_size: 256 << 20,
+    }
 }
 
 /// One response with a good and a broken workload; hangs up after the NACK,
@@ -366,6 +378,18 @@ async fn a_push_after_a_refusal_is_acked_while_the_refusal_is_held() {
     task.abort();
 }
 
+/// `n` workloads, each with a long uid.
+fn big_script_resources(n: usize) -> Vec<Resource> {
+    (0..n)
+        .map(|i| {
+            let ip = (0x0a00_0000u32 + i as u32).to_be_bytes().to_vec();
+            let mut res = workload(&format!("w{i}-{}", "x".repeat(300)), ip);
+            res.name = format!("w{i}");
+            res
+        })
+        .collect()
+}
+
 /// Serves one response of `n` workloads, each with a long name.
 fn big_script(n: usize) -> Scripted {
     Scripted::new(move || {
@@ -373,14 +397,7 @@ fn big_script(n: usize) -> Scripted {
             if r.type_url != ADDRESS_TYPE || !r.response_nonce.is_empty() {
                 return Step::Quiet;
             }
-            let resources = (0..n)
-                .map(|i| {
-                    let ip = (0x0a00_0000u32 + i as u32).to_be_bytes().to_vec();
-                    let mut res = workload(&format!("w{i}-{}", "x".repeat(300)), ip);
-                    res.name = format!("w{i}");
-                    res
-                })
-                .collect();
+            let resources = big_script_resources(n);
             Step::Answer(DeltaDiscoveryResponse {
                 type_url: ADDRESS_TYPE.into(),
                 nonce: "big".into(),
@@ -407,6 +424,126 @@ async fn a_response_of_tens_of_megabytes_is_applied() {
     let size = workload(&format!("w0-{}", "x".repeat(300)), vec![10, 0, 0, 0]).encoded_len() * n;
     assert!(size > 15 << 20, "the response is tens of MB ({size} bytes)");
     task.abort();
+}
+
+/// On its first stream: one workload, then (once that is ACKed) a response
+/// of `big` workloads; on every later stream, one more workload.
+fn oversize_script(big: usize) -> Scripted {
+    let streams = Arc::new(Mutex::new(0));
+    Scripted::new(move || {
+        let stream = {
+            let mut n = streams.lock().unwrap();
+            *n += 1;
+            *n
+        };
+        move |r: &DeltaDiscoveryRequest| {
+            if r.type_url != ADDRESS_TYPE {
+                return Step::Quiet;
+            }
+            let resources = match (stream, r.response_nonce.as_str()) {
+                (1, "") => vec![workload("good", vec![10, 0, 0, 1])],
+                (1, "n1") => big_script_resources(big),
+                (_, "") => vec![workload("later", vec![10, 0, 0, 2])],
+                _ => return Step::Quiet,
+            };
+            let nonce = if resources.len() > 1 { "big" } else { "n1" };
+            Step::Answer(DeltaDiscoveryResponse {
+                type_url: ADDRESS_TYPE.into(),
+                nonce: nonce.into(),
+                resources,
+                ..Default::default()
+            })
+        }
+    })
+}
+
+#[tokio::test]
+async fn a_response_over_the_size_limit_ends_the_stream_and_the_last_state_keeps_serving() {
+    let script = oversize_script(20_000);
+    let cfg = XdsConfig {
+        max_message_size: 4 << 20,
+        ..serve(script.server().max_encoding_message_size(256 << 20)).await
+    };
+    let state = StateHandle::default();
+    let client = XdsClient::new(cfg, state.clone());
+    client.clone().spawn_on_own_thread().unwrap();
+    // The reconnect says what this proxy holds: the first workload, and
+    // nothing of the response it could not take.
+    let again = later_request(&script, |r| {
+        r.type_url == ADDRESS_TYPE && !r.initial_resource_versions.is_empty()
+    })
+    .await;
+    let held: Vec<&String> = again.initial_resource_versions.keys().collect();
+    assert_eq!(held, ["good"], "the reconnect's versions");
+    assert!(
+        !script
+            .seen
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|r| r.response_nonce == "big"),
+        "the oversized response is neither ACKed nor NACKed"
+    );
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let st = state.load();
+        if st
+            .workload_by_addr("", "10.0.0.2".parse().unwrap())
+            .is_some()
+        {
+            assert!(st
+                .workload_by_addr("", "10.0.0.1".parse().unwrap())
+                .is_some());
+            assert_eq!(st.workloads().count(), 2, "nothing of the big response");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no later push applied"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut text = String::new();
+    let mut registry = prometheus_client::registry::Registry::default();
+    client.metrics.register(&mut registry);
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    assert!(
+        text.contains(r#"istio_xds_connection_terminations_total{reason="Error"} 1"#),
+        "{text}"
+    );
+}
+
+/// The proxy's runtime keeps its pace while a push of tens of megabytes is
+/// decoded and applied: the client does that on a thread of its own. This
+/// test's runtime has one thread, as a worker would be held.
+#[tokio::test]
+async fn a_large_push_is_taken_off_the_proxy_s_runtime() {
+    let n = 50_000;
+    // The server (encoding tens of megabytes) runs on a runtime of its own.
+    let server = tokio::runtime::Runtime::new().unwrap();
+    let svc = big_script(n).server().max_encoding_message_size(256 << 20);
+    let cfg = server.spawn(serve(svc)).await.unwrap();
+    let state = StateHandle::default();
+    let client = XdsClient::new(cfg, state.clone());
+    client.clone().spawn_on_own_thread().unwrap();
+    let started = tokio::time::Instant::now();
+    let mut last = std::time::Instant::now();
+    let mut longest = Duration::ZERO;
+    while state.load().workloads().count() < n {
+        assert!(started.elapsed() < Duration::from_secs(120), "not applied");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        longest = longest.max(last.elapsed());
+        last = std::time::Instant::now();
+    }
+    let took = started.elapsed();
+    // The test means something only if the push took far longer than the
+    // gap allowed.
+    assert!(took > Duration::from_millis(500), "the push took {took:?}");
+    assert!(
+        longest < Duration::from_millis(100),
+        "this runtime stalled {longest:?} while the push of {took:?} was taken"
+    );
+    server.shutdown_background();
 }
 
 /// Answers on-demand names: `/10.0.0.1` with a workload (by alias), any

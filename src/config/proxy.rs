@@ -294,6 +294,12 @@ pub static PROXY_KEYS: &[Key] = &[
         help: "on demand: how long a connection waits for the control plane's answer about an unknown address",
     },
     Key {
+        name: "xds_max_message_size",
+        env: &["AMBIT_XDS_MAX_MESSAGE_SIZE"],
+        default: "268435456",
+        help: "the largest xDS response taken (bytes); a larger one ends the stream and the last good state keeps serving",
+    },
+    Key {
         name: "dns_proxy",
         env: &["AMBIT_DNS_PROXY"],
         default: "true",
@@ -381,6 +387,8 @@ pub struct ProxyConfig {
     pub xds_on_demand: bool,
     /// How long a connection waits for an on-demand answer.
     pub xds_on_demand_wait: Duration,
+    /// The largest xDS response decoded (bytes).
+    pub xds_max_message_size: u32,
     /// Empty: read /etc/resolv.conf at start.
     pub dns_upstreams: Vec<SocketAddr>,
     pub log_format: LogFormat,
@@ -613,6 +621,11 @@ impl ProxyConfig {
             },
             dns_proxy: l.require("dns_proxy", "true or false", parse_bool)?,
             xds_on_demand: l.require("xds_on_demand", "true or false", parse_bool)?,
+            xds_max_message_size: l.require(
+                "xds_max_message_size",
+                "a byte count between 4194304 (4 MiB) and 4294967295",
+                |s| parse_u32(s).filter(|v| *v >= 4 << 20),
+            )?,
             xds_on_demand_wait: l.require(
                 "xds_on_demand_wait",
                 "a duration from 1ms to 60s, like 2s",

@@ -114,13 +114,14 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
                     mark: cfg.packet_mark,
                     on_demand: cfg.xds_on_demand,
                     on_demand_wait: cfg.xds_on_demand_wait,
+                    max_message_size: cfg.xds_max_message_size as usize,
                 },
                 state.clone(),
             );
             xds_synced.clone_from(&client.synced);
             client.metrics.register(&mut registry);
             demand = xds::client::OnDemand::of(&client);
-            tokio::spawn(client.run());
+            client.spawn_on_own_thread()?;
             state
         }
         (None, Some(path)) => {

@@ -45,6 +45,8 @@ pub struct XdsConfig {
     pub on_demand: bool,
     /// How long a connection waits for an on-demand answer.
     pub on_demand_wait: Duration,
+    /// The largest response decoded (bytes).
+    pub max_message_size: usize,
 }
 
 /// The name under which istiod answers an on-demand address subscription.
@@ -342,15 +344,18 @@ fn termination_reason(ended: &anyhow::Result<()>) -> &'static str {
     }
 }
 
-/// Responses carrying more resources than this are applied off the
-/// runtime's workers (about a millisecond's work at this size).
-const BLOCKING_RESPONSE: usize = 1_000;
-
-/// Whether this task runs on a multi-thread runtime (where a worker can
-/// be handed over for blocking work; a current-thread one cannot).
-fn multi_thread() -> bool {
-    tokio::runtime::Handle::try_current()
-        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+/// A stream error in words; a response over the size limit names the
+/// limit and the setting. tonic reads only such a response's length before
+/// it ends the stream, so nothing of it is buffered or applied.
+fn stream_error(status: tonic::Status, limit: usize) -> anyhow::Error {
+    if status.code() == tonic::Code::OutOfRange && status.message().contains("length too large") {
+        return anyhow::Error::new(status).context(format!(
+            "the control plane sent a response larger than this proxy takes \
+             (AMBIT_XDS_MAX_MESSAGE_SIZE, {limit} bytes now): nothing of it is applied, \
+             the last good state keeps serving; raise the limit to take it"
+        ));
+    }
+    status.into()
 }
 
 /// The running client.
@@ -455,6 +460,39 @@ impl XdsClient {
         matches!(tokio::time::timeout(wait, rx).await, Ok(Ok(())))
     }
 
+    /// Runs [`XdsClient::run`] on a thread of its own, with a runtime of
+    /// its own, until the calling runtime ends.
+    ///
+    /// Why a thread: decoding a response and applying it are CPU work
+    /// with no await inside. A full push of a large mesh is hundreds of
+    /// megabytes and seconds of it; on the proxy's runtime it would hold
+    /// a data-path worker (and the connections queued on it) for that
+    /// long. Here it holds only this thread. The data path reads the
+    /// state it makes through [`StateHandle`], which takes no lock.
+    pub fn spawn_on_own_thread(self: Arc<Self>) -> std::io::Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        // Dropped when the caller's runtime ends (its task with it), which
+        // ends this thread's loop.
+        let (alive, ended) = tokio::sync::oneshot::channel::<()>();
+        tokio::spawn(async move {
+            let _alive = alive;
+            std::future::pending::<()>().await
+        });
+        std::thread::Builder::new()
+            .name("ambit-xds".into())
+            .spawn(move || {
+                runtime.block_on(async {
+                    tokio::select! {
+                        () = self.run() => {}
+                        _ = ended => {}
+                    }
+                })
+            })?;
+        Ok(())
+    }
+
     /// Connects and reconnects forever (jittered backoff, 10 ms → 15 s).
     pub async fn run(self: Arc<Self>) {
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(15));
@@ -483,8 +521,8 @@ impl XdsClient {
             .map(crate::grpc::roots_from)
             .transpose()?;
         let channel = crate::grpc::channel(&self.cfg.address, roots, self.cfg.mark).await?;
-        let mut client =
-            AggregatedDiscoveryServiceClient::new(channel).max_decoding_message_size(256 << 20);
+        let mut client = AggregatedDiscoveryServiceClient::new(channel)
+            .max_decoding_message_size(self.cfg.max_message_size);
         let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
         {
             let held = self.held.lock().await;
@@ -530,7 +568,7 @@ impl XdsClient {
         let mut seen: HashSet<String> = HashSet::new();
         loop {
             let resp = tokio::select! {
-                r = responses.message() => match r? {
+                r = responses.message() => match r.map_err(|e| stream_error(e, self.cfg.max_message_size))? {
                     Some(r) => r,
                     None => break,
                 },
@@ -562,16 +600,7 @@ impl XdsClient {
                 .inc_by(bytes as u64);
             let rejected = {
                 let mut held = self.held.lock().await;
-                let (state, rejected) =
-                    if resp.resources.len() > BLOCKING_RESPONSE && multi_thread() {
-                        // A push of a whole mesh takes seconds: this thread
-                        // leaves the data path's workers for it, their other
-                        // tasks handed to a thread that stays. A change of a
-                        // few resources costs microseconds and stays here.
-                        tokio::task::block_in_place(|| held.answer(&resp))
-                    } else {
-                        held.answer(&resp)
-                    };
+                let (state, rejected) = held.answer(&resp);
                 self.state.store(state);
                 rejected
             };

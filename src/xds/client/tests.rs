@@ -607,3 +607,24 @@ fn a_nack_names_what_is_left_out_once_the_whole_response_is_applied() {
     let at = |ip: &str| st.workload_by_addr("", ip.parse().unwrap()).is_some();
     assert!(at("10.0.0.2") && !at("10.0.0.1"));
 }
+
+#[test]
+fn a_response_over_the_limit_is_told_in_words_naming_the_setting() {
+    // tonic's own text for a message over its decoding limit.
+    let status = tonic::Status::out_of_range(
+        "Error, decoded message length too large: found 5242880 bytes, the limit is: 4194304 bytes",
+    );
+    let text = format!("{:#}", stream_error(status, 4 << 20));
+    for part in [
+        "larger than this proxy takes",
+        "AMBIT_XDS_MAX_MESSAGE_SIZE, 4194304 bytes now",
+        "last good state keeps serving",
+        "found 5242880 bytes",
+    ] {
+        assert!(text.contains(part), "{part:?} in {text}");
+    }
+    // Any other error is passed on as it was.
+    let other = stream_error(tonic::Status::unavailable("transport is closing"), 4 << 20);
+    assert!(other.downcast_ref::<tonic::Status>().is_some());
+    assert_eq!(termination_reason(&Err(other)), "Reconnect");
+}
