@@ -276,6 +276,13 @@ impl SocketFactory {
                 s.set_ip_transparent_v6(true)?;
                 s.set_freebind_v6(true)?;
             }
+            // The port is chosen at connect, unique per 4-tuple, not at
+            // bind, unique per address: a bind(0) port cannot be shared
+            // with any socket of the client's address, TIME_WAIT ones
+            // included, so one busy client used up the range in a minute
+            // and every later connect searched it for milliseconds.
+            nix::sys::socket::setsockopt(&s, nix::sys::socket::sockopt::IpBindAddressNoPort, &true)
+                .map_err(io::Error::from)?;
             s.bind(&SocketAddr::new(src, 0).into())?;
         }
         tune(&s)?;
