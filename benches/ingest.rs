@@ -22,11 +22,21 @@
 //! `ingest: workloads=N services=S full_ms=.. peak_rss_mb=.. heap_mb=..
 //! update_p50_us=.. update_p99_us=.. burst1000_ms=..`
 //!
+//! Last, the data path while the mesh changes (`ingest/churn.rs`): the
+//! latency of connections through two real proxies holding 100,000
+//! workloads, idle and while one-workload updates arrive at 100/s, with
+//! its own summary line: `ingest: latency workloads=N updates_per_s=..
+//! idle_p50_us=.. idle_p99_us=.. churn_p50_us=.. churn_p99_us=..
+//! p99_ratio=..`. It runs the `ambit` binary in lab netns (as root).
+//!
 //! Run: `cargo bench --bench ingest`. `AMBIT_INGEST_SIZES` the workload
 //! counts (`10000,100000,1000000`), `AMBIT_INGEST_UPDATES` one-workload
 //! updates timed per size (200; fewer when each takes long),
 //! `AMBIT_INGEST_PUSH_ONLY` (set) stops after the first size's full push,
-//! for a profile of the push alone.
+//! for a profile of the push alone. `AMBIT_INGEST_LATENCY` the workloads
+//! the proxies hold in the latency part (100000; 0 skips it),
+//! `AMBIT_INGEST_RATE` its updates a second (100), `AMBIT_INGEST_ONLY=latency`
+//! runs only that part.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -98,6 +108,9 @@ fn live() -> usize {
 }
 
 use ambit::xds::convert::{ADDRESS_TYPE as ADDRESS, AUTHORIZATION_TYPE as AUTHORIZATION};
+
+#[path = "ingest/churn.rs"]
+mod churn;
 
 fn resource(type_url: &str, name: String, version: &str, body: Vec<u8>) -> Resource {
     Resource {
@@ -458,16 +471,30 @@ fn main() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(200);
-    println!("ambit state ingest through the xDS client's path (Held::answer)");
-    for &n in &sizes {
-        size(n, updates);
+    let env = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
+    };
+    let latency_only = std::env::var("AMBIT_INGEST_ONLY").is_ok_and(|v| v == "latency");
+    if !latency_only {
+        println!("ambit state ingest through the xDS client's path (Held::answer)");
+        for &n in &sizes {
+            size(n, updates);
+        }
+        let breakdown = sizes
+            .iter()
+            .copied()
+            .find(|&n| n >= 100_000)
+            .or(sizes.iter().copied().max());
+        if let Some(n) = breakdown {
+            per_entry(n);
+        }
     }
-    let breakdown = sizes
-        .iter()
-        .copied()
-        .find(|&n| n >= 100_000)
-        .or(sizes.iter().copied().max());
-    if let Some(n) = breakdown {
-        per_entry(n);
+    let at = env("AMBIT_INGEST_LATENCY", 100_000);
+    if at > 0 {
+        let rate = env("AMBIT_INGEST_RATE", 100).clamp(1, 10_000) as u32;
+        churn::latency_under_updates(at, rate, 2_000, 5);
     }
 }

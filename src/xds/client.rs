@@ -358,6 +358,10 @@ fn stream_error(status: tonic::Status, limit: usize) -> anyhow::Error {
     status.into()
 }
 
+/// The xDS thread's nice value: when the node's CPUs are all busy, the
+/// data path's threads are scheduled ahead of it.
+const XDS_NICE: libc::c_int = 10;
+
 /// The running client.
 pub struct XdsClient {
     cfg: XdsConfig,
@@ -483,6 +487,11 @@ impl XdsClient {
         std::thread::Builder::new()
             .name("ambit-xds".into())
             .spawn(move || {
+                // SAFETY: setpriority on this thread's own id; no memory
+                // is passed. A failure leaves the default priority.
+                unsafe {
+                    libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, XDS_NICE)
+                };
                 runtime.block_on(async {
                     tokio::select! {
                         () = self.run() => {}
