@@ -704,28 +704,23 @@ fn inbound_service<'a>(
     host: Option<&str>,
 ) -> Option<&'a Arc<Service>> {
     let w = state.workload_by_name(namespace, name)?;
-    // In order: BackedServices keeps them sorted.
-    let keys: Vec<&str> = w.services.keys().map(|k| k.as_str()).collect();
+    // In key order (BackedServices keeps them sorted).
     let named = host.and_then(|h| {
-        keys.iter()
+        w.services
+            .keys()
             .filter_map(|k| state.service_by_host(k))
             .find(|s| s.hostname == h)
     });
     named.or_else(|| {
-        keys.iter()
-            .filter(|k| {
-                let svc = state.service_by_host(k);
-                let ports = w.services.get(k).into_iter().flat_map(|p| p.iter());
-                ports.into_iter().any(|(sp, tp)| {
-                    let target = match (*tp, svc.and_then(|s| s.ports.get(sp))) {
-                        (0, Some(&t)) if t != 0 => t,
-                        (0, _) => *sp,
-                        (t, _) => t,
-                    };
-                    target == port
-                })
-            })
-            .find_map(|k| state.service_by_host(k))
+        w.services.iter().find_map(|(k, ports)| {
+            let svc = state.service_by_host(k)?;
+            let mut targets = ports.iter().map(|(sp, tp)| match (*tp, svc.ports.get(sp)) {
+                (0, Some(&t)) if t != 0 => t,
+                (0, _) => *sp,
+                (t, _) => t,
+            });
+            targets.any(|t| t == port).then_some(svc)
+        })
     })
 }
 

@@ -451,7 +451,7 @@ impl State {
         for at in Self::found_at(w) {
             enqueue(&mut self.by_addr, &at, || at.clone(), arrival, w);
         }
-        for (svc, ports) in &w.services {
+        for (svc, ports) in w.services.iter() {
             let endpoint = Endpoint {
                 workload: w.clone(),
                 ports: ports.clone(),

@@ -79,7 +79,8 @@ impl Name {
     }
 
     /// How many texts the table holds now (swept or not).
-    pub fn interned() -> usize {
+    #[cfg(test)]
+    fn interned() -> usize {
         TABLE.lock().unwrap_or_else(|e| e.into_inner()).texts.len()
     }
 }
@@ -134,12 +135,6 @@ impl From<&str> for Name {
             return Name::default();
         }
         Name(Arc::from(s))
-    }
-}
-
-impl From<Name> for Arc<str> {
-    fn from(n: Name) -> Arc<str> {
-        n.0
     }
 }
 

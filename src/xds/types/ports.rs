@@ -14,6 +14,22 @@ use serde::Deserialize;
 
 use super::Name;
 
+/// `pairs` sorted by key, one per key: the last given, as a map's inserts
+/// would leave it. O(n log n) whatever the control plane sends.
+fn sorted_last_wins<K: Ord, V>(mut pairs: Vec<(K, V)>) -> Vec<(K, V)> {
+    // Stable: of equal keys, the later stays after the earlier.
+    pairs.sort_by(|a, b| a.0.cmp(&b.0));
+    // `later` is removed; its value goes to the one kept.
+    pairs.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            std::mem::swap(&mut later.1, &mut kept.1);
+        }
+        same
+    });
+    pairs
+}
+
 /// Service port → target port, sorted by service port, shared by clones.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Ports(Option<Arc<[(u16, u16)]>>);
@@ -22,13 +38,7 @@ impl Ports {
     /// From pairs in any order; a later pair for a service port wins, as
     /// a map's insert would.
     pub fn new(pairs: impl IntoIterator<Item = (u16, u16)>) -> Ports {
-        let mut v: Vec<(u16, u16)> = Vec::new();
-        for (service, target) in pairs {
-            match v.binary_search_by_key(&service, |&(s, _)| s) {
-                Ok(at) => v[at].1 = target,
-                Err(at) => v.insert(at, (service, target)),
-            }
-        }
+        let v = sorted_last_wins(pairs.into_iter().collect());
         if v.is_empty() {
             Ports(None)
         } else {
@@ -61,10 +71,6 @@ impl Ports {
     pub fn is_empty(&self) -> bool {
         self.pairs().is_empty()
     }
-
-    pub fn len(&self) -> usize {
-        self.pairs().len()
-    }
 }
 
 impl FromIterator<(u16, u16)> for Ports {
@@ -87,14 +93,7 @@ pub struct BackedServices(Box<[(Name, Ports)]>);
 impl BackedServices {
     /// From pairs in any order; a later pair for a service wins.
     pub fn new(pairs: impl IntoIterator<Item = (Name, Ports)>) -> BackedServices {
-        let mut v: Vec<(Name, Ports)> = Vec::new();
-        for (service, ports) in pairs {
-            match v.binary_search_by(|(s, _)| s.as_str().cmp(&service)) {
-                Ok(at) => v[at].1 = ports,
-                Err(at) => v.insert(at, (service, ports)),
-            }
-        }
-        BackedServices(v.into_boxed_slice())
+        BackedServices(sorted_last_wins(pairs.into_iter().collect()).into_boxed_slice())
     }
 
     /// The ports of service `key` (`namespace/hostname`).
@@ -116,31 +115,6 @@ impl BackedServices {
 
     pub fn iter(&self) -> impl Iterator<Item = (&Name, &Ports)> {
         self.0.iter().map(|(s, p)| (s, p))
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-}
-
-impl<'a> IntoIterator for &'a BackedServices {
-    type Item = (&'a Name, &'a Ports);
-    type IntoIter = std::iter::Map<
-        std::slice::Iter<'a, (Name, Ports)>,
-        fn(&'a (Name, Ports)) -> (&'a Name, &'a Ports),
-    >;
-    fn into_iter(self) -> Self::IntoIter {
-        self.0.iter().map(|(s, p)| (s, p))
-    }
-}
-
-impl FromIterator<(Name, Ports)> for BackedServices {
-    fn from_iter<I: IntoIterator<Item = (Name, Ports)>>(pairs: I) -> BackedServices {
-        BackedServices::new(pairs)
     }
 }
 
@@ -180,5 +154,25 @@ mod tests {
         );
         assert_eq!(b.get("ns/a.ns.svc").and_then(|p| p.get(&81)), Some(&8081));
         assert!(!b.contains_key("ns/c.ns.svc"));
+        let again = BackedServices::new([
+            (Name::intern("ns/a.ns.svc"), Ports::new([(81, 1)])),
+            (Name::intern("ns/a.ns.svc"), Ports::new([(81, 2)])),
+        ]);
+        assert_eq!(
+            again.get("ns/a.ns.svc").and_then(|p| p.get(&81)),
+            Some(&2),
+            "the later wins"
+        );
+        // Many services and ports (a hostile push) in n log n.
+        let many = BackedServices::new((0..200_000u32).rev().map(|i| {
+            (
+                Name::from(format!("ns/s{i}")),
+                Ports::new((0..=u16::MAX).rev().take(3).map(|p| (p, p))),
+            )
+        }));
+        assert_eq!(
+            many.get("ns/s7").and_then(|p| p.get(&u16::MAX)),
+            Some(&u16::MAX)
+        );
     }
 }
