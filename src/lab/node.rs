@@ -4,7 +4,8 @@
 //! pod's cgroup, then the conflist chain (reference bridge + host-local, then
 //! the `ambit-cni` the agent installed).
 
-use std::path::PathBuf;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -19,8 +20,10 @@ pub struct Node {
     pub conf_dir: PathBuf,
     pub pods: Vec<String>,
     pub enroll: String,
-    /// First three octets of the pods' /24 (the bridge holds `.1`).
+    /// First three octets of the pods' network (the bridge holds `.1`).
     pub subnet: String,
+    /// The pods' network's prefix length: 24 unless made with [`Node::prepare_sized`].
+    pub prefix: u8,
     /// Extra environment for the node's processes (e.g. `XDS_ADDRESS`).
     pub extra_env: Vec<(String, String)>,
 }
@@ -90,6 +93,20 @@ impl Node {
         mesh: &str,
         ca_from: Option<&Node>,
     ) -> Node {
+        Self::prepare_sized(binary, tag, enroll, subnet, 24, mesh, ca_from)
+    }
+
+    /// [`Node::prepare`] with pods in `<subnet>.0/<prefix>` (a /22 holds
+    /// 1,021 pods; a Linux bridge takes at most 1,024 ports).
+    pub fn prepare_sized(
+        binary: &str,
+        tag: &str,
+        enroll: &str,
+        subnet: &str,
+        prefix: u8,
+        mesh: &str,
+        ca_from: Option<&Node>,
+    ) -> Node {
         let lab = Lab::new(tag, binary).unwrap();
         let dir = lab.dir.clone();
         let (bin_dir, conf_dir) = (dir.join("cni-bin"), dir.join("net.d"));
@@ -97,7 +114,7 @@ impl Node {
         let conflist = serde_json::json!({
             "cniVersion": "1.0.0", "name": "meshnet",
             "plugins": [{"type": "bridge", "bridge": "cni0", "isGateway": true, "ipMasq": false,
-                "ipam": {"type": "host-local", "dataDir": dir.join("ipam"), "ranges": [[{"subnet": format!("{subnet}.0/24")}]],
+                "ipam": {"type": "host-local", "dataDir": dir.join("ipam"), "ranges": [[{"subnet": format!("{subnet}.0/{prefix}")}]],
                          "routes": [{"dst": "0.0.0.0/0"}]}}]
         });
         std::fs::write(conf_dir.join("10-meshnet.conflist"), conflist.to_string()).unwrap();
@@ -128,6 +145,7 @@ impl Node {
             pods: Vec::new(),
             enroll: enroll.to_string(),
             subnet: subnet.to_string(),
+            prefix,
             extra_env: Vec::new(),
         }
     }
@@ -150,8 +168,14 @@ impl Node {
     /// [`Node::command`] started through `wrapper` (a program and its
     /// arguments, `setpriv` with a capability set, say), which runs `ambit`.
     pub fn command_through(&self, role: &str, wrapper: &[&str]) -> Command {
+        self.command_of(self.lab.binary(), role, wrapper)
+    }
+
+    /// [`Node::command_through`] running `binary` in `ambit`'s place: another
+    /// proxy that reads the same environment (ztunnel, in a bench).
+    pub fn command_of(&self, binary: &Path, role: &str, wrapper: &[&str]) -> Command {
         let dir = &self.dir;
-        let binary = self.lab.binary().to_string_lossy().into_owned();
+        let binary = binary.to_string_lossy().into_owned();
         let mut cmd = match wrapper.split_first() {
             Some((program, args)) => {
                 let mut cmd = self.lab.node.command(program);
@@ -241,15 +265,76 @@ impl Node {
         sandbox: &str,
     ) -> Result<LabPod, String> {
         let netns_name = self.create_sandbox(name, sandbox);
-        let ns = Netns::named(&netns_name).unwrap();
-        let result = match self.cni("ADD", name, namespace, sandbox) {
+        self.attach(name, namespace, sandbox, &netns_name, None)
+    }
+
+    /// Creates the pods `pods` (name, the address host-local is asked for)
+    /// in namespace `namespace` as [`Node::add_pod`] does, `parallel` at a
+    /// time, as kubelet starts the pods scheduled to a node at once. Right
+    /// after its ADD returns, each pod is handed to `then` on the same
+    /// thread. Returns, in `pods`' order, each pod, its ADD's time (the
+    /// sandbox, then the chain) and what `then` gave.
+    pub fn add_pods<T: Send>(
+        &mut self,
+        pods: &[(String, Ipv4Addr)],
+        namespace: &str,
+        parallel: usize,
+        then: impl Fn(&LabPod) -> T + Sync,
+    ) -> Vec<Result<(LabPod, Duration, T), String>> {
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let done = std::sync::Mutex::new(Vec::with_capacity(pods.len()));
+        let node = &*self;
+        std::thread::scope(|s| {
+            for _ in 0..parallel.max(1) {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((name, ip)) = pods.get(i) else {
+                        return;
+                    };
+                    let started = Instant::now();
+                    let netns_name = node.make_sandbox(name, name);
+                    let added = node
+                        .attach(name, namespace, name, &netns_name, Some(*ip))
+                        .map(|pod| {
+                            let took = started.elapsed();
+                            let then = then(&pod);
+                            (pod, took, then)
+                        });
+                    done.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push((i, netns_name, added));
+                });
+            }
+        });
+        let mut done = done.into_inner().unwrap_or_else(|e| e.into_inner());
+        done.sort_by_key(|(i, _, _)| *i);
+        done.into_iter()
+            .map(|(_, netns_name, added)| {
+                self.pods.push(netns_name);
+                added
+            })
+            .collect()
+    }
+
+    /// The CNI ADD of sandbox `sandbox` (netns `netns_name`) of pod `name`,
+    /// asking host-local for `ip` if given. A failed ADD ends the sandbox.
+    fn attach(
+        &self,
+        name: &str,
+        namespace: &str,
+        sandbox: &str,
+        netns_name: &str,
+        ip: Option<Ipv4Addr>,
+    ) -> Result<LabPod, String> {
+        let ns = Netns::named(netns_name).unwrap();
+        let result = match self.cni_at("ADD", name, namespace, sandbox, ip) {
             Ok(result) => result,
             Err(e) => {
-                self.lab.release(&netns_name);
+                self.lab.release(netns_name);
                 return Err(e.to_string());
             }
         };
-        let ip: std::net::Ipv4Addr = result["ips"][0]["address"]
+        let ip: Ipv4Addr = result["ips"][0]["address"]
             .as_str()
             .unwrap()
             .split('/')
@@ -259,7 +344,7 @@ impl Node {
             .unwrap();
         Ok(LabPod {
             name: name.to_string(),
-            netns_name,
+            netns_name: netns_name.to_string(),
             ip,
             ns,
         })
@@ -270,13 +355,19 @@ impl Node {
     /// process in the cgroup of pod [`pod_uid`]`(name)`. Returns the netns
     /// name; the netns goes when the node is dropped.
     pub fn create_sandbox(&mut self, name: &str, sandbox: &str) -> String {
+        let netns_name = self.make_sandbox(name, sandbox);
+        self.pods.push(netns_name.clone());
+        netns_name
+    }
+
+    /// [`Node::create_sandbox`], leaving the netns for the caller to record.
+    fn make_sandbox(&self, name: &str, sandbox: &str) -> String {
         let netns_name = self.netns_name(sandbox);
         assert!(Command::new("ip")
             .args(["netns", "add", &netns_name])
             .status()
             .unwrap()
             .success());
-        self.pods.push(netns_name.clone());
         self.lab
             .hold(&netns_name, &pod_uid(name))
             .unwrap_or_else(|e| panic!("sandbox {sandbox} of pod {name}: {e}"));
@@ -329,12 +420,28 @@ impl Node {
         namespace: &str,
         sandbox: &str,
     ) -> std::io::Result<serde_json::Value> {
+        self.cni_at(command, name, namespace, sandbox, None)
+    }
+
+    /// [`Node::cni`], asking host-local for the address `ip` (its `IP`
+    /// argument) if given.
+    fn cni_at(
+        &self,
+        command: &str,
+        name: &str,
+        namespace: &str,
+        sandbox: &str,
+        ip: Option<Ipv4Addr>,
+    ) -> std::io::Result<serde_json::Value> {
         let netns_name = self.netns_name(sandbox);
         let conflist = self.conflist();
-        let args = format!(
+        let mut args = format!(
             "IgnoreUnknown=1;K8S_POD_NAME={name};K8S_POD_NAMESPACE={namespace};K8S_POD_UID={}",
             pod_uid(name)
         );
+        if let Some(ip) = ip {
+            args += &format!(";IP={ip}");
+        }
         CniCall {
             node: &self.lab.node,
             conflist: &conflist,
