@@ -21,8 +21,8 @@
 //! share half the budget equally ([`fair_windows`]): each reserves the
 //! receive windows it grants its peer, the configured (large) ones while
 //! they all fit in that half, and past it the same smaller power-of-two
-//! windows (down to 256 KiB / 64 KiB, at which a budget of 1 GiB holds
-//! 4,096 connections); every connection moves to the new share when it
+//! windows (down to 64 KiB / 16 KiB, at which a budget of 1 GiB holds
+//! 16,384 connections); every connection moves to the new share when it
 //! moves. Equal windows matter: on a
 //! loaded proxy a flow's rate follows its window, and when the first
 //! connections kept 16 MiB while later ones got 1 MiB, 50 flows through
@@ -75,11 +75,15 @@ pub const STREAM_OPEN_COST: usize = STREAM_READ_START;
 pub const STREAM_COST: usize = STREAM_SEND_BUFFER + STREAM_OPEN_COST;
 
 /// The smallest windows an HBONE connection gets, when the budget is more
-/// than half reserved or the share is smaller: 256 KiB carries 10 Gbit/s
-/// over a 200 µs round trip, and a budget of 1 GiB holds 4,096 connections
-/// at it (at 1 MiB it held 1,024, fewer than a busy node proxy may keep).
-const REDUCED_CONNECTION_WINDOW: u32 = 256 * 1024;
-const REDUCED_STREAM_WINDOW: u32 = 64 * 1024;
+/// than half reserved or the share is smaller: HTTP/2's own starting
+/// connection window (64 KiB, which carries 2.6 Gbit/s over a 200 µs round
+/// trip). A budget of 1 GiB holds 16,384 connections at it, 4,096 with one
+/// peer identity. At 256 KiB it held 1,024 with one identity, and a node
+/// of 1,000 pods refused the pod every other pod talks to once 512 of them
+/// had (`cargo bench --bench node`): each pair keeps a connection each way
+/// in the pool, and both count in that pod's identity's quarter.
+const REDUCED_CONNECTION_WINDOW: u32 = 64 * 1024;
+const REDUCED_STREAM_WINDOW: u32 = 16 * 1024;
 
 /// Why a reservation was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -253,7 +253,7 @@ fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and
         })
         .collect();
     // Twelve connections: 8 MiB each, all of them (the first eight, taken
-    // at 16 MiB, give half back; the last four, let in at the smallest, 256 KiB, grow).
+    // at 16 MiB, give half back; the last four, let in at the smallest, 64 KiB, grow).
     // Before windows were shared, the first eight kept 16 MiB and the
     // rest 1 MiB: 132 MiB.
     const MIB: u64 = 1 << 20;
@@ -316,10 +316,12 @@ fn a_destination_flooding_applications_that_do_not_read_cannot_grow_the_client_p
     roundtrip(256 * 1024);
     let before = rss_kb(pid);
 
-    // 200 connections to the destination, none of them read. Those whose
-    // HBONE connection the budget refuses are closed by the proxy.
+    // 1,500 connections to the destination, none of them read: more than
+    // its quarter holds at the smallest windows (64 KiB and a stream's
+    // 16 KiB: about 500). Those whose HBONE connection the budget refuses
+    // are closed by the proxy.
     let target = SocketAddr::new(mallory.ip.into(), 8080);
-    let apps: Vec<TcpStream> = (0..200)
+    let apps: Vec<TcpStream> = (0..1500)
         .filter_map(|_| connect_from(&client, target).ok())
         .collect();
     // Until the flood stops: every window it was granted is full.
@@ -352,7 +354,7 @@ fn a_destination_flooding_applications_that_do_not_read_cannot_grow_the_client_p
     // share of the budget, a quarter (32 MiB of windows), and the credit
     // of windows granted before they shrank (the first connections' 16,
     // 8, 4 MiB). Before outbound windows were budgeted, each of its
-    // connections granted 16 MiB: 200 of them, 3.2 GB.
+    // connections granted 16 MiB: 1,500 of them, 24 GB.
     assert!(
         peak < before + 96 * 1024,
         "RSS {peak} kB flooded, {before} kB before"
