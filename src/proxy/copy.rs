@@ -73,6 +73,27 @@ pub(super) fn byte_count(n: isize) -> io::Result<usize> {
 /// reservation may go back.
 const QUIET: std::time::Duration = std::time::Duration::from_millis(50);
 
+/// Whether a quiet stream's send buffer counts as drained, from the
+/// capacity h2 offers it now (`free`, asked for [`STREAM_SEND_BUFFER`])
+/// and what it offered as the burst began (`window`, with nothing queued).
+/// h2 offers the peer's stream window less what it has not acknowledged
+/// and less what h2 still holds; a peer acknowledges once half its window
+/// is unacknowledged, so with nothing held `free` is at least half of
+/// `window`. Waiting for the whole send buffer, as before, never ended
+/// when the peer's window was below it (an Ambit peer past 256 HBONE
+/// connections per GiB of budget grants smaller ones): every stream that
+/// had sent kept its reservation for life, and a node of 1,000 pods
+/// refused new streams after 1,200 held connections (`cargo bench
+/// --bench node`). The cost: a stream whose connection stops draining may
+/// hold up to half its send buffer past its reservation.
+///
+/// [`STREAM_SEND_BUFFER`]: super::budget::STREAM_SEND_BUFFER
+fn drained(free: usize, window: usize) -> bool {
+    free >= super::budget::STREAM_SEND_BUFFER
+        .min(window.div_ceil(2))
+        .max(1)
+}
+
 /// Read buffers start small (idle connections cost little) and grow to this for bulk flows.
 const MIN_BUF: usize = super::budget::STREAM_READ_START;
 const MAX_BUF: usize = super::budget::STREAM_READ_BUFFER;
@@ -93,6 +114,8 @@ async fn tcp_to_h2(
     let mut grown = None;
     let mut total = 0u64;
     let mut queued = false;
+    // The capacity h2 offered as the current burst began ([`drained`]).
+    let mut window = STREAM_SEND_BUFFER;
     loop {
         let n = loop {
             // A new buffer only when the last one is mostly used: a read
@@ -120,7 +143,7 @@ async fn tcp_to_h2(
                         ready = src.readable() => ready,
                         _ = tokio::time::sleep(QUIET) => {
                             dst.reserve_capacity(STREAM_SEND_BUFFER);
-                            if dst.capacity() >= STREAM_SEND_BUFFER {
+                            if drained(dst.capacity(), window) {
                                 r.shrink(STREAM_SEND_BUFFER);
                                 queued = false;
                             }
@@ -151,6 +174,9 @@ async fn tcp_to_h2(
                 return Err(io::Error::other(refusal.reason()));
             }
             queued = true;
+            // What h2 could take with none of this burst queued yet.
+            dst.reserve_capacity(STREAM_SEND_BUFFER);
+            window = dst.capacity();
         }
         if n >= buf_size && buf_size < MAX_BUF {
             // Room to grow comes from the memory budget, once per stream.
@@ -342,5 +368,93 @@ pub(super) mod tests {
             Some(h2::Reason::CANCEL),
             "the destination sees the stream reset"
         );
+    }
+
+    /// A peer whose stream window is below the send buffer (an Ambit peer
+    /// with many connections grants 16–256 KiB): once the application has
+    /// sent a little and gone quiet, the stream's send-buffer reservation
+    /// goes back. Before, h2 never offered the whole send buffer again, so
+    /// it was kept for the stream's life.
+    #[tokio::test]
+    async fn a_quiet_stream_gives_its_send_buffer_back_under_a_small_peer_window() {
+        use super::super::budget::{Budget, STREAM_OPEN_COST};
+        let budget: &'static Budget = Box::leak(Box::default());
+        budget.set_limit(1 << 30);
+        let (client_io, server_io) = tokio::io::duplex(1 << 20);
+        let server = tokio::spawn(async move {
+            let mut conn = h2::server::Builder::new()
+                .initial_window_size(64 << 10)
+                .handshake::<_, Bytes>(server_io)
+                .await
+                .unwrap();
+            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
+            let _answer = respond.send_response(http::Response::new(()), false);
+            tokio::spawn(async move { while conn.accept().await.is_some() {} });
+            // Reads and releases what comes, as an application that keeps up.
+            let mut body = req.into_body();
+            let mut got = 0;
+            while let Some(Ok(d)) = body.data().await {
+                got += d.len();
+                let _ = body.flow_control().release_capacity(d.len());
+            }
+            got
+        });
+        let (mut sender, conn) = h2::client::handshake(client_io).await.unwrap();
+        tokio::spawn(conn);
+        let (resp, send) = sender.send_request(http::Request::new(()), false).unwrap();
+        let _body = resp.await.unwrap().into_body();
+
+        let (app, mut proxied) = pair().await;
+        let mut reservation = budget.reserve(STREAM_OPEN_COST, None, None).unwrap();
+        let copy = async {
+            let (r, _w) = proxied.split();
+            tcp_to_h2(r, send, Some(&mut reservation)).await
+        };
+        let app_side = async {
+            let mut app = app;
+            tokio::io::AsyncWriteExt::write_all(&mut app, b"ping")
+                .await
+                .unwrap();
+            let sending = async {
+                while budget.used() == STREAM_OPEN_COST {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            };
+            tokio::time::timeout(std::time::Duration::from_secs(2), sending)
+                .await
+                .expect("the stream reserves its send buffer as it sends");
+            // Quiet now: the send buffer's reservation goes back.
+            let given_back = async {
+                while budget.used() != STREAM_OPEN_COST {
+                    tokio::time::sleep(QUIET).await;
+                }
+            };
+            let back = tokio::time::timeout(std::time::Duration::from_secs(2), given_back).await;
+            tokio::io::AsyncWriteExt::shutdown(&mut app).await.unwrap();
+            back
+        };
+        let (copied, back) = tokio::join!(copy, app_side);
+        assert!(
+            back.is_ok(),
+            "the quiet stream kept {} bytes reserved",
+            budget.used()
+        );
+        assert_eq!(copied.unwrap(), 4);
+        assert_eq!(server.await.unwrap(), 4);
+    }
+
+    #[test]
+    fn a_send_buffer_counts_as_drained_at_half_the_window_it_began_with() {
+        use super::super::budget::STREAM_SEND_BUFFER;
+        // A window as large as the send buffer: half of it free is drained.
+        assert!(drained(STREAM_SEND_BUFFER, STREAM_SEND_BUFFER));
+        assert!(drained(STREAM_SEND_BUFFER / 2, STREAM_SEND_BUFFER));
+        assert!(!drained(STREAM_SEND_BUFFER / 2 - 1, STREAM_SEND_BUFFER));
+        // A 16 KiB window with 8 KiB unacknowledged: drained.
+        assert!(drained(8 << 10, 16 << 10));
+        assert!(!drained(4 << 10, 16 << 10));
+        // No window at all when the burst began: any room at all.
+        assert!(!drained(0, 0));
+        assert!(drained(1, 0));
     }
 }
