@@ -331,14 +331,24 @@ fn run(s: &Settings, proxy: &Proxy) -> Report {
     }
 
     // Each connection is two descriptors in the proxy (the client's
-    // accepted, the one to the server's app) and two in the bench.
+    // accepted, the one to the server's app) and two in the bench; the
+    // first between two pods is two more in the proxy (their pooled HBONE
+    // connection, both ends).
     let limit = nofile().1 as usize;
-    let room = limit.saturating_sub(r.fds_pods.max(fds(std::process::id())) + 1000) / 2;
-    r.conns = s.conns.min(room);
+    let room = limit.saturating_sub(fds(pid).max(fds(std::process::id())) + 2000);
+    let fit = if room / 4 <= pods.len() {
+        room / 4
+    } else {
+        pods.len() + (room - 4 * pods.len()) / 2
+    };
+    r.conns = s.conns.min(fit);
     if r.conns < s.conns {
         println!(
-            "{}: {} idle connections, not {}: RLIMIT_NOFILE's hard limit here is {limit} (raising it takes CAP_SYS_RESOURCE)",
-            proxy.name, r.conns, s.conns
+            "{}: {} idle connections, not {}: the proxy holds {} descriptors and RLIMIT_NOFILE's hard limit here is {limit} (raising it takes CAP_SYS_RESOURCE)",
+            proxy.name,
+            r.conns,
+            s.conns,
+            fds(pid)
         );
     }
     let t = Instant::now();
