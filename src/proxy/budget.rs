@@ -529,7 +529,7 @@ pub fn fair_windows(h2: H2Settings, share: usize) -> H2Settings {
 /// life: counted among the connections that share the budget until
 /// dropped. Whoever drives the connection moves it with the share
 /// ([`ConnectionWindows::share_moved`], [`ConnectionWindows::rebalance`],
-/// [`tell_windows`]), and retries every [`WINDOW_RETRY`] while it is
+/// [`tell_windows`]), and retries ([`WindowRetry`]) while it is
 /// [`ConnectionWindows::behind`] or the peer was not told yet.
 #[derive(Debug)]
 pub struct ConnectionWindows {
@@ -584,9 +584,63 @@ impl ConnectionWindows {
     }
 }
 
-/// How often a connection left behind its fair windows, or whose peer was
-/// not yet told of them, tries again.
+/// How soon a connection left behind its fair windows, or whose peer was
+/// not yet told of them, tries again ([`WindowRetry`]).
 pub const WINDOW_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The longest a connection that stays behind waits between tries.
+const WINDOW_RETRY_MAX: std::time::Duration = std::time::Duration::from_secs(32);
+
+/// When a connection behind its fair windows tries again: [`WINDOW_RETRY`]
+/// after it fell behind, then twice as long after each try that changed
+/// nothing, up to [`WINDOW_RETRY_MAX`]; [`WINDOW_RETRY`] again once the
+/// share moves or a try moves the windows. A connection its peer's share
+/// keeps at the smallest windows stays behind for its whole life: on a
+/// node of 1,000 pods, 2,000 such connections retrying every second woke
+/// the proxy about 400 times a second with nothing flowing.
+#[derive(Debug)]
+pub struct WindowRetry {
+    gap: std::time::Duration,
+    next: tokio::time::Instant,
+}
+
+impl Default for WindowRetry {
+    fn default() -> Self {
+        WindowRetry {
+            gap: WINDOW_RETRY,
+            next: tokio::time::Instant::now() + WINDOW_RETRY,
+        }
+    }
+}
+
+impl WindowRetry {
+    /// Waits until the next try is due.
+    pub async fn due(&self) {
+        tokio::time::sleep_until(self.next).await
+    }
+
+    /// A try was made; `moved`: it changed the windows or what the peer was told.
+    pub fn tried(&mut self, moved: bool) {
+        self.gap = if moved {
+            WINDOW_RETRY
+        } else {
+            (self.gap * 2).min(WINDOW_RETRY_MAX)
+        };
+        self.next = tokio::time::Instant::now() + self.gap;
+    }
+
+    /// The share moved: the next try comes soon again.
+    pub fn reset(&mut self) {
+        self.gap = WINDOW_RETRY;
+        self.next = tokio::time::Instant::now() + WINDOW_RETRY;
+    }
+
+    /// The wait before the next try.
+    #[cfg(test)]
+    pub fn gap(&self) -> std::time::Duration {
+        self.gap
+    }
+}
 
 /// An HTTP/2 connection (either end) whose receive windows can be changed
 /// while it runs.

@@ -19,7 +19,7 @@ use http::{Request, Response, StatusCode};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 
-use super::budget::{tell_windows, Reservation, BUDGET, STREAM_OPEN_COST, WINDOW_RETRY};
+use super::budget::{tell_windows, Reservation, WindowRetry, BUDGET, STREAM_OPEN_COST};
 use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
@@ -270,8 +270,7 @@ impl Inbound {
         // The windows the peer was told of; a stream window waits while an
         // earlier SETTINGS is unacknowledged, and is tried again.
         let mut told = h2;
-        let mut retry = tokio::time::interval(WINDOW_RETRY);
-        retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut retry = WindowRetry::default();
         // Idle connections are let go, so a peer cannot park connections
         // (and the windows they hold in the budget) for ever.
         let activity = Activity::new();
@@ -299,11 +298,14 @@ impl Inbound {
                 _ = windows.share_moved() => {
                     windows.rebalance();
                     tell_windows(&mut conn, &mut told, windows.granted());
+                    retry.reset();
                     continue;
                 }
-                _ = retry.tick(), if windows.behind() || told != windows.granted() => {
+                _ = retry.due(), if windows.behind() || told != windows.granted() => {
+                    let before = (windows.granted(), told);
                     windows.rebalance();
                     tell_windows(&mut conn, &mut told, windows.granted());
+                    retry.tried(before != (windows.granted(), told));
                     continue;
                 }
                 _ = self.pod.life.stop_accepting.signalled(), if !goaway_sent => {

@@ -368,3 +368,30 @@ fn the_pod_every_pod_of_a_full_node_talks_to_is_not_refused() {
     assert!(other.connection_window >= 256 << 10);
     drop(held);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_connection_that_stays_behind_tries_again_less_and_less_often() {
+    let mut retry = WindowRetry::default();
+    let start = tokio::time::Instant::now();
+    retry.due().await;
+    assert_eq!(
+        start.elapsed(),
+        WINDOW_RETRY,
+        "the first try after a second"
+    );
+    // Tries that change nothing: 2, 4, 8, 16, 32, 32 s apart.
+    let mut gaps = Vec::new();
+    for _ in 0..6 {
+        retry.tried(false);
+        gaps.push(retry.gap().as_secs());
+    }
+    assert_eq!(gaps, [2, 4, 8, 16, 32, 32]);
+    // A try that moves the windows, or the share moving: soon again.
+    retry.tried(true);
+    assert_eq!(retry.gap(), WINDOW_RETRY);
+    retry.tried(false);
+    retry.reset();
+    let t = tokio::time::Instant::now();
+    retry.due().await;
+    assert_eq!(t.elapsed(), WINDOW_RETRY);
+}

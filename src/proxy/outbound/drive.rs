@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use socket2::SockRef;
 
-use super::super::budget::{tell_windows, ConnectionWindows, WINDOW_RETRY};
+use super::super::budget::{tell_windows, ConnectionWindows, WindowRetry};
 use super::super::hbone::H2Settings;
 use super::super::pool::Lifeline;
 
@@ -41,8 +41,7 @@ pub(super) async fn drive<T>(
 where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
-    let mut retry = tokio::time::interval(WINDOW_RETRY);
-    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut retry = WindowRetry::default();
     let released = lifeline.released();
     tokio::pin!(released);
     let mut deadline = None;
@@ -61,8 +60,14 @@ where
                 let _ = SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO));
                 return Ok(Ended::Abandoned);
             }
-            _ = windows.share_moved() => {}
-            _ = retry.tick(), if windows.behind() || told != windows.granted() => {}
+            _ = windows.share_moved() => retry.reset(),
+            _ = retry.due(), if windows.behind() || told != windows.granted() => {
+                let before = (windows.granted(), told);
+                windows.rebalance();
+                tell_windows(&mut conn, &mut told, windows.granted());
+                retry.tried(before != (windows.granted(), told));
+                continue;
+            }
         }
         windows.rebalance();
         tell_windows(&mut conn, &mut told, windows.granted());
