@@ -384,14 +384,14 @@ fn settle(pid: u32) {
 /// listener the bench opens in the pod, kept for the idle connections).
 /// Retried until [`SERVED_WITHIN`]; the listener on success.
 fn served(pod: &LabPod, anchor: &LabPod) -> std::io::Result<TcpListener> {
-    let listener = pod
-        .ns
-        .run(|| TcpListener::bind((Ipv4Addr::UNSPECIFIED, APP_PORT)))??;
+    let home = Netns::current()?;
+    let listener = pod.ns.with(&home, || {
+        TcpListener::bind((Ipv4Addr::UNSPECIFIED, APP_PORT))
+    })?;
     socket2::SockRef::from(&listener).set_read_timeout(Some(Duration::from_secs(5)))?;
     let deadline = Instant::now() + SERVED_WITHIN;
     let to_anchor = SocketAddr::new(anchor.ip.into(), ANCHOR_PORT);
     let to_pod = SocketAddr::new(pod.ip.into(), APP_PORT);
-    let home = Netns::current()?;
     let mut out = pod.ns.with(&home, || round_trip_out(to_anchor));
     while let Err(e) = &out {
         if Instant::now() > deadline {

@@ -528,9 +528,9 @@ pub fn fair_windows(h2: H2Settings, share: usize) -> H2Settings {
 /// An HBONE connection's receive windows and their reservation, for its
 /// life: counted among the connections that share the budget until
 /// dropped. Whoever drives the connection moves it with the share
-/// ([`ConnectionWindows::share_moved`], [`ConnectionWindows::rebalance`],
-/// [`tell_windows`]), and retries ([`WindowRetry`]) while it is
-/// [`ConnectionWindows::behind`] or the peer was not told yet.
+/// ([`ConnectionWindows::share_moved`], [`ConnectionWindows::apply`]), and
+/// retries ([`WindowRetry`]) while it is
+/// [`ConnectionWindows::unsettled`].
 #[derive(Debug)]
 pub struct ConnectionWindows {
     budget: &'static Budget,
@@ -542,8 +542,25 @@ pub struct ConnectionWindows {
 
 impl ConnectionWindows {
     /// The windows granted now.
+    #[cfg(test)]
     pub fn granted(&self) -> H2Settings {
         self.granted
+    }
+
+    /// Moves to the fair windows ([`ConnectionWindows::rebalance`]) and
+    /// tells the peer what it has not been told ([`tell_windows`]);
+    /// whether either moved.
+    pub fn apply(&mut self, conn: &mut impl ReceiveWindows, told: &mut H2Settings) -> bool {
+        let before = (self.granted, *told);
+        self.rebalance();
+        tell_windows(conn, told, self.granted);
+        before != (self.granted, *told)
+    }
+
+    /// Whether another try is wanted: behind the fair windows, or the peer
+    /// not yet told of the granted ones.
+    pub fn unsettled(&self, told: H2Settings) -> bool {
+        self.behind() || told != self.granted
     }
 
     /// Waits until the share moves ([`Budget::publish`]).
@@ -682,7 +699,7 @@ where
 /// Tells the peer of `granted` windows where they differ from `told`: the
 /// connection window at once, the stream window unless a SETTINGS is
 /// still unacknowledged (then `told` keeps the old one, for the next try).
-pub fn tell_windows(conn: &mut impl ReceiveWindows, told: &mut H2Settings, granted: H2Settings) {
+fn tell_windows(conn: &mut impl ReceiveWindows, told: &mut H2Settings, granted: H2Settings) {
     if told.connection_window != granted.connection_window {
         conn.set_connection_window(granted.connection_window);
         told.connection_window = granted.connection_window;

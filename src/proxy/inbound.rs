@@ -19,7 +19,7 @@ use http::{Request, Response, StatusCode};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 
-use super::budget::{tell_windows, Reservation, WindowRetry, BUDGET, STREAM_OPEN_COST};
+use super::budget::{Reservation, WindowRetry, BUDGET, STREAM_OPEN_COST};
 use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
 use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
@@ -296,16 +296,12 @@ impl Inbound {
                     break;
                 }
                 _ = windows.share_moved() => {
-                    windows.rebalance();
-                    tell_windows(&mut conn, &mut told, windows.granted());
+                    windows.apply(&mut conn, &mut told);
                     retry.reset();
                     continue;
                 }
-                _ = retry.due(), if windows.behind() || told != windows.granted() => {
-                    let before = (windows.granted(), told);
-                    windows.rebalance();
-                    tell_windows(&mut conn, &mut told, windows.granted());
-                    retry.tried(before != (windows.granted(), told));
+                _ = retry.due(), if windows.unsettled(told) => {
+                    retry.tried(windows.apply(&mut conn, &mut told));
                     continue;
                 }
                 _ = self.pod.life.stop_accepting.signalled(), if !goaway_sent => {

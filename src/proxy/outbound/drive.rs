@@ -5,7 +5,7 @@
 use bytes::Bytes;
 use socket2::SockRef;
 
-use super::super::budget::{tell_windows, ConnectionWindows, WindowRetry};
+use super::super::budget::{ConnectionWindows, WindowRetry};
 use super::super::hbone::H2Settings;
 use super::super::pool::Lifeline;
 
@@ -60,16 +60,11 @@ where
                 let _ = SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO));
                 return Ok(Ended::Abandoned);
             }
-            _ = windows.share_moved() => retry.reset(),
-            _ = retry.due(), if windows.behind() || told != windows.granted() => {
-                let before = (windows.granted(), told);
-                windows.rebalance();
-                tell_windows(&mut conn, &mut told, windows.granted());
-                retry.tried(before != (windows.granted(), told));
-                continue;
+            _ = windows.share_moved() => {
+                windows.apply(&mut conn, &mut told);
+                retry.reset();
             }
+            _ = retry.due(), if windows.unsettled(told) => retry.tried(windows.apply(&mut conn, &mut told)),
         }
-        windows.rebalance();
-        tell_windows(&mut conn, &mut told, windows.granted());
     }
 }
