@@ -9,9 +9,8 @@
 //! a connection already allowed: a denied one is labelled from the state.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use h2::server::SendResponse;
@@ -19,6 +18,7 @@ use http::{Request, Response, StatusCode};
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
 
+use super::activity::{Activity, OnConnection};
 use super::budget::{Reservation, WindowRetry, BUDGET, STREAM_OPEN_COST};
 use super::copy::{tcp_h2_bidirectional, Transferred};
 use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
@@ -78,50 +78,6 @@ static FAILED_HANDSHAKES: LogThrottle = LogThrottle::new(10);
 /// How long an idle connection told to go (GOAWAY) has to close before it
 /// is dropped: a peer that reads nothing never lets it close cleanly.
 const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(5);
-
-/// A connection's open streams, and since when it has had none.
-struct Activity {
-    open: AtomicUsize,
-    idle_since: Mutex<Instant>,
-}
-
-impl Activity {
-    fn new() -> Arc<Activity> {
-        Arc::new(Activity {
-            open: AtomicUsize::new(0),
-            idle_since: Mutex::new(Instant::now()),
-        })
-    }
-
-    /// How long the connection has carried no stream; `None` while it
-    /// carries one (so that a zero timeout never closes a busy connection).
-    fn idle_for(&self) -> Option<Duration> {
-        if self.open.load(Ordering::Acquire) > 0 {
-            return None;
-        }
-        let since = self.idle_since.lock().unwrap_or_else(|e| e.into_inner());
-        Some(since.elapsed())
-    }
-}
-
-/// One stream on a connection, for its [`Activity`]: counted while held.
-struct OnConnection(Arc<Activity>);
-
-impl OnConnection {
-    fn new(activity: &Arc<Activity>) -> OnConnection {
-        activity.open.fetch_add(1, Ordering::AcqRel);
-        OnConnection(activity.clone())
-    }
-}
-
-impl Drop for OnConnection {
-    fn drop(&mut self) {
-        let mut since = self.0.idle_since.lock().unwrap_or_else(|e| e.into_inner());
-        if self.0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-            *since = Instant::now();
-        }
-    }
-}
 
 /// Accepts on `listener` under a cap of `max` (`what` names it), counting
 /// the connections held open in `open`.

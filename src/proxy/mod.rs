@@ -10,6 +10,7 @@
 //! connection goes (pure, over a state snapshot); `rbac` decides whether;
 //! `dns` answers the pod's queries; `metrics` and `admin` report.
 
+mod activity;
 mod admin;
 mod app;
 mod budget;

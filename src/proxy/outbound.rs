@@ -13,6 +13,7 @@ use bytes::Bytes;
 use socket2::SockRef;
 use tokio::net::{TcpListener, TcpStream};
 
+use super::activity::Activity;
 use super::budget::{Refusal, Reservation, BUDGET, STREAM_OPEN_COST};
 use super::copy::tcp_h2_bidirectional;
 use super::hbone::{ConnectRequest, H2Settings};
@@ -424,7 +425,7 @@ impl Outbound {
                     addr: proxy,
                     source,
                 })?;
-        let lifeline = Arc::new(Lifeline::default());
+        let lifeline = Arc::new(Lifeline::new(Activity::new()));
         let driver = lifeline.clone();
         // The connection's task also carries its streams (`together`).
         let (streams, inbox) = together::channel();

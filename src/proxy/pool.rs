@@ -30,6 +30,7 @@ use tokio::time::Instant;
 use bytes::Bytes;
 use h2::client::SendRequest;
 
+use super::activity::Activity;
 use super::together::Streams;
 use crate::identity::Identity;
 
@@ -47,9 +48,7 @@ pub struct PoolKey {
 #[derive(Debug)]
 pub struct PooledConn {
     sender: SendRequest<Bytes>,
-    active: AtomicUsize,
     lifeline: Arc<Lifeline>,
-    idle_since: Mutex<Instant>,
     /// The connection's task, where its streams' copies run.
     streams: Streams,
 }
@@ -60,15 +59,13 @@ impl PooledConn {
     pub fn new(sender: SendRequest<Bytes>, lifeline: Arc<Lifeline>, streams: Streams) -> Arc<Self> {
         Arc::new(PooledConn {
             sender,
-            active: AtomicUsize::new(0),
             lifeline,
-            idle_since: Mutex::new(Instant::now()),
             streams,
         })
     }
 
     fn usable(&self, max: usize) -> bool {
-        !self.lifeline.is_closed() && self.active.load(Ordering::Acquire) < max
+        !self.lifeline.is_closed() && self.lifeline.streams.open() < max
     }
 }
 
@@ -81,14 +78,24 @@ impl Drop for PooledConn {
 }
 
 /// What a pooled connection and the task driving it tell each other: the
-/// driver that the connection ended, the pool that no one will use it again.
-#[derive(Debug, Default)]
+/// driver that the connection ended, the pool that no one will use it
+/// again, and both the streams it carries.
+#[derive(Debug)]
 pub struct Lifeline {
     closed: AtomicBool,
     released: tokio::sync::Notify,
+    streams: Arc<Activity>,
 }
 
 impl Lifeline {
+    pub fn new(streams: Arc<Activity>) -> Lifeline {
+        Lifeline {
+            closed: AtomicBool::new(false),
+            released: tokio::sync::Notify::new(),
+            streams,
+        }
+    }
+
     /// The connection has ended (set by its driver).
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
@@ -119,7 +126,7 @@ impl Lease {
     /// yet published), so no one can take the connection as this lease
     /// leaves it.
     fn new(conn: Arc<PooledConn>, entry: &Arc<Entry>) -> Self {
-        conn.active.fetch_add(1, Ordering::AcqRel);
+        conn.lifeline.streams.enter();
         let unpool = entry.unpooled.then(|| entry.clone());
         Lease { conn, unpool }
     }
@@ -141,18 +148,12 @@ impl Drop for Lease {
             // that took the connection between the count and the lock
             // keeps it, and its own lease removes it.
             let mut state = entry.lock();
-            if self.conn.active.fetch_sub(1, Ordering::AcqRel) == 1 {
+            if self.conn.lifeline.streams.leave() == 1 {
                 state.conns.retain(|c| !Arc::ptr_eq(c, &self.conn));
             }
             return;
         }
-        if self.conn.active.fetch_sub(1, Ordering::AcqRel) == 1 {
-            *self
-                .conn
-                .idle_since
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = Instant::now();
-        }
+        self.conn.lifeline.streams.leave();
     }
 }
 
@@ -280,7 +281,7 @@ impl Entry {
             .conns
             .iter()
             .filter(|c| c.usable(max))
-            .map(|c| (c.active.load(Ordering::Acquire), c))
+            .map(|c| (c.lifeline.streams.open(), c))
             .min_by_key(|(active, _)| *active)
             .map(|(active, c)| (active, c.clone()));
         if let Some((0, c)) = least {
@@ -463,9 +464,11 @@ impl Pool {
         entries.retain(|_, entry| {
             let mut state = entry.lock();
             state.conns.retain(|c| {
-                let idle = c.active.load(Ordering::Acquire) == 0
-                    && now.duration_since(*c.idle_since.lock().unwrap_or_else(|e| e.into_inner()))
-                        >= self.idle_timeout;
+                let idle = c
+                    .lifeline
+                    .streams
+                    .idle_since()
+                    .is_some_and(|since| now.duration_since(since) >= self.idle_timeout);
                 !c.lifeline.is_closed() && !idle
             });
             !state.conns.is_empty() || !state.dials.is_empty()

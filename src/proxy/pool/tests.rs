@@ -42,7 +42,7 @@ async fn h2_conn_watched() -> (Arc<PooledConn>, tokio::sync::oneshot::Receiver<b
         }
     });
     let (sender, conn) = h2::client::handshake(a).await.unwrap();
-    let lifeline = Arc::new(Lifeline::default());
+    let lifeline = Arc::new(Lifeline::new(Activity::new()));
     let driver = lifeline.clone();
     let (streams, inbox) = super::super::together::channel();
     let main = async move {

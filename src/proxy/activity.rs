@@ -1,0 +1,100 @@
+//! The streams an HBONE connection carries now, and since when it has
+//! carried none: what closes an idle connection (the pool's and the
+//! inbound's idle timeout) and what its share of the memory budget follows
+//! (docs/wire.md §10).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+// tokio's clock (the system's, outside tests): the pool's timing tests
+// run on a paused clock.
+use tokio::time::Instant;
+
+/// A connection's open streams, and since when it has had none.
+#[derive(Debug)]
+pub struct Activity {
+    open: AtomicUsize,
+    idle_since: Mutex<Instant>,
+}
+
+impl Activity {
+    pub fn new() -> Arc<Activity> {
+        Arc::new(Activity {
+            open: AtomicUsize::new(0),
+            idle_since: Mutex::new(Instant::now()),
+        })
+    }
+
+    /// A stream starts; returns the streams open before it.
+    pub fn enter(&self) -> usize {
+        self.open.fetch_add(1, Ordering::AcqRel)
+    }
+
+    /// A stream ends; returns the streams open before it ended.
+    pub fn leave(&self) -> usize {
+        let mut since = self.idle_since.lock().unwrap_or_else(|e| e.into_inner());
+        let before = self.open.fetch_sub(1, Ordering::AcqRel);
+        if before == 1 {
+            *since = Instant::now();
+        }
+        before
+    }
+
+    /// The streams open now.
+    pub fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Since when the connection has carried no stream; `None` while it
+    /// carries one.
+    pub fn idle_since(&self) -> Option<Instant> {
+        if self.open() > 0 {
+            return None;
+        }
+        Some(*self.idle_since.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// How long the connection has carried no stream; `None` while it
+    /// carries one (so that a zero timeout never closes a busy connection).
+    pub fn idle_for(&self) -> Option<Duration> {
+        self.idle_since().map(|since| since.elapsed())
+    }
+}
+
+/// One stream on a connection, for its [`Activity`]: counted while held.
+#[derive(Debug)]
+pub struct OnConnection(Arc<Activity>);
+
+impl OnConnection {
+    pub fn new(activity: &Arc<Activity>) -> OnConnection {
+        activity.enter();
+        OnConnection(activity.clone())
+    }
+}
+
+impl Drop for OnConnection {
+    fn drop(&mut self) {
+        self.0.leave();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn streams_are_counted_and_idle_time_starts_when_the_last_ends() {
+        let a = Activity::new();
+        assert_eq!(a.open(), 0);
+        assert!(a.idle_for().is_some());
+        let first = OnConnection::new(&a);
+        let second = OnConnection::new(&a);
+        assert_eq!((a.open(), a.idle_for()), (2, None));
+        drop(first);
+        assert_eq!((a.open(), a.idle_for()), (1, None));
+        let before = Instant::now();
+        drop(second);
+        assert!(a.idle_since().unwrap() >= before);
+    }
+}
