@@ -23,7 +23,10 @@
 //! they all fit in that half, and past it the same smaller power-of-two
 //! windows (down to 64 KiB / 16 KiB, at which a budget of 1 GiB holds
 //! 16,384 connections); every connection moves to the new share when it
-//! moves. Equal windows matter: on a
+//! moves. The share is among the connections that carry streams: an idle
+//! one ([`IDLE_WINDOWS_AFTER`] without a stream) keeps the smallest
+//! windows, so a node's thousands of pooled connections do not shrink the
+//! windows of the few that carry its flows. Equal windows matter: on a
 //! loaded proxy a flow's rate follows its window, and when the first
 //! connections kept 16 MiB while later ones got 1 MiB, 50 flows through
 //! one shared proxy ran 5–7× apart. A connection also keeps its peer
@@ -49,6 +52,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
+use super::activity::Activity;
 use super::hbone::H2Settings;
 use crate::identity::Identity;
 
@@ -141,7 +145,7 @@ pub struct Budget {
     by_pod: Mutex<HashMap<Arc<str>, usize>>,
     refused: Family<RefusedLabels, Counter>,
     /// HBONE connections now, inbound and outbound.
-    connections: Mutex<usize>,
+    connections: Mutex<Counted>,
     /// Each HBONE connection's share of half the budget, as a power of
     /// two (bytes; 0 before the first connection), between the smallest
     /// windows and the largest configured: sent only when it moves
@@ -150,6 +154,22 @@ pub struct Budget {
     share: watch::Sender<usize>,
     /// The largest connection window configured on a connection yet.
     ceiling: AtomicUsize,
+}
+
+/// HBONE connections counted in the budget's share: all of them, and
+/// those carrying streams ([`ConnectionWindows::busy`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct Counted {
+    all: usize,
+    busy: usize,
+}
+
+impl Counted {
+    /// `n` connections, every one carrying streams.
+    #[cfg(test)]
+    fn busy(n: usize) -> Counted {
+        Counted { all: n, busy: n }
+    }
 }
 
 /// The one budget of this process.
@@ -365,14 +385,12 @@ impl Budget {
         &'static self,
         h2: H2Settings,
         peer: &Identity,
+        streams: Arc<Activity>,
     ) -> Result<(H2Settings, ConnectionWindows), Refusal> {
         self.ceiling
             .fetch_max(h2.connection_window as usize, Ordering::AcqRel);
-        let share = {
-            let mut n = self.connections.lock().unwrap_or_else(|e| e.into_inner());
-            *n += 1;
-            self.publish(*n)
-        };
+        // Busy from the start: it is opened for a stream.
+        let share = self.count(1, 1);
         // Counted in from here; its drop counts it out, refused or not.
         let mut windows = ConnectionWindows {
             budget: self,
@@ -385,6 +403,8 @@ impl Budget {
                 pod: None,
             },
             share: self.share.subscribe(),
+            streams,
+            busy: true,
         };
         let fair = fair_windows(h2, share);
         let granted =
@@ -405,22 +425,39 @@ impl Budget {
         Ok((granted, windows))
     }
 
+    /// Counts connections in (`all`) or out, and busy ones (`busy`, a
+    /// connection that starts or stops carrying streams), and moves the
+    /// share; returns the share now.
+    fn count(&self, all: isize, busy: isize) -> usize {
+        let mut n = self.connections.lock().unwrap_or_else(|e| e.into_inner());
+        n.all = n.all.saturating_add_signed(all);
+        n.busy = n.busy.saturating_add_signed(busy);
+        self.publish(*n)
+    }
+
     /// Moves the share for `n` connections, if it must; returns the share
     /// now. It falls at once to what `n` connections make; it rises only
-    /// to what an eighth more (at least one more) would make, so that after
-    /// a fall at a step it rises again only once an eighth of the
-    /// connections have gone, not when the one that crossed the step goes.
-    /// A peer churning one connection at a step wakes every other
-    /// connection once, not at every turn; each rise costs it an eighth of
-    /// them. Called under the
-    /// count's lock, so shares go out in the count's order.
-    fn publish(&self, n: usize) -> usize {
+    /// to what an eighth more busy ones (at least one more) would make, so
+    /// that after a fall at a step it rises again only once an eighth of
+    /// the busy connections have gone, not when the one that crossed the
+    /// step goes. A peer churning one connection at a step wakes every
+    /// other busy connection once, not at every turn; each rise costs it
+    /// an eighth of them. Called under the count's lock, so shares go out
+    /// in the count's order.
+    fn publish(&self, n: Counted) -> usize {
         let bounded = |n| {
             share_of(self.limit(), n)
                 .min(self.ceiling.load(Ordering::Acquire))
                 .max(REDUCED_CONNECTION_WINDOW as usize)
         };
-        let (fits, risen) = (bounded(n), bounded(n + (n / 8).max(1)));
+        let more = (n.busy / 8).max(1);
+        let (fits, risen) = (
+            bounded(n),
+            bounded(Counted {
+                all: n.all + more,
+                busy: n.busy + more,
+            }),
+        );
         let mut now = 0;
         self.share.send_if_modified(|s| {
             let next = if fits < *s { fits } else { risen.max(*s) };
@@ -488,14 +525,16 @@ pub fn default_limit() -> usize {
 /// budget to (half) and its peer's share to (half of a quarter).
 const ROOMY: Shares = Shares { whole: 2, peer: 8 };
 
-/// Each of `n` HBONE connections' share of half of `limit`, rounded down
-/// to a power of two, so that it moves only when `n` crosses a step;
-/// unbounded without a limit.
-fn share_of(limit: usize, n: usize) -> usize {
+/// Each busy HBONE connection's share of half of `limit`, once the idle
+/// ones have the smallest windows, rounded down to a power of two, so that
+/// it moves only when the count crosses a step; unbounded without a limit.
+fn share_of(limit: usize, n: Counted) -> usize {
     if limit == 0 {
         return usize::MAX;
     }
-    let each = (limit / 2) / n.max(1);
+    let idle = n.all.saturating_sub(n.busy);
+    let left = (limit / 2).saturating_sub(idle.saturating_mul(REDUCED_CONNECTION_WINDOW as usize));
+    let each = left / n.busy.max(1);
     if each == 0 {
         0
     } else {
@@ -525,12 +564,20 @@ pub fn fair_windows(h2: H2Settings, share: usize) -> H2Settings {
     }
 }
 
+/// How long a connection carries no stream before it is idle: it keeps
+/// the smallest windows and leaves the share to the busy ones. Long enough
+/// that a client opening one connection after another through the same
+/// pooled connection keeps it busy.
+pub const IDLE_WINDOWS_AFTER: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// An HBONE connection's receive windows and their reservation, for its
 /// life: counted among the connections that share the budget until
-/// dropped. Whoever drives the connection moves it with the share
-/// ([`ConnectionWindows::share_moved`], [`ConnectionWindows::apply`]), and
-/// retries ([`WindowRetry`]) while it is
-/// [`ConnectionWindows::unsettled`].
+/// dropped. A connection carrying streams (busy, and for
+/// [`IDLE_WINDOWS_AFTER`] after its last) has its fair share; an idle one
+/// the smallest windows. Whoever drives the connection moves it when the
+/// share or its streams move ([`ConnectionWindows::moved`],
+/// [`ConnectionWindows::apply`]), and retries ([`WindowRetry`]) while it
+/// is [`ConnectionWindows::unsettled`].
 #[derive(Debug)]
 pub struct ConnectionWindows {
     budget: &'static Budget,
@@ -538,6 +585,10 @@ pub struct ConnectionWindows {
     granted: H2Settings,
     reservation: Reservation,
     share: watch::Receiver<usize>,
+    /// The streams the connection carries.
+    streams: Arc<Activity>,
+    /// Counted among the busy connections.
+    busy: bool,
 }
 
 impl ConnectionWindows {
@@ -552,6 +603,7 @@ impl ConnectionWindows {
     /// whether either moved.
     pub fn apply(&mut self, conn: &mut impl ReceiveWindows, told: &mut H2Settings) -> bool {
         let before = (self.granted, *told);
+        self.follow_streams();
         self.rebalance();
         tell_windows(conn, told, self.granted);
         before != (self.granted, *told)
@@ -563,10 +615,41 @@ impl ConnectionWindows {
         self.behind() || told != self.granted
     }
 
-    /// Waits until the share moves ([`Budget::publish`]).
-    pub async fn share_moved(&mut self) {
-        if self.share.changed().await.is_err() {
-            std::future::pending::<()>().await
+    /// Waits until something the windows follow moves: the share
+    /// ([`Budget::publish`]) while busy, the connection's streams starting
+    /// or stopping, or the time it has carried none reaching
+    /// [`IDLE_WINDOWS_AFTER`]. An idle connection is not woken by the
+    /// share: it keeps the smallest windows whatever the share is.
+    pub async fn moved(&mut self) {
+        let idle_at = self
+            .busy
+            .then(|| self.streams.idle_since())
+            .flatten()
+            .map(|since| since + IDLE_WINDOWS_AFTER);
+        tokio::select! {
+            Ok(()) = self.share.changed(), if self.busy => {}
+            () = self.streams.moved() => {}
+            () = tokio::time::sleep_until(idle_at.unwrap_or_else(tokio::time::Instant::now)), if idle_at.is_some() => {}
+        }
+    }
+
+    /// Whether the connection is counted busy: it carries streams, or
+    /// carried one less than [`IDLE_WINDOWS_AFTER`] ago.
+    #[cfg(test)]
+    pub fn busy(&self) -> bool {
+        self.busy
+    }
+
+    /// Counts the connection busy while it carries streams, idle once it
+    /// has carried none for [`IDLE_WINDOWS_AFTER`].
+    fn follow_streams(&mut self) {
+        let busy = match self.streams.idle_for() {
+            None => true,
+            Some(idle) => self.busy && idle < IDLE_WINDOWS_AFTER,
+        };
+        if busy != self.busy {
+            self.busy = busy;
+            self.budget.count(0, if busy { 1 } else { -1 });
         }
     }
 
@@ -578,7 +661,8 @@ impl ConnectionWindows {
     }
 
     fn fair(&self) -> H2Settings {
-        fair_windows(self.configured, *self.share.borrow())
+        let share = if self.busy { *self.share.borrow() } else { 0 };
+        fair_windows(self.configured, share)
     }
 
     /// Moves to the fair windows: at once when they are smaller (the
@@ -716,13 +800,7 @@ impl Drop for ConnectionWindows {
         // Given back first, so that connections woken by a rising share
         // find the room.
         self.reservation.shrink(usize::MAX);
-        let mut n = self
-            .budget
-            .connections
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        *n = n.saturating_sub(1);
-        self.budget.publish(*n);
+        self.budget.count(-1, if self.busy { -1 } else { 0 });
     }
 }
 

@@ -198,7 +198,9 @@ impl Inbound {
         drop(identity);
         // The receive windows this connection is granted, reserved for its
         // life and moved with its share of the budget.
-        let (h2, mut windows) = match BUDGET.connection(self.h2, &peer_id) {
+        // The streams it carries: its windows' share and its idle timeout follow them.
+        let activity = Activity::new();
+        let (h2, mut windows) = match BUDGET.connection(self.h2, &peer_id, activity.clone()) {
             Ok(granted) => granted,
             Err(refusal) => {
                 tracing::warn!(src.addr = %peer, src.principal = %peer_id, reason = refusal.reason(), "HBONE connection refused");
@@ -229,7 +231,6 @@ impl Inbound {
         let mut retry = WindowRetry::default();
         // Idle connections are let go, so a peer cannot park connections
         // (and the windows they hold in the budget) for ever.
-        let activity = Activity::new();
         let idle_check = (self.idle_timeout / 4).max(Duration::from_millis(100));
         let mut idle_tick =
             tokio::time::interval_at(tokio::time::Instant::now() + idle_check, idle_check);
@@ -251,7 +252,7 @@ impl Inbound {
                     tracing::info!(src.addr = %peer, src.principal = %peer_id, "HBONE connection closed: a CRL now revokes the peer's certificate");
                     break;
                 }
-                _ = windows.share_moved() => {
+                _ = windows.moved() => {
                     windows.apply(&mut conn, &mut told);
                     retry.reset();
                     continue;

@@ -413,7 +413,9 @@ impl Outbound {
         // answers, reserved for its life and moved with its share of the
         // budget, as an inbound connection's are: what a destination that
         // sends to applications that do not read can make this proxy hold.
-        let (h2, windows) = BUDGET.connection(self.h2, &peer_id).map_err(|refusal| {
+        // The streams it carries, which its windows' share follows.
+        let activity = Activity::new();
+        let (h2, windows) = BUDGET.connection(self.h2, &peer_id, activity.clone()).map_err(|refusal| {
             tracing::warn!(dst.addr = %proxy, dst.principal = %peer_id, reason = refusal.reason(), "HBONE connection not opened");
             OutboundError::Budget(refusal)
         })?;
@@ -425,7 +427,7 @@ impl Outbound {
                     addr: proxy,
                     source,
                 })?;
-        let lifeline = Arc::new(Lifeline::new(Activity::new()));
+        let lifeline = Arc::new(Lifeline::new(activity));
         let driver = lifeline.clone();
         // The connection's task also carries its streams (`together`).
         let (streams, inbox) = together::channel();

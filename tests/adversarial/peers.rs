@@ -279,6 +279,76 @@ fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and
 }
 
 #[test]
+fn connections_that_carry_no_stream_leave_the_windows_to_one_that_does() {
+    // Half of 256 MiB: 128 MiB for the connections' windows.
+    let mut node = Node::start_env(
+        BIN,
+        "idleshare",
+        "namespaces:default",
+        false,
+        &[("AMBIT_MEMORY_BUDGET", "256Mi")],
+    );
+    let server = node.add_pod("server", "default").unwrap();
+    let peers = node.add_pod("peers", "attack").unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
+    let hbone: SocketAddr = (server.ip, 15008).into();
+    // Forty connections that carry no stream, as a node's pooled ones
+    // mostly do.
+    let pooled = StreamHold::start(
+        &peers.ns,
+        (&ca.0, &ca.1),
+        Identity::new("cluster.local", "attack", "pooled"),
+        hbone,
+        echo.addr,
+        40,
+        0,
+        0,
+    )
+    .unwrap();
+    assert_eq!(pooled.summary.connections, 40);
+    const KIB: u64 = 1 << 10;
+    wait_until_showing(
+        "the forty idle, at the smallest windows (64 KiB)",
+        Duration::from_secs(20),
+        || budget_used(&node) == 40 * 64 * KIB,
+        || format!("{} bytes reserved", budget_used(&node)),
+    );
+    // One connection carrying a stream: it gets the configured 16 MiB
+    // (what the idle ones leave of the half is more). Counted with the
+    // forty, it would get 2 MiB (128 MiB / 41, a power of two).
+    let flow = StreamHold::start(
+        &peers.ns,
+        (&ca.0, &ca.1),
+        Identity::new("cluster.local", "attack", "flow"),
+        hbone,
+        echo.addr,
+        1,
+        1,
+        0,
+    )
+    .unwrap();
+    assert_eq!(flow.summary.opened, 1);
+    wait_until_showing(
+        "the one carrying a stream at the configured 16 MiB",
+        Duration::from_secs(10),
+        || budget_used(&node) == 40 * 64 * KIB + 16 * 1024 * KIB + 16 * KIB,
+        || format!("{} bytes reserved", budget_used(&node)),
+    );
+    drop(flow);
+    wait_until_showing(
+        "its windows given back",
+        Duration::from_secs(10),
+        || budget_used(&node) == 40 * 64 * KIB,
+        || format!("{} bytes reserved", budget_used(&node)),
+    );
+    drop(pooled);
+    wait_until("the budget empty", Duration::from_secs(10), || {
+        budget_used(&node) == 0
+    });
+}
+
+#[test]
 fn a_destination_flooding_applications_that_do_not_read_cannot_grow_the_client_proxy() {
     let mut m = Mesh::new("flood");
     let (client, server, mallory) = (m.pod("client"), m.pod("server"), m.pod("mallory"));

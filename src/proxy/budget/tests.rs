@@ -1,6 +1,7 @@
 //! The budget's rules, one at a time, on budgets of their own.
 
 use super::*;
+use crate::proxy::activity::OnConnection;
 
 fn budget(limit: usize) -> &'static Budget {
     let b: &'static Budget = Box::leak(Box::default());
@@ -30,7 +31,7 @@ fn windows(h: H2Settings) -> (usize, usize) {
 fn connections_share_half_the_budget_in_power_of_two_windows_between_the_smallest_and_the_configured(
 ) {
     let gib = 1 << 30;
-    let at = |n| windows(fair_windows(configured(), share_of(gib, n)));
+    let at = |n| windows(fair_windows(configured(), share_of(gib, Counted::busy(n))));
     // (connection MiB, stream in quarter MiB)
     assert_eq!(at(1), (16, 16));
     assert_eq!(at(32), (16, 16), "32 × 16 MiB is half of 1 GiB");
@@ -38,13 +39,13 @@ fn connections_share_half_the_budget_in_power_of_two_windows_between_the_smalles
     assert_eq!(at(64), (8, 8));
     assert_eq!(at(65), (4, 4));
     assert_eq!(at(512), (1, 1));
-    let at_2048 = fair_windows(configured(), share_of(gib, 2048));
+    let at_2048 = fair_windows(configured(), share_of(gib, Counted::busy(2048)));
     assert_eq!(
         (at_2048.connection_window, at_2048.stream_window),
         (256 << 10, 64 << 10)
     );
     assert_eq!(
-        fair_windows(configured(), share_of(gib, 20_000)).connection_window,
+        fair_windows(configured(), share_of(gib, Counted::busy(20_000))).connection_window,
         64 << 10,
         "never below 64 KiB / 16 KiB"
     );
@@ -54,7 +55,7 @@ fn connections_share_half_the_budget_in_power_of_two_windows_between_the_smalles
         "the smallest stream window"
     );
     assert_eq!(
-        windows(fair_windows(configured(), share_of(0, 5000))),
+        windows(fair_windows(configured(), share_of(0, Counted::busy(5000)))),
         (16, 16),
         "no budget"
     );
@@ -74,7 +75,11 @@ fn a_connection_past_the_half_moves_every_connection_to_the_same_smaller_windows
     let b = budget(128 * MIB);
     let peer = |i: usize| Identity::new("td", "ns", &format!("p{i}"));
     let mut first: Vec<ConnectionWindows> = (0..4)
-        .map(|i| b.connection(configured(), &peer(i)).unwrap().1)
+        .map(|i| {
+            b.connection(configured(), &peer(i), Activity::new())
+                .unwrap()
+                .1
+        })
         .collect();
     assert!(first.iter().all(|w| windows(w.granted()) == (16, 16)));
     assert_eq!(b.used(), 64 * MIB);
@@ -85,7 +90,9 @@ fn a_connection_past_the_half_moves_every_connection_to_the_same_smaller_windows
 
     // A fifth: the fair share is 8 MiB, which the others hold until
     // they move, so it starts at the smallest and is behind.
-    let (granted, mut fifth) = b.connection(configured(), &peer(4)).unwrap();
+    let (granted, mut fifth) = b
+        .connection(configured(), &peer(4), Activity::new())
+        .unwrap();
     assert_eq!(granted.connection_window, 64 << 10);
     assert!(fifth.behind());
     assert!(first.iter().all(|w| w.share.has_changed().unwrap()));
@@ -111,7 +118,7 @@ fn a_connection_past_the_half_moves_every_connection_to_the_same_smaller_windows
     assert_eq!(b.used(), 48 * MIB);
     drop(first);
     assert_eq!(b.used(), 0);
-    assert_eq!(*b.connections.lock().unwrap(), 0);
+    assert_eq!(b.connections.lock().unwrap().all, 0);
     assert!(b.by_peer.lock().unwrap().is_empty());
 }
 
@@ -121,11 +128,19 @@ fn a_connection_churning_at_a_step_wakes_no_one_and_the_share_rises_an_eighth_be
     let b = budget(1 << 30);
     let peer = |i: usize| Identity::new("td", "ns", &format!("p{i}"));
     let mut held: Vec<ConnectionWindows> = (0..32)
-        .map(|i| b.connection(configured(), &peer(i)).unwrap().1)
+        .map(|i| {
+            b.connection(configured(), &peer(i), Activity::new())
+                .unwrap()
+                .1
+        })
         .collect();
     assert!(held.iter().all(|w| windows(w.granted()) == (16, 16)));
     // The 33rd: every connection falls to 8 MiB at once.
-    held.push(b.connection(configured(), &peer(32)).unwrap().1);
+    held.push(
+        b.connection(configured(), &peer(32), Activity::new())
+            .unwrap()
+            .1,
+    );
     for w in &mut held {
         w.rebalance();
     }
@@ -136,7 +151,9 @@ fn a_connection_churning_at_a_step_wakes_no_one_and_the_share_rises_an_eighth_be
     for i in 0..10 {
         drop(held.pop());
         assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
-        let (granted, w) = b.connection(configured(), &peer(100 + i)).unwrap();
+        let (granted, w) = b
+            .connection(configured(), &peer(100 + i), Activity::new())
+            .unwrap();
         assert_eq!(windows(granted), (8, 8));
         held.push(w);
         assert!(held.iter().all(|w| !w.share.has_changed().unwrap()));
@@ -152,7 +169,7 @@ fn a_connection_churning_at_a_step_wakes_no_one_and_the_share_rises_an_eighth_be
     }
     assert_eq!(b.used(), 29 * 16 * MIB);
     drop(held);
-    assert_eq!((b.used(), *b.connections.lock().unwrap()), (0, 0));
+    assert_eq!((b.used(), b.connections.lock().unwrap().all), (0, 0));
 }
 
 #[test]
@@ -160,12 +177,15 @@ fn a_connection_refused_even_the_smallest_windows_is_not_counted_among_them() {
     let b = budget(256 << 10);
     let p = Identity::new("td", "ns", "p");
     // Its peer may hold a quarter (64 KiB): one smallest window.
-    let (granted, kept) = b.connection(configured(), &p).unwrap();
+    let (granted, kept) = b.connection(configured(), &p, Activity::new()).unwrap();
     assert_eq!(granted.connection_window, 64 << 10);
-    assert_eq!(b.connection(configured(), &p).unwrap_err(), Refusal::Peer);
-    assert_eq!(*b.connections.lock().unwrap(), 1);
+    assert_eq!(
+        b.connection(configured(), &p, Activity::new()).unwrap_err(),
+        Refusal::Peer
+    );
+    assert_eq!(b.connections.lock().unwrap().all, 1);
     drop(kept);
-    assert_eq!((b.used(), *b.connections.lock().unwrap()), (0, 0));
+    assert_eq!((b.used(), b.connections.lock().unwrap().all), (0, 0));
 }
 
 #[test]
@@ -260,18 +280,18 @@ fn past_the_budget_streams_are_refused_and_connections_get_smaller_windows() {
         .collect();
     let mut conns = Vec::new();
     for p in &peers[..4] {
-        let (granted, r) = b.connection(h2, p).unwrap();
+        let (granted, r) = b.connection(h2, p, Activity::new()).unwrap();
         assert_eq!(granted.connection_window, 16 << 20);
         conns.push(r);
     }
     // Half reserved: the next ones get the smallest windows.
-    let (reduced, _r) = b.connection(h2, &peers[4]).unwrap();
+    let (reduced, _r) = b.connection(h2, &peers[4], Activity::new()).unwrap();
     assert_eq!(
         (reduced.connection_window, reduced.stream_window),
         (64 << 10, 16 << 10)
     );
     // A peer holding half its share gets the smaller windows too.
-    let (second, _r2) = b.connection(h2, &peers[0]).unwrap();
+    let (second, _r2) = b.connection(h2, &peers[0], Activity::new()).unwrap();
     assert_eq!(second.connection_window, 64 << 10);
     let mut held = Vec::new();
     let refused = loop {
@@ -286,7 +306,7 @@ fn past_the_budget_streams_are_refused_and_connections_get_smaller_windows() {
     // until it is gone, then are refused.
     let mut small = Vec::new();
     let refused = loop {
-        match b.connection(h2, &peers[5 + small.len() % 3]) {
+        match b.connection(h2, &peers[5 + small.len() % 3], Activity::new()) {
             Ok((granted, r)) => {
                 assert_eq!(granted.connection_window, 64 << 10);
                 small.push(r);
@@ -319,7 +339,9 @@ fn a_dial_is_refused_before_its_handshake_once_the_destination_holds_its_quarter
     assert!(b
         .admits_connection(configured(), std::slice::from_ref(&mallory))
         .is_ok());
-    let (_, held) = b.connection(configured(), &mallory).unwrap();
+    let (_, held) = b
+        .connection(configured(), &mallory, Activity::new())
+        .unwrap();
     assert_eq!(
         b.admits_connection(configured(), std::slice::from_ref(&mallory)),
         Err(Refusal::Peer)
@@ -355,7 +377,7 @@ fn the_pod_every_pod_of_a_full_node_talks_to_is_not_refused() {
     let popular = Identity::new("td", "ns", "popular");
     let held: Vec<ConnectionWindows> = (0..2000)
         .map(|i| {
-            b.connection(configured(), &popular)
+            b.connection(configured(), &popular, Activity::new())
                 .unwrap_or_else(|e| panic!("connection {i} refused: {}", e.reason()))
                 .1
         })
@@ -363,7 +385,11 @@ fn the_pod_every_pod_of_a_full_node_talks_to_is_not_refused() {
     assert!(b.used() <= (1 << 30) / 4, "within the identity's quarter");
     // Another identity still gets its fair windows' worth.
     let (other, _o) = b
-        .connection(configured(), &Identity::new("td", "ns", "other"))
+        .connection(
+            configured(),
+            &Identity::new("td", "ns", "other"),
+            Activity::new(),
+        )
         .unwrap();
     assert!(other.connection_window >= 256 << 10);
     drop(held);
@@ -394,4 +420,126 @@ async fn a_connection_that_stays_behind_tries_again_less_and_less_often() {
     let t = tokio::time::Instant::now();
     retry.due().await;
     assert_eq!(t.elapsed(), WINDOW_RETRY);
+}
+
+/// What a connection's peer was told, as an h2 connection would send it.
+#[derive(Debug, Default)]
+struct Told {
+    connection: u32,
+    stream: u32,
+}
+
+impl ReceiveWindows for Told {
+    fn set_connection_window(&mut self, size: u32) {
+        self.connection = size;
+    }
+    fn set_stream_window(&mut self, size: u32) -> Result<(), h2::Error> {
+        self.stream = size;
+        Ok(())
+    }
+}
+
+/// One HBONE connection as its driver sees it: its windows, its streams,
+/// and what its peer was told.
+struct Driven {
+    windows: ConnectionWindows,
+    streams: Arc<Activity>,
+    told: H2Settings,
+    peer: Told,
+}
+
+impl Driven {
+    fn open(b: &'static Budget, i: usize) -> Driven {
+        let streams = Activity::new();
+        let peer = Identity::new("td", "ns", &format!("p{i}"));
+        let (told, windows) = b.connection(configured(), &peer, streams.clone()).unwrap();
+        Driven {
+            windows,
+            streams,
+            told,
+            peer: Told::default(),
+        }
+    }
+
+    /// What the driver does when woken ([`ConnectionWindows::moved`]).
+    fn drive(&mut self) {
+        self.windows.apply(&mut self.peer, &mut self.told);
+    }
+
+    fn granted(&self) -> (usize, usize) {
+        windows(self.windows.granted())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn connections_that_carry_no_stream_leave_the_share_to_those_that_do() {
+    // A node of 1,000 pods: 4,000 pooled connections in one proxy, 50 of
+    // them carrying a bulk flow each. Counted all alike, each would get
+    // 128 KiB: a flow's rate follows its window.
+    let b = budget(1 << 30);
+    let mut conns: Vec<Driven> = (0..4000).map(|i| Driven::open(b, i)).collect();
+    for c in &mut conns {
+        c.drive();
+    }
+    assert_eq!(conns[0].windows.granted().connection_window, 128 << 10);
+    let flows: Vec<OnConnection> = conns[..50]
+        .iter()
+        .map(|c| OnConnection::new(&c.streams))
+        .collect();
+
+    // The rest carry nothing; a driver is woken as their time is up.
+    let t = tokio::time::Instant::now();
+    conns[50].windows.moved().await;
+    assert_eq!(
+        t.elapsed(),
+        IDLE_WINDOWS_AFTER,
+        "woken once idle long enough"
+    );
+    for c in &mut conns[50..] {
+        c.drive();
+    }
+    assert!(conns[50..].iter().all(|c| !c.windows.busy()
+        && c.windows.granted().connection_window == 64 << 10
+        && c.peer.connection == 64 << 10
+        && c.peer.stream == 16 << 10));
+    // The 50 share what the idle ones leave of the half: (512 MiB −
+    // 3,950 × 64 KiB) / 50, 5.3 MiB, rounded down to 4 MiB.
+    for c in &mut conns[..50] {
+        assert!(c.windows.busy());
+        c.drive();
+        assert_eq!(c.granted(), (4, 4), "4 MiB / 1 MiB");
+        assert_eq!(c.peer.connection, 4 << 20);
+    }
+    assert!(b.used() <= (1 << 30) / 2);
+
+    // An idle connection gets a stream: its driver is woken at once, and
+    // it takes the same share.
+    let stream = OnConnection::new(&conns[60].streams);
+    tokio::time::timeout(
+        std::time::Duration::from_millis(1),
+        conns[60].windows.moved(),
+    )
+    .await
+    .expect("woken by its first stream");
+    conns[60].drive();
+    assert_eq!(conns[60].granted(), (4, 4));
+    // Its last stream ends: it stays busy for a while (a client that opens
+    // one connection after another keeps its windows), then is idle again.
+    drop(stream);
+    conns[60].windows.moved().await;
+    conns[60].drive();
+    assert!(
+        conns[60].windows.busy(),
+        "the end of a stream is not idle yet"
+    );
+    let t = tokio::time::Instant::now();
+    conns[60].windows.moved().await;
+    assert_eq!(t.elapsed(), IDLE_WINDOWS_AFTER);
+    conns[60].drive();
+    assert_eq!(conns[60].windows.granted().connection_window, 64 << 10);
+
+    drop(flows);
+    drop(conns);
+    assert_eq!(b.used(), 0);
+    assert_eq!(*b.connections.lock().unwrap(), Counted::default());
 }

@@ -60,7 +60,7 @@ where
                 let _ = SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO));
                 return Ok(Ended::Abandoned);
             }
-            _ = windows.share_moved() => {
+            _ = windows.moved() => {
                 windows.apply(&mut conn, &mut told);
                 retry.reset();
             }
