@@ -26,7 +26,8 @@
 //! most 1020), `AMBIT_BENCH_PARALLEL` (8), `AMBIT_BENCH_FLOW_PODS` (100,
 //! even), `AMBIT_BENCH_SECS` (the flows' seconds, 10), `AMBIT_BENCH_CONNS`
 //! (idle connections, 100000), `AMBIT_BENCH_IDLE_SECS` (each idle
-//! window, 10).
+//! window, 10). `AMBIT_BENCH_HEAP=<file>`: where Ambit's memory per pod
+//! goes, a heap profile (pprof) of what the pods after the first hold.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -68,6 +69,8 @@ struct Settings {
     conns: usize,
     idle_secs: u64,
     cc: String,
+    /// Where to write the heap profile of the pods after the first.
+    heap: Option<PathBuf>,
 }
 
 /// One proxy under test: Ambit's own, or a peer binary.
@@ -123,16 +126,26 @@ fn main() {
         secs: env_or("AMBIT_BENCH_SECS", 10),
         conns: env_or("AMBIT_BENCH_CONNS", 100_000),
         idle_secs: env_or("AMBIT_BENCH_IDLE_SECS", 10).max(1),
+        heap: std::env::var_os("AMBIT_BENCH_HEAP").map(PathBuf::from),
         cc: std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
             .unwrap_or_default()
             .trim()
             .to_string(),
     };
     prepare_host(&settings);
+    let mut ambit_env = vec![("AMBIT_CONGESTION_CONTROL".into(), settings.cc.clone())];
+    if settings.heap.is_some() {
+        // Armed, off until the first pod is served; a sample per 4 KiB
+        // allocated on average, so a pod's few allocations are seen.
+        ambit_env.push((
+            "_RJEM_MALLOC_CONF".into(),
+            "prof:true,prof_active:false,lg_prof_sample:12".into(),
+        ));
+    }
     let mut proxies = vec![Proxy {
         name: "Ambit".into(),
         binary: None,
-        env: vec![("AMBIT_CONGESTION_CONTROL".into(), settings.cc.clone())],
+        env: ambit_env,
     }];
     if let Ok(peer) = std::env::var("AMBIT_BENCH_PEER") {
         let peer = PathBuf::from(peer);
@@ -288,6 +301,11 @@ fn run(s: &Settings, proxy: &Proxy) -> Report {
     let mut added = node.add_pods(&wanted[..1], "default", 1, served_check);
     settle(pid);
     (r.rss_one_kb, r.fds_one) = (rss_kb(pid), fds(pid));
+    let heap = s.heap.as_ref().filter(|_| proxy.binary.is_none());
+    if heap.is_some() {
+        admin(&node, "/debug/pprof/heap/profiling?activate=true")
+            .unwrap_or_else(|e| panic!("heap profiling: {e}"));
+    }
     let started = Instant::now();
     added.extend(node.add_pods(&wanted[1..], "default", s.parallel, served_check));
     r.all_served_s = started.elapsed().as_secs_f64();
@@ -323,6 +341,15 @@ fn run(s: &Settings, proxy: &Proxy) -> Report {
     );
     settle(pid);
     (r.rss_pods_kb, r.fds_pods) = (rss_kb(pid), fds(pid));
+    if let Some(path) = heap {
+        let profile = admin(&node, "/debug/pprof/heap").unwrap_or_else(|e| panic!("heap: {e}"));
+        std::fs::write(path, profile).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        println!(
+            "{}: the heap the pods after the first hold, sampled: {} (go tool pprof -top -sample_index=inuse_space {0})",
+            proxy.name,
+            path.display()
+        );
+    }
     r.threads = threads(pid).len();
     (r.idle_cpu_pct, r.idle_wakeups) = idle(pid, s.idle_secs);
 
@@ -362,6 +389,29 @@ fn run(s: &Settings, proxy: &Proxy) -> Report {
     drop(listeners);
     drop(_echo);
     r
+}
+
+/// A GET to the proxy's admin port (in the node's netns): the body, when
+/// it answers 200.
+fn admin(node: &Node, path: &str) -> std::io::Result<Vec<u8>> {
+    let path = path.to_string();
+    node.lab.node.run(move || {
+        let mut s = TcpStream::connect("127.0.0.1:15000")?;
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
+        write!(s, "GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+        let mut resp = Vec::new();
+        s.read_to_end(&mut resp)?;
+        let end = resp
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .ok_or_else(|| std::io::Error::other("no HTTP header"))?;
+        let head = String::from_utf8_lossy(&resp[..end]).into_owned();
+        if !head.starts_with("HTTP/1.1 200") && !head.starts_with("HTTP/1.0 200") {
+            let body = String::from_utf8_lossy(&resp[end + 4..]).into_owned();
+            return Err(std::io::Error::other(format!("{path}: {head} {body}")));
+        }
+        Ok(resp.split_off(end + 4))
+    })?
 }
 
 /// Waits for the proxy's memory to stop moving (half a second between two

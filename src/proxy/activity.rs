@@ -1,10 +1,13 @@
 //! The streams an HBONE connection carries now, and since when it has
 //! carried none: what closes an idle connection (the pool's and the
 //! inbound's idle timeout) and what its share of the memory budget follows
-//! (docs/wire.md §10). Whoever drives the connection is told when it
-//! starts or stops carrying streams ([`Activity::moved`]).
+//! (docs/wire.md §10). Whoever drives the connection may ask to be told
+//! when it next starts or stops carrying streams ([`Activity::watch`],
+//! [`Activity::moved`]); unasked, a stream that comes or goes wakes no one,
+//! so a client opening connection after connection through one pooled
+//! connection costs its driver nothing.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -18,8 +21,20 @@ use tokio::time::Instant;
 pub struct Activity {
     open: AtomicUsize,
     idle_since: Mutex<Instant>,
-    /// Told when the connection starts or stops carrying streams.
+    /// What the driver asked to be told of ([`Watch`]).
+    watch: AtomicU8,
     moved: Notify,
+}
+
+/// What a connection's driver asks to be told of ([`Activity::watch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Watch {
+    Nothing = 0,
+    /// The first stream after none.
+    First = 1,
+    /// The last stream's end.
+    Last = 2,
 }
 
 impl Activity {
@@ -27,14 +42,17 @@ impl Activity {
         Arc::new(Activity {
             open: AtomicUsize::new(0),
             idle_since: Mutex::new(Instant::now()),
+            watch: AtomicU8::new(Watch::Nothing as u8),
             moved: Notify::new(),
         })
     }
 
     /// A stream starts; returns the streams open before it.
     pub fn enter(&self) -> usize {
-        let before = self.open.fetch_add(1, Ordering::AcqRel);
-        if before == 0 {
+        // Sequentially consistent with `watch`: either the driver sees the
+        // stream, or this sees what the driver asked for.
+        let before = self.open.fetch_add(1, Ordering::SeqCst);
+        if before == 0 && self.watch.load(Ordering::SeqCst) == Watch::First as u8 {
             self.moved.notify_one();
         }
         before
@@ -43,18 +61,27 @@ impl Activity {
     /// A stream ends; returns the streams open before it ended.
     pub fn leave(&self) -> usize {
         let mut since = self.idle_since.lock().unwrap_or_else(|e| e.into_inner());
-        let before = self.open.fetch_sub(1, Ordering::AcqRel);
+        let before = self.open.fetch_sub(1, Ordering::SeqCst);
         if before == 1 {
             *since = Instant::now();
             drop(since);
-            self.moved.notify_one();
+            if self.watch.load(Ordering::SeqCst) == Watch::Last as u8 {
+                self.moved.notify_one();
+            }
         }
         before
     }
 
     /// The streams open now.
     pub fn open(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+        self.open.load(Ordering::SeqCst)
+    }
+
+    /// Asks to be told ([`Activity::moved`]) of `what` from now on; the
+    /// caller reads [`Activity::open`] after asking, so that a stream that
+    /// came or went just before is not missed.
+    pub fn watch(&self, what: Watch) {
+        self.watch.store(what as u8, Ordering::SeqCst);
     }
 
     /// Since when the connection has carried no stream; `None` while it
@@ -72,8 +99,8 @@ impl Activity {
         self.idle_since().map(|since| since.elapsed())
     }
 
-    /// Resolves once the connection has started or stopped carrying
-    /// streams since the last time it resolved (at once if it has).
+    /// Resolves once what was asked for ([`Activity::watch`]) has happened
+    /// since the last time it resolved (at once if it has).
     pub async fn moved(&self) {
         self.moved.notified().await
     }
@@ -100,30 +127,38 @@ impl Drop for OnConnection {
 mod tests {
     use super::*;
 
+    async fn told(a: &Activity) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), a.moved())
+            .await
+            .is_ok()
+    }
+
     #[tokio::test]
-    async fn the_driver_is_told_when_the_first_stream_starts_and_the_last_ends() {
+    async fn the_driver_is_told_of_the_first_stream_or_the_last_ones_end_as_it_asked() {
         let a = Activity::new();
         assert_eq!(a.open(), 0);
         assert!(a.idle_for().is_some());
+        // Unasked: a stream coming and going wakes no one.
+        drop(OnConnection::new(&a));
+        assert!(!told(&a).await);
+
+        a.watch(Watch::First);
         let first = OnConnection::new(&a);
-        // Told once, though it was not waiting yet.
-        tokio::time::timeout(Duration::from_secs(1), a.moved())
-            .await
-            .expect("told of the first stream");
+        assert!(told(&a).await, "told of the first stream");
         let second = OnConnection::new(&a);
         assert_eq!((a.open(), a.idle_for()), (2, None));
         drop(first);
         assert!(
-            tokio::time::timeout(Duration::from_millis(50), a.moved())
-                .await
-                .is_err(),
-            "a second stream and the first's end change nothing the driver follows"
+            !told(&a).await,
+            "a second stream, the first's end: nothing asked for"
         );
+
+        a.watch(Watch::Last);
         let before = Instant::now();
         drop(second);
-        tokio::time::timeout(Duration::from_secs(1), a.moved())
-            .await
-            .expect("told of the last stream's end");
+        assert!(told(&a).await, "told of the last stream's end");
         assert!(a.idle_since().unwrap() >= before);
+        drop(OnConnection::new(&a));
+        assert!(told(&a).await, "and again, while it still asks");
     }
 }

@@ -52,7 +52,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::watch;
 
-use super::activity::Activity;
+use super::activity::{Activity, Watch};
 use super::hbone::H2Settings;
 use crate::identity::Identity;
 
@@ -405,6 +405,8 @@ impl Budget {
             share: self.share.subscribe(),
             streams,
             busy: true,
+            idle_check: None,
+            armed: false,
         };
         let fair = fair_windows(h2, share);
         let granted =
@@ -589,6 +591,12 @@ pub struct ConnectionWindows {
     streams: Arc<Activity>,
     /// Counted among the busy connections.
     busy: bool,
+    /// While busy and carrying no stream: when it will have carried none
+    /// for [`IDLE_WINDOWS_AFTER`] (`armed`). Kept from one arming to the
+    /// next, so that a client opening connection after connection through
+    /// the connection does not put a timer in and out each time.
+    idle_check: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+    armed: bool,
 }
 
 impl ConnectionWindows {
@@ -616,20 +624,22 @@ impl ConnectionWindows {
     }
 
     /// Waits until something the windows follow moves: the share
-    /// ([`Budget::publish`]) while busy, the connection's streams starting
-    /// or stopping, or the time it has carried none reaching
-    /// [`IDLE_WINDOWS_AFTER`]. An idle connection is not woken by the
-    /// share: it keeps the smallest windows whatever the share is.
+    /// ([`Budget::publish`]) while busy, the first stream of an idle
+    /// connection, the last stream's end on a busy one, or the time it has
+    /// carried none reaching [`IDLE_WINDOWS_AFTER`]. An idle connection is
+    /// not woken by the share: it keeps the smallest windows whatever the
+    /// share is.
     pub async fn moved(&mut self) {
-        let idle_at = self
-            .busy
-            .then(|| self.streams.idle_since())
-            .flatten()
-            .map(|since| since + IDLE_WINDOWS_AFTER);
+        let check = async {
+            match &mut self.idle_check {
+                Some(sleep) if self.armed => sleep.as_mut().await,
+                _ => std::future::pending().await,
+            }
+        };
         tokio::select! {
             Ok(()) = self.share.changed(), if self.busy => {}
             () = self.streams.moved() => {}
-            () = tokio::time::sleep_until(idle_at.unwrap_or_else(tokio::time::Instant::now)), if idle_at.is_some() => {}
+            () = check => {}
         }
     }
 
@@ -641,16 +651,52 @@ impl ConnectionWindows {
     }
 
     /// Counts the connection busy while it carries streams, idle once it
-    /// has carried none for [`IDLE_WINDOWS_AFTER`].
+    /// has carried none for [`IDLE_WINDOWS_AFTER`], and asks to be woken
+    /// ([`ConnectionWindows::moved`]) by what can change that next: an idle
+    /// connection by its first stream; a busy one carrying streams by the
+    /// last one's end, then, carrying none, by the time it will have
+    /// carried none long enough. Streams coming and going in between wake
+    /// no one. Each step asks, then looks again, so a stream that comes or
+    /// goes meanwhile is seen by the one or the other.
     fn follow_streams(&mut self) {
-        let busy = match self.streams.idle_for() {
-            None => true,
-            Some(idle) => self.busy && idle < IDLE_WINDOWS_AFTER,
-        };
-        if busy != self.busy {
-            self.busy = busy;
-            self.budget.count(0, if busy { 1 } else { -1 });
+        loop {
+            match (self.busy, self.streams.idle_since()) {
+                (false, None) => self.set_busy(true),
+                (false, Some(_)) => {
+                    self.streams.watch(Watch::First);
+                    if self.streams.open() == 0 {
+                        return;
+                    }
+                }
+                (true, None) => {
+                    self.armed = false;
+                    self.streams.watch(Watch::Last);
+                    if self.streams.open() > 0 {
+                        return;
+                    }
+                }
+                (true, Some(since)) => {
+                    let at = since + IDLE_WINDOWS_AFTER;
+                    if tokio::time::Instant::now() >= at {
+                        self.armed = false;
+                        self.set_busy(false);
+                        continue;
+                    }
+                    self.streams.watch(Watch::Nothing);
+                    match &mut self.idle_check {
+                        Some(sleep) => sleep.as_mut().reset(at),
+                        None => self.idle_check = Some(Box::pin(tokio::time::sleep_until(at))),
+                    }
+                    self.armed = true;
+                    return;
+                }
+            }
         }
+    }
+
+    fn set_busy(&mut self, busy: bool) {
+        self.busy = busy;
+        self.budget.count(0, if busy { 1 } else { -1 });
     }
 
     /// Whether the granted windows are below the fair ones (growing did not

@@ -229,6 +229,8 @@ impl Inbound {
         // earlier SETTINGS is unacknowledged, and is tried again.
         let mut told = h2;
         let mut retry = WindowRetry::default();
+        // Asks to be woken by what moves its windows first.
+        windows.apply(&mut conn, &mut told);
         // Idle connections are let go, so a peer cannot park connections
         // (and the windows they hold in the budget) for ever.
         let idle_check = (self.idle_timeout / 4).max(Duration::from_millis(100));

@@ -510,6 +510,10 @@ async fn connections_that_carry_no_stream_leave_the_share_to_those_that_do() {
         assert_eq!(c.granted(), (4, 4), "4 MiB / 1 MiB");
         assert_eq!(c.peer.connection, 4 << 20);
     }
+    // A second stream on a busy connection, and its end, wake no one.
+    drop(OnConnection::new(&conns[0].streams));
+    let woken = tokio::time::timeout(std::time::Duration::from_secs(60), conns[0].windows.moved());
+    assert!(woken.await.is_err());
     assert!(b.used() <= (1 << 30) / 2);
 
     // An idle connection gets a stream: its driver is woken at once, and
@@ -532,6 +536,11 @@ async fn connections_that_carry_no_stream_leave_the_share_to_those_that_do() {
         conns[60].windows.busy(),
         "the end of a stream is not idle yet"
     );
+    // Streams coming and going meanwhile (a client opening connection
+    // after connection) wake no one: the driver looks again when it said.
+    for _ in 0..100 {
+        drop(OnConnection::new(&conns[60].streams));
+    }
     let t = tokio::time::Instant::now();
     conns[60].windows.moved().await;
     assert_eq!(t.elapsed(), IDLE_WINDOWS_AFTER);

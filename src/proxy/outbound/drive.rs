@@ -42,6 +42,8 @@ where
     T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
     let mut retry = WindowRetry::default();
+    // Asks to be woken by what moves its windows first.
+    windows.apply(&mut conn, &mut told);
     let released = lifeline.released();
     tokio::pin!(released);
     let mut deadline = None;
