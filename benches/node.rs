@@ -345,9 +345,9 @@ fn run(s: &Settings, proxy: &Proxy) -> Report {
         let profile = admin(&node, "/debug/pprof/heap").unwrap_or_else(|e| panic!("heap: {e}"));
         std::fs::write(path, profile).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
         println!(
-            "{}: the heap the pods after the first hold, sampled: {} (go tool pprof -top -sample_index=inuse_space {0})",
+            "{}: the heap the pods after the first hold, sampled: {path} (go tool pprof -top -sample_index=inuse_space {path})",
             proxy.name,
-            path.display()
+            path = path.display()
         );
     }
     r.threads = threads(pid).len();
