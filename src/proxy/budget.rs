@@ -407,6 +407,7 @@ impl Budget {
             busy: true,
             idle_check: None,
             armed: false,
+            carried: false,
         };
         let fair = fair_windows(h2, share);
         let granted =
@@ -597,6 +598,10 @@ pub struct ConnectionWindows {
     /// the connection does not put a timer in and out each time.
     idle_check: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
     armed: bool,
+    /// Has carried a stream: a new connection's driver is woken by its
+    /// first stream (it is awake for it anyway) rather than at the 5 s mark
+    /// after it opened.
+    carried: bool,
 }
 
 impl ConnectionWindows {
@@ -655,8 +660,9 @@ impl ConnectionWindows {
     /// ([`ConnectionWindows::moved`]) by what can change that next: an idle
     /// connection by its first stream; a busy one carrying streams by the
     /// last one's end, then, carrying none, by the time it will have
-    /// carried none long enough. Streams coming and going in between wake
-    /// no one. Each step asks, then looks again, so a stream that comes or
+    /// carried none long enough (and a new one, which has carried none yet,
+    /// by its first stream too, so that it is not woken 5 s after it
+    /// opened). Streams coming and going in between wake no one. Each step asks, then looks again, so a stream that comes or
     /// goes meanwhile is seen by the one or the other.
     fn follow_streams(&mut self) {
         loop {
@@ -670,6 +676,7 @@ impl ConnectionWindows {
                 }
                 (true, None) => {
                     self.armed = false;
+                    self.carried = true;
                     self.streams.watch(Watch::Last);
                     if self.streams.open() > 0 {
                         return;
@@ -682,7 +689,14 @@ impl ConnectionWindows {
                         self.set_busy(false);
                         continue;
                     }
-                    self.streams.watch(Watch::Nothing);
+                    self.streams.watch(if self.carried {
+                        Watch::Nothing
+                    } else {
+                        Watch::First
+                    });
+                    if !self.carried && self.streams.open() > 0 {
+                        continue;
+                    }
                     match &mut self.idle_check {
                         Some(sleep) => sleep.as_mut().reset(at),
                         None => self.idle_check = Some(Box::pin(tokio::time::sleep_until(at))),

@@ -486,6 +486,13 @@ async fn connections_that_carry_no_stream_leave_the_share_to_those_that_do() {
         .iter()
         .map(|c| OnConnection::new(&c.streams))
         .collect();
+    // A new connection's driver is woken by its first stream.
+    for c in &mut conns[..50] {
+        tokio::time::timeout(std::time::Duration::from_millis(1), c.windows.moved())
+            .await
+            .expect("woken by its first stream");
+        c.drive();
+    }
 
     // The rest carry nothing; a driver is woken as their time is up.
     let t = tokio::time::Instant::now();
