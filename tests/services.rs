@@ -15,7 +15,8 @@ use std::time::Duration;
 use ambit::identity::Identity;
 use ambit::lab::waypoint::WaypointStandIn;
 use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
-use common::cp::{proxy_via_cp, serve_mesh, wait_for};
+use common::cp::proxy_via_cp;
+use common::cp::{proxy_via_cp_env, serve_mesh, wait_for};
 use common::{counter, Mesh, TD};
 
 const SETTLE: Duration = Duration::from_secs(15);
@@ -271,11 +272,11 @@ fn a_refused_resources_address_is_refused_on_the_wire_until_served_or_removed() 
     // Two plain pods whose addresses refused resources claim: whatever
     // reaches them would have left the client's pod in plaintext.
     let (gated, ext) = (m.pod("gated"), m.pod("ext"));
-    let mesh = |gateway: bool, listed: bool| {
+    let mesh = |tunnel: bool, listed: bool| {
         let mut out = format!("workloads:\n{}", wl(&client, "client-sa", "HBONE", ""));
         if listed {
-            let gw = if gateway {
-                ", networkGateway: {destination: \"net2/192.0.2.1\"}"
+            let gw = if tunnel {
+                ", applicationTunnel: {protocol: PROXY}"
             } else {
                 ""
             };
@@ -313,7 +314,9 @@ fn a_refused_resources_address_is_refused_on_the_wire_until_served_or_removed() 
         .collect();
     assert_eq!(refused.len(), 6, "{log}");
     assert!(
-        refused.iter().any(|l| l.contains("network gateway")),
+        refused
+            .iter()
+            .any(|l| l.contains("application tunnel PROXY")),
         "{refused:?}"
     );
     assert!(
@@ -332,7 +335,7 @@ fn a_refused_resources_address_is_refused_on_the_wire_until_served_or_removed() 
         "{dump}"
     );
 
-    // The workload valid again (no gateway): served, as the plain TCP
+    // The workload valid again (no PROXY tunnel): served, as the plain TCP
     // workload it is.
     std::fs::write(m.lab.dir.join("cp.yaml"), mesh(false, true)).unwrap();
     wait_for("the workload served once valid", SETTLE, || {
@@ -407,4 +410,90 @@ fn a_dual_stack_service_is_carried_on_the_callers_family() {
         },
         || m.proxy_log(&client),
     );
+}
+
+#[test]
+fn on_a_network_with_an_east_west_gateway_local_pods_are_served_and_other_networks_refused() {
+    let mut m = Mesh::new("svc-nets");
+    let (client, server, gateway) = (m.pod("client"), m.pod("server"), m.pod("ewgw"));
+    let (api, db) = (at("10.96.0.60", 80), at("10.96.0.61", 80));
+    // What istiod sends a node of net1 in a mesh of two networks: every
+    // workload names its own network's east-west gateway, and each global
+    // service's endpoints on net2 come as one workload with no address
+    // and net2's gateway (here, a plain pod's address: nothing may reach it).
+    let local_gw = ", network: net1, networkGateway: {destination: \"net1/172.18.0.10\", hboneMtlsPort: 15008}";
+    let split = |svc: &str| {
+        format!(
+            "- {{uid: net2/SplitHorizonWorkload/istio-system/eastwest/{gw}/default/{svc}.default.svc.cluster.local, \
+             name: net2/SplitHorizonWorkload/istio-system/eastwest/{gw}/default/{svc}.default.svc.cluster.local, \
+             namespace: default, network: net2, protocol: HBONE, capacity: 3, \
+             networkGateway: {{destination: \"net2/{gw}\", hboneMtlsPort: 15008}}, \
+             services: {{\"default/{svc}.default.svc.cluster.local\": {{80: 8080}}}}}}\n",
+            gw = gateway.ip
+        )
+    };
+    let mut mesh = String::from("workloads:\n");
+    mesh.push_str(&wl(&client, "client-sa", "HBONE", local_gw));
+    mesh.push_str(&wl(
+        &server,
+        "server-sa",
+        "HBONE",
+        &format!(
+            "{local_gw}, services: {{\"default/api.default.svc.cluster.local\": {{80: 8080}}}}"
+        ),
+    ));
+    mesh.push_str(&split("api"));
+    mesh.push_str(&split("db"));
+    mesh.push_str("services:\n");
+    for (name, vip) in [("api", api), ("db", db)] {
+        mesh.push_str(&format!(
+            "- {{name: {name}, namespace: default, hostname: {name}.default.svc.cluster.local, vips: [\"net1/{}\"], ports: {{80: 8080}}, {PREFER_CLOSE}}}\n",
+            vip.ip()
+        ));
+    }
+    serve_mesh(&m, &mesh);
+    for (pod, sa) in [(&client, "client-sa"), (&server, "server-sa")] {
+        proxy_via_cp_env(&m, pod, sa, "s3cret", &[("NETWORK", "net1")]).unwrap();
+    }
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let tunnel = EchoServer::start(&gateway, 15008).unwrap();
+    let app = EchoServer::start(&gateway, 8080).unwrap();
+
+    // The service's endpoint here takes every connection, over HBONE; the
+    // one on net2 (reached only through its gateway) none.
+    for i in 0..20 {
+        let msg = format!("api {i}");
+        assert_eq!(roundtrip(&client, api, msg.as_bytes()), msg.as_bytes());
+    }
+    assert_eq!(echo.peers().len(), 20);
+    let mtls = counter(
+        &m.metrics(&client),
+        "istio_tcp_connections_opened_total",
+        &[
+            ("reporter", "source"),
+            ("destination_workload", "server"),
+            ("connection_security_policy", "mutual_tls"),
+        ],
+    );
+    assert_eq!(mtls, 20, "every connection over HBONE to the local pod");
+    // A service only on net2: refused with the reason, never dialled.
+    assert!(roundtrip(&client, db, b"leak?").is_empty());
+    common::wait_until_showing(
+        "the refusal logged with its reason",
+        SETTLE,
+        || {
+            m.proxy_log(&client)
+                .contains("through their gateway, which Ambit does not take yet")
+        },
+        || m.proxy_log(&client),
+    );
+    assert_eq!(
+        (tunnel.peers().len(), app.peers().len()),
+        (0, 0),
+        "nothing reached the other network's gateway"
+    );
+    // Nothing was refused of what istiod sent.
+    let dump = common::cp::dump(&client);
+    assert!(dump.contains("\"networkGateway\""), "{dump}");
+    assert!(dump.contains("\"refused\":[]"), "{dump}");
 }

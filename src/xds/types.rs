@@ -292,12 +292,12 @@ impl Workload {
         if let Some(e) = self.extensions.first() {
             return Some(format!("extension {e:?} is not supported"));
         }
-        if let Some(g) = &self.network_gateway {
-            return Some(format!(
-                "network gateway {} (another network) is not supported yet",
-                g.destination
-            ));
-        }
+        // A network gateway is not refused: istiod names one on every
+        // workload of a network that has one, the local network's too (WDS
+        // is the same for every client), and a workload of the local
+        // network is reached directly. What lies on another network is
+        // refused where it would be reached (`proxy::route`): its gateway
+        // is not taken yet, and it is never dialled directly.
         if let Some(t) = &self.application_tunnel {
             if t.protocol == TunnelToApp::Proxy {
                 return Some("application tunnel PROXY is not supported yet".into());

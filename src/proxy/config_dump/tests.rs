@@ -329,7 +329,7 @@ async fn the_dump_shows_load_balancing_vip_ranges_and_each_refused_address_with_
     let cfg: crate::xds::local::LocalConfig = serde_yaml::from_str(
         r#"
 workloads:
-- {name: gated, namespace: shop, workloadIps: [10.0.0.5], networkGateway: {destination: "/192.0.2.1"}}
+- {name: gated, namespace: shop, workloadIps: [10.0.0.5], applicationTunnel: {protocol: PROXY}}
 services:
 - {name: wp, namespace: shop, hostname: wp.shop, vips: ["/10.96.0.9"], cidrVips: ["/10.97.0.0/16"],
    ports: {15008: 15008}, ipFamilies: Dual,
@@ -352,10 +352,7 @@ services:
     let refused = dump["refused"].as_array().unwrap();
     assert_eq!(refused.len(), 1, "{refused:?}");
     assert_eq!(refused[0]["address"], "/10.0.0.5");
-    assert!(refused[0]["reason"]
-        .as_str()
-        .unwrap()
-        .contains("network gateway"));
+    assert!(refused[0]["reason"].as_str().unwrap().contains("PROXY"));
 }
 
 /// ztunnel's dump, typed as ztunnel writes it (its `Workload`,

@@ -118,6 +118,9 @@ pub fn choose<'a>(
         Need::Waypoint => true,
     };
     let (mut seen, mut healthy, mut reachable, mut weighted) = (0, 0, 0, 0);
+    // Healthy endpoints on other networks, and those of them whose
+    // network names a gateway.
+    let (mut remote, mut gated) = (0, 0);
     // The best rank so far, the weight of its endpoints, and the pick.
     let mut best: Option<(usize, u64, &Endpoint)> = None;
     for ep in state.endpoints(service) {
@@ -132,8 +135,15 @@ pub fn choose<'a>(
             Need::Waypoint => !w.workload_ips.is_empty(),
         };
         // Another network is reached only through its gateway, which this
-        // build does not take: never dialled directly.
-        if !addressed || !same_text(&w.network, client.network) {
+        // build does not take yet: never dialled directly. (istiod sends
+        // another network's endpoints of a service as one workload with
+        // no address and the gateway, ztunnel's "split horizon".)
+        if !same_text(&w.network, client.network) {
+            remote += 1;
+            gated += usize::from(w.network_gateway.is_some());
+            continue;
+        }
+        if !addressed {
             continue;
         }
         if let Need::Port(port) = need {
@@ -172,13 +182,18 @@ pub fn choose<'a>(
     } else if healthy == 0 {
         format!("service {key} has no healthy endpoint")
     } else if reachable == 0 {
-        format!(
-            "service {key} has no healthy endpoint reachable on this network{}",
-            match need {
-                Need::Port(p) => format!(" with port {p}"),
-                Need::Waypoint => String::new(),
-            }
-        )
+        let port = match need {
+            Need::Port(p) => format!(" with port {p}"),
+            Need::Waypoint => String::new(),
+        };
+        let others = match (remote, gated) {
+            (0, _) => String::new(),
+            (_, 0) => format!("; {remote} on other networks, with no gateway to them"),
+            _ => format!(
+                "; {remote} on other networks, reached only through their gateway, which Ambit does not take yet"
+            ),
+        };
+        format!("service {key} has no healthy endpoint reachable on this network{port}{others}")
     } else if weighted == 0 {
         format!("service {key}: every endpoint it may use has capacity 0")
     } else {

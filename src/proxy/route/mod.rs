@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::constants::{HBONE_PORT, SELF_CALL_PORTS};
 use crate::identity::Identity;
-use crate::xds::types::{GatewayAddress, LbMode, Protocol, Service, Workload};
+use crate::xds::types::{same_text, GatewayAddress, LbMode, Protocol, Service, Workload};
 use crate::xds::State;
 use endpoints::{Need, Place};
 
@@ -222,6 +222,14 @@ impl Hop<'_> {
             return None;
         }
         let (w, sans, ip) = match resolved {
+            // Named by an address on another network: reached only
+            // through that network's gateway, never dialled directly.
+            waypoint::Resolved::Workload(w, _) if !same_text(&w.network, self.place.network) => {
+                return refuse(format!(
+                    "waypoint {} is on network {:?}, reached only through its gateway, which Ambit does not take yet",
+                    gw.destination, w.network
+                ));
+            }
             waypoint::Resolved::Workload(w, at) => (w.clone(), &[][..], Some(at)),
             waypoint::Resolved::Service(svc) => {
                 match endpoints::choose(self.state, svc, self.place, Need::Waypoint) {

@@ -491,7 +491,7 @@ fn a_refused_resources_addresses_are_refused_never_passed_through() {
 workloads:
 - {name: client, namespace: shop, workloadIps: [10.1.0.1]}
 - {name: gated, namespace: shop, workloadIps: [10.1.5.1], protocol: HBONE,
-   networkGateway: {destination: "other/192.0.2.1"}}
+   applicationTunnel: {protocol: PROXY}}
 - {name: twice, namespace: shop, uid: dup, workloadIps: [10.1.5.2]}
 - {name: twice2, namespace: shop, uid: dup, workloadIps: [10.1.5.3]}
 services:
@@ -503,7 +503,7 @@ services:
     );
     let at = |dst: &str| routed_from(&st, "shop", "client", "10.1.0.1", dst);
     for (dst, why) in [
-        ("10.1.5.1:80", "network gateway"),
+        ("10.1.5.1:80", "PROXY"),
         ("10.96.5.1:80", "total weight of 0"),
         ("10.97.44.1:80", "total weight of 0"),
         ("10.1.5.3:80", "used twice"),
@@ -631,4 +631,106 @@ fn a_pods_call_to_the_proxys_own_ports_is_a_self_call_never_passed_through() {
     assert!(matches!(at("10.0.0.3:15001"), Route::Hbone { .. }));
     assert!(matches!(at("10.0.0.99:15001"), Route::Passthrough { .. }));
     assert!(matches!(at("127.0.0.1:8080"), Route::Passthrough { .. }));
+}
+
+/// A multi-network mesh as istiod sends it to a node on `net1`: every
+/// workload names its own network's east-west gateway (WDS is the same for
+/// every client), the services' endpoints on `net2` come as one
+/// address-less "split horizon" workload with `net2`'s gateway, and the
+/// gateway itself as a workload.
+const TWO_NETWORKS: &str = r#"
+workloads:
+- {uid: c1//Pod/shop/client, name: client, namespace: shop, network: net1, workloadIps: [10.1.0.1],
+   protocol: HBONE, networkGateway: {destination: "net1/172.18.0.10", hboneMtlsPort: 15008}}
+- {uid: c1//Pod/shop/api-1, name: api-1, namespace: shop, serviceAccount: api, network: net1,
+   workloadIps: [10.1.0.3], protocol: HBONE,
+   networkGateway: {destination: "net1/172.18.0.10", hboneMtlsPort: 15008},
+   services: {"shop/api.shop.svc.cluster.local": {80: 8080}}}
+- {uid: "net2/SplitHorizonWorkload/istio-system/eastwest/172.18.1.10/shop/api.shop.svc.cluster.local",
+   name: "net2/SplitHorizonWorkload/istio-system/eastwest/172.18.1.10/shop/api.shop.svc.cluster.local",
+   namespace: shop, network: net2, protocol: HBONE, capacity: 2,
+   networkGateway: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008},
+   services: {"shop/api.shop.svc.cluster.local": {80: 8080}}}
+- {uid: "net2/SplitHorizonWorkload/istio-system/eastwest/172.18.1.10/shop/db.shop.svc.cluster.local",
+   name: "net2/SplitHorizonWorkload/istio-system/eastwest/172.18.1.10/shop/db.shop.svc.cluster.local",
+   namespace: shop, network: net2, protocol: HBONE,
+   networkGateway: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008},
+   services: {"shop/db.shop.svc.cluster.local": {5432: 5432}}}
+- {uid: NetworkGateway/net2/172.18.1.10/15008, name: NetworkGateway/net2/172.18.1.10/15008,
+   namespace: istio-system, serviceAccount: eastwestgateway, network: net2, workloadIps: [172.18.1.10]}
+- {uid: c3//Pod/shop/cache-1, name: cache-1, namespace: shop, network: net3, workloadIps: [10.3.0.5],
+   protocol: HBONE, services: {"shop/cache.shop.svc.cluster.local": {6379: 6379}}}
+- {uid: c1//Pod/shop/report, name: report, namespace: shop, network: net1, workloadIps: [10.1.0.7],
+   protocol: HBONE, waypoint: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008}}
+services:
+- {name: api, namespace: shop, hostname: api.shop.svc.cluster.local, vips: ["net1/10.96.0.20"],
+   ports: {80: 8080}}
+- {name: db, namespace: shop, hostname: db.shop.svc.cluster.local, vips: ["net1/10.96.0.30"],
+   ports: {5432: 5432}}
+- {name: cache, namespace: shop, hostname: cache.shop.svc.cluster.local, vips: ["net1/10.96.0.40"],
+   ports: {6379: 6379}}
+"#;
+
+fn routed_on_net1(st: &State, dst: &str) -> Route {
+    let ips: Vec<IpAddr> = vec!["10.1.0.1".parse().unwrap()];
+    let client = Client {
+        namespace: "shop",
+        name: "client",
+        ips: &ips,
+    };
+    route(st, "net1", client, dst.parse().unwrap(), "cluster.local")
+}
+
+#[test]
+fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_others_refused() {
+    let cfg: crate::xds::local::LocalConfig = serde_yaml::from_str(TWO_NETWORKS).unwrap();
+    let (st, errors) = State::build_lenient(cfg.workloads, cfg.services, cfg.policies);
+    assert!(errors.is_empty(), "nothing refused: {errors:?}");
+
+    // A pod of this network that names its gateway: HBONE to it directly.
+    match routed_on_net1(&st, "10.1.0.3:8080") {
+        Route::Hbone {
+            proxy, identities, ..
+        } => {
+            assert_eq!(proxy, "10.1.0.3:15008".parse().unwrap());
+            assert_eq!(
+                identities[0].to_string(),
+                "spiffe://cluster.local/ns/shop/sa/api"
+            );
+        }
+        other => panic!("not HBONE to the pod: {other:?}"),
+    }
+    // Its service: always the endpoint here, never the other network's
+    // (reached only through the gateway, which is not taken yet).
+    let seen = (0..200)
+        .map(|_| endpoint_of(&routed_on_net1(&st, "10.96.0.20:80")))
+        .collect::<std::collections::BTreeSet<_>>();
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["api-1"]);
+
+    // Only on another network: refused with the reason, never dialled
+    // nor passed through.
+    for (vip, why) in [
+        (
+            "10.96.0.30:5432",
+            "through their gateway, which Ambit does not take yet",
+        ),
+        ("10.96.0.40:6379", "with no gateway to them"),
+    ] {
+        match routed_on_net1(&st, vip) {
+            Route::NoEndpoint { reason, .. } => {
+                assert!(
+                    reason.contains("1 on other networks") && reason.contains(why),
+                    "{reason}"
+                )
+            }
+            other => panic!("{vip}: {other:?}"),
+        }
+    }
+    // A waypoint named by an address on another network: refused, not dialled.
+    match routed_on_net1(&st, "10.1.0.7:80") {
+        Route::NoWaypoint { reason } => {
+            assert!(reason.contains("on network \"net2\""), "{reason}")
+        }
+        other => panic!("dialled another network's waypoint: {other:?}"),
+    }
 }

@@ -416,15 +416,9 @@ fn a_refused_update_leaves_the_version_that_served_serving() {
     };
     let mut gated = wl("w", [10, 0, 0, 9]);
     if let Some(pb::address::Type::Workload(w)) = &mut gated.r#type {
-        w.network_gateway = Some(pb::GatewayAddress {
-            destination: Some(pb::gateway_address::Destination::Address(
-                pb::NetworkAddress {
-                    network: "n2".into(),
-                    address: vec![192, 0, 2, 1],
-                    length: None,
-                },
-            )),
-            hbone_mtls_port: 15008,
+        w.application_tunnel = Some(pb::ApplicationTunnel {
+            protocol: pb::application_tunnel::Protocol::Proxy as i32,
+            port: 15088,
         });
     }
     assert!(send(&mut held, "ns/s.ns", "v1", svc(false)).is_empty());
