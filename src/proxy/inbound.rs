@@ -79,6 +79,49 @@ static FAILED_HANDSHAKES: LogThrottle = LogThrottle::new(10);
 /// is dropped: a peer that reads nothing never lets it close cleanly.
 const IDLE_CLOSE_GRACE: Duration = Duration::from_secs(5);
 
+/// An accepted HBONE connection's TLS handshake, within
+/// [`HANDSHAKE_TIMEOUT`], holding its place among the handshakes in
+/// progress (`handshaking`) until it ends; a failure is logged (ten lines
+/// per ten seconds, then a count) and gives `None`.
+async fn tls_handshake(
+    server: Arc<rustls::ServerConfig>,
+    tcp: TcpStream,
+    peer: SocketAddr,
+    handshaking: impl Sized,
+) -> Option<(
+    tls_stream::TlsStream,
+    Vec<rustls::pki_types::CertificateDer<'static>>,
+)> {
+    let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls_stream::accept(server, tcp)).await;
+    drop(handshaking);
+    match accepted {
+        Ok(Ok((mut tls, certs))) => {
+            tls.set_buffer_limit(TLS_SEND_BUFFER);
+            Some((tls, certs))
+        }
+        Ok(Err(e)) => {
+            match FAILED_HANDSHAKES.admit() {
+                Some(unsaid) => {
+                    tracing::warn!(src.addr = %peer, error = %e, unsaid, "HBONE TLS handshake refused (unsaid: failed handshakes not logged since the last line)")
+                }
+                None => {
+                    tracing::debug!(src.addr = %peer, error = %e, "HBONE TLS handshake refused")
+                }
+            }
+            None
+        }
+        Err(_) => {
+            match FAILED_HANDSHAKES.admit() {
+                Some(unsaid) => {
+                    tracing::warn!(src.addr = %peer, unsaid, "HBONE TLS handshake timed out (unsaid: failed handshakes not logged since the last line)")
+                }
+                None => tracing::debug!(src.addr = %peer, "HBONE TLS handshake timed out"),
+            }
+            None
+        }
+    }
+}
+
 /// Accepts on `listener` under a cap of `max` (`what` names it), counting
 /// the connections held open in `open`.
 async fn accept_loop<F, Fut>(
@@ -160,35 +203,12 @@ impl Inbound {
         };
         let identity = self.pod.tls.load_full();
         let crl_generation = identity.crl_generation();
-        let server = identity.server.clone();
-        let accepted = tokio::time::timeout(HANDSHAKE_TIMEOUT, tls_stream::accept(server, tcp));
-        let accepted = accepted.await;
-        drop(handshaking);
-        let (tls, peer_certs) = match accepted {
-            Ok(Ok((mut tls, certs))) => {
-                tls.set_buffer_limit(TLS_SEND_BUFFER);
-                (tls, certs)
-            }
-            Ok(Err(e)) => {
-                match FAILED_HANDSHAKES.admit() {
-                    Some(unsaid) => {
-                        tracing::warn!(src.addr = %peer, error = %e, unsaid, "HBONE TLS handshake refused (unsaid: failed handshakes not logged since the last line)")
-                    }
-                    None => {
-                        tracing::debug!(src.addr = %peer, error = %e, "HBONE TLS handshake refused")
-                    }
-                }
-                return;
-            }
-            Err(_) => {
-                match FAILED_HANDSHAKES.admit() {
-                    Some(unsaid) => {
-                        tracing::warn!(src.addr = %peer, unsaid, "HBONE TLS handshake timed out (unsaid: failed handshakes not logged since the last line)")
-                    }
-                    None => tracing::debug!(src.addr = %peer, "HBONE TLS handshake timed out"),
-                }
-                return;
-            }
+        // Its result is a temporary: as a local it would keep its room
+        // (912 bytes) in this future for the connection's life.
+        let Some((tls, peer_certs)) =
+            tls_handshake(identity.server.clone(), tcp, peer, handshaking).await
+        else {
+            return;
         };
         let Some(peer_id) = peer_certs.first().and_then(tls::identity_of) else {
             return; // unreachable: the verifier requires a SPIFFE identity

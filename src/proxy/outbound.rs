@@ -27,7 +27,7 @@ use super::route::{route, to_workload, Client, Route};
 use super::splice::splice_bidirectional;
 use super::tls_stream;
 use super::together;
-use crate::identity::crl::{self, Side};
+use crate::identity::crl::Side;
 use crate::identity::{tls, Identity};
 use crate::limits::{caps, CapSlot, ConnectionCap};
 use crate::xds::client::OnDemand;
@@ -407,7 +407,7 @@ impl Outbound {
             }
         })?;
         // With revocation lists, a list loaded later that revokes the peer closes the connection.
-        let mut revocation = identity.track(&peer, Side::Outbound, crl_generation);
+        let revocation = identity.track(&peer, Side::Outbound, crl_generation);
         drop(identity);
         // The receive windows this connection grants the peer for its
         // answers, reserved for its life and moved with its share of the
@@ -431,11 +431,8 @@ impl Outbound {
         let driver = lifeline.clone();
         // The connection's task also carries its streams (`together`).
         let (streams, inbox) = together::channel();
-        let main = async move {
-            let ended = tokio::select! {
-                ended = drive(conn, h2, windows, &driver, socket) => ended,
-                () = crl::revoked(&mut revocation) => Ok(Ended::Revoked),
-            };
+        let driving = drive(conn, h2, windows, lifeline.clone(), socket, revocation);
+        let main = futures_util::FutureExt::map(driving, move |ended| {
             match ended {
                 Ok(Ended::Closed) => {}
                 Ok(Ended::Revoked) => tracing::info!(
@@ -453,7 +450,7 @@ impl Outbound {
                 }
             }
             driver.close();
-        };
+        });
         tokio::spawn(together::together(main, inbox));
         tracing::debug!(dst.addr = %proxy, "HBONE connection established");
         Ok(PooledConn::new(sender, lifeline, streams))
