@@ -406,7 +406,6 @@ impl Budget {
             streams,
             busy: true,
             idle_check: None,
-            armed: false,
             carried: false,
         };
         let fair = fair_windows(h2, share);
@@ -593,11 +592,13 @@ pub struct ConnectionWindows {
     /// Counted among the busy connections.
     busy: bool,
     /// While busy and carrying no stream: when it will have carried none
-    /// for [`IDLE_WINDOWS_AFTER`] (`armed`). Kept from one arming to the
-    /// next, so that a client opening connection after connection through
-    /// the connection does not put a timer in and out each time.
+    /// for [`IDLE_WINDOWS_AFTER`]. Dropped, not just left unpolled, once
+    /// it carries one again: a timer left in tokio's wheel still wakes its
+    /// task when it fires (the node bench saw each new connection woken
+    /// 5 s after it opened). Through one pooled connection, a client
+    /// opening connection after connection sets it at most once per 5 s:
+    /// streams in between wake no one.
     idle_check: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
-    armed: bool,
     /// Has carried a stream: a new connection's driver is woken by its
     /// first stream (it is awake for it anyway) rather than at the 5 s mark
     /// after it opened.
@@ -637,7 +638,7 @@ impl ConnectionWindows {
     pub async fn moved(&mut self) {
         let check = async {
             match &mut self.idle_check {
-                Some(sleep) if self.armed => sleep.as_mut().await,
+                Some(sleep) => sleep.as_mut().await,
                 _ => std::future::pending().await,
             }
         };
@@ -675,7 +676,7 @@ impl ConnectionWindows {
                     }
                 }
                 (true, None) => {
-                    self.armed = false;
+                    self.idle_check = None;
                     self.carried = true;
                     self.streams.watch(Watch::Last);
                     if self.streams.open() > 0 {
@@ -685,7 +686,7 @@ impl ConnectionWindows {
                 (true, Some(since)) => {
                     let at = since + IDLE_WINDOWS_AFTER;
                     if tokio::time::Instant::now() >= at {
-                        self.armed = false;
+                        self.idle_check = None;
                         self.set_busy(false);
                         continue;
                     }
@@ -701,7 +702,6 @@ impl ConnectionWindows {
                         Some(sleep) => sleep.as_mut().reset(at),
                         None => self.idle_check = Some(Box::pin(tokio::time::sleep_until(at))),
                     }
-                    self.armed = true;
                     return;
                 }
             }
