@@ -7,11 +7,11 @@
 //! so a client opening connection after connection through one pooled
 //! connection costs its driver nothing.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use futures_util::task::AtomicWaker;
 // tokio's clock (the system's, outside tests): the pool's timing tests
 // run on a paused clock.
 use tokio::time::Instant;
@@ -23,7 +23,12 @@ pub struct Activity {
     idle_since: Mutex<Instant>,
     /// What the driver asked to be told of ([`Watch`]).
     watch: AtomicU8,
-    moved: Notify,
+    /// Told and not yet seen by [`Activity::moved`].
+    told: AtomicBool,
+    /// The driver's task, woken when told: an atomic swap to register,
+    /// where a `Notify` took a lock at every poll of the connection's task
+    /// (every chunk a stream moves).
+    driver: AtomicWaker,
 }
 
 /// What a connection's driver asks to be told of ([`Activity::watch`]).
@@ -43,7 +48,8 @@ impl Activity {
             open: AtomicUsize::new(0),
             idle_since: Mutex::new(Instant::now()),
             watch: AtomicU8::new(Watch::Nothing as u8),
-            moved: Notify::new(),
+            told: AtomicBool::new(false),
+            driver: AtomicWaker::new(),
         })
     }
 
@@ -53,7 +59,7 @@ impl Activity {
         // stream, or this sees what the driver asked for.
         let before = self.open.fetch_add(1, Ordering::SeqCst);
         if before == 0 && self.watch.load(Ordering::SeqCst) == Watch::First as u8 {
-            self.moved.notify_one();
+            self.tell();
         }
         before
     }
@@ -66,7 +72,7 @@ impl Activity {
             *since = Instant::now();
             drop(since);
             if self.watch.load(Ordering::SeqCst) == Watch::Last as u8 {
-                self.moved.notify_one();
+                self.tell();
             }
         }
         before
@@ -102,7 +108,24 @@ impl Activity {
     /// Resolves once what was asked for ([`Activity::watch`]) has happened
     /// since the last time it resolved (at once if it has).
     pub async fn moved(&self) {
-        self.moved.notified().await
+        std::future::poll_fn(|cx| {
+            if self.told.swap(false, Ordering::SeqCst) {
+                return std::task::Poll::Ready(());
+            }
+            self.driver.register(cx.waker());
+            // Told between the look and the registration: seen now.
+            if self.told.swap(false, Ordering::SeqCst) {
+                std::task::Poll::Ready(())
+            } else {
+                std::task::Poll::Pending
+            }
+        })
+        .await
+    }
+
+    fn tell(&self) {
+        self.told.store(true, Ordering::SeqCst);
+        self.driver.wake();
     }
 }
 
