@@ -1,5 +1,6 @@
 //! The budget's rules, one at a time, on budgets of their own.
 
+use super::windows::{IDLE_WINDOWS_AFTER, WINDOW_RETRY};
 use super::*;
 use crate::proxy::activity::OnConnection;
 
