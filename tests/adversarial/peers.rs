@@ -225,21 +225,54 @@ fn half_sent_client_hellos_cost_the_shared_proxy_a_bounded_amount_of_memory() {
     drop(held);
 }
 
+/// A node whose shared proxy has a memory budget of 256 MiB (half of it,
+/// 128 MiB, for the HBONE connections' windows), a server pod with an echo
+/// server, and a pod for the peers that connect to its 15008.
+struct Budgeted {
+    node: Node,
+    _server: LabPod,
+    peers: LabPod,
+    echo: EchoServer,
+    ca: (std::path::PathBuf, std::path::PathBuf),
+    hbone: SocketAddr,
+}
+
+impl Budgeted {
+    fn start(tag: &str) -> Budgeted {
+        let mut node = Node::start_env(
+            BIN,
+            tag,
+            "namespaces:default",
+            false,
+            &[("AMBIT_MEMORY_BUDGET", "256Mi")],
+        );
+        let server = node.add_pod("server", "default").unwrap();
+        let peers = node.add_pod("peers", "attack").unwrap();
+        let echo = EchoServer::start(&server, 8080).unwrap();
+        let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
+        let hbone: SocketAddr = (server.ip, 15008).into();
+        Budgeted {
+            node,
+            _server: server,
+            peers,
+            echo,
+            ca,
+            hbone,
+        }
+    }
+}
+
 #[test]
 fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and_grow_back() {
     // Half of 256 MiB holds eight connections at the configured 16 MiB.
-    let mut node = Node::start_env(
-        BIN,
-        "share",
-        "namespaces:default",
-        false,
-        &[("AMBIT_MEMORY_BUDGET", "256Mi")],
-    );
-    let server = node.add_pod("server", "default").unwrap();
-    let peers = node.add_pod("peers", "attack").unwrap();
-    let echo = EchoServer::start(&server, 8080).unwrap();
-    let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
-    let hbone: SocketAddr = (server.ip, 15008).into();
+    let Budgeted {
+        node,
+        peers,
+        echo,
+        ca,
+        hbone,
+        _server,
+    } = Budgeted::start("share");
     // Twelve peers, one connection each (a peer's fair windows may take
     // an eighth of the budget, so none is held back by its own share),
     // one idle stream on each.
@@ -281,18 +314,14 @@ fn inbound_connections_past_half_the_budget_all_get_the_same_smaller_windows_and
 #[test]
 fn connections_that_carry_no_stream_leave_the_windows_to_one_that_does() {
     // Half of 256 MiB: 128 MiB for the connections' windows.
-    let mut node = Node::start_env(
-        BIN,
-        "idleshare",
-        "namespaces:default",
-        false,
-        &[("AMBIT_MEMORY_BUDGET", "256Mi")],
-    );
-    let server = node.add_pod("server", "default").unwrap();
-    let peers = node.add_pod("peers", "attack").unwrap();
-    let echo = EchoServer::start(&server, 8080).unwrap();
-    let ca = (node.dir.join("ca-cert.pem"), node.dir.join("ca-key.pem"));
-    let hbone: SocketAddr = (server.ip, 15008).into();
+    let Budgeted {
+        node,
+        peers,
+        echo,
+        ca,
+        hbone,
+        _server,
+    } = Budgeted::start("idleshare");
     // Forty connections that carry no stream, as a node's pooled ones
     // mostly do.
     let pooled = StreamHold::start(
