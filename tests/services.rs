@@ -13,8 +13,9 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use ambit::identity::Identity;
+use ambit::lab::gateway::GatewayStandIn;
 use ambit::lab::waypoint::WaypointStandIn;
-use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
+use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod, ProxySpec};
 use common::cp::proxy_via_cp;
 use common::cp::{proxy_via_cp_env, serve_mesh, wait_for};
 use common::{counter, Mesh, TD};
@@ -476,15 +477,15 @@ fn on_a_network_with_an_east_west_gateway_local_pods_are_served_and_other_networ
         ],
     );
     assert_eq!(mtls, 20, "every connection over HBONE to the local pod");
-    // A service only on net2: refused with the reason, never dialled.
+    // A service only on net2, whose gateway the state does not hold (no
+    // gateway workload at that address): refused with the reason, never
+    // dialled.
     assert!(roundtrip(&client, db, b"leak?").is_empty());
+    let why = format!("network gateway net2/{} is not known", gateway.ip);
     common::wait_until_showing(
         "the refusal logged with its reason",
         SETTLE,
-        || {
-            m.proxy_log(&client)
-                .contains("through their gateway, which Ambit does not take yet")
-        },
+        || m.proxy_log(&client).contains(&why),
         || m.proxy_log(&client),
     );
     assert_eq!(
@@ -496,4 +497,180 @@ fn on_a_network_with_an_east_west_gateway_local_pods_are_served_and_other_networ
     let dump = common::cp::dump(&client);
     assert!(dump.contains("\"networkGateway\""), "{dump}");
     assert!(dump.contains("\"refused\":[]"), "{dump}");
+}
+
+/// Two networks with no route between them, and an east-west gateway on
+/// both (the lab's stand-in, which carries the inner tunnel as it is and
+/// keeps every byte it relays). The client on net1 knows the service's
+/// endpoints on net2 as istiod sends them: one address-less workload with
+/// net2's gateway, the gateway itself as a workload, the service's SANs.
+#[test]
+fn another_networks_service_is_reached_through_its_gateway_with_the_inner_tunnel_end_to_end() {
+    let mut m = Mesh::new("svc-ewgw");
+    let (client, intruder, gw) = (m.pod("client"), m.pod("intruder"), m.pod("ewgw"));
+    let mut net2 = m.lab.add_network("net2", [10, 78, 0]).unwrap();
+    let server = m.lab.add_pod_on(&mut net2, "server").unwrap();
+    let gw_there = m.lab.attach(&gw, &mut net2).unwrap();
+    let (api, other) = (at("10.96.0.70", 80), at("10.96.0.71", 80));
+    let host = "api.default.svc.cluster.local";
+    // `other` has endpoints on net2 too, none of them the server pod.
+    let split = |name: &str| {
+        format!(
+            "- {{uid: net2/SplitHorizonWorkload/istio-system/eastwest/{gw}/default/{name}.default.svc.cluster.local, \
+             name: net2/SplitHorizonWorkload/istio-system/eastwest/{gw}/default/{name}.default.svc.cluster.local, \
+             namespace: default, network: net2, protocol: HBONE, \
+             networkGateway: {{destination: \"net2/{gw}\", hboneMtlsPort: 15008}}, \
+             services: {{\"default/{name}.default.svc.cluster.local\": {{80: 8080}}}}}}\n",
+            gw = gw.ip
+        )
+    };
+    let split = format!(
+        "{}{}- {{uid: NetworkGateway/net2/{gw}/15008, name: NetworkGateway/net2/{gw}/15008, \
+         namespace: istio-system, serviceAccount: eastwestgateway, network: net2, workloadIps: [\"{gw}\"]}}\n",
+        split("api"),
+        split("other"),
+        gw = gw.ip
+    );
+    let service = |network: &str| {
+        let mut s = String::from("services:\n");
+        for (name, vip) in [("api", api), ("other", other)] {
+            s.push_str(&format!(
+                "- {{name: {name}, namespace: default, hostname: {name}.default.svc.cluster.local, \
+                 vips: [\"{network}/{}\"], ports: {{80: 8080}}, \
+                 subjectAltNames: [\"spiffe://{TD}/ns/default/sa/server-sa\"], {PREFER_CLOSE}}}\n",
+                vip.ip()
+            ));
+        }
+        s
+    };
+    let net1_gw = ", network: net1, networkGateway: {destination: \"net1/172.18.0.10\", hboneMtlsPort: 15008}";
+    m.write_config(&format!(
+        "workloads:\n{}{}{split}{}",
+        wl(&client, "client-sa", "HBONE", net1_gw),
+        wl(&intruder, "intruder-sa", "HBONE", net1_gw),
+        service("net1")
+    ));
+    // net2's own view: the server pod, which only the client may reach.
+    let net2_config = m.lab.dir.join("net2.yaml");
+    std::fs::write(
+        &net2_config,
+        format!(
+            "workloads:\n{}{}policies:\n- {{name: only-client, namespace: default, action: Allow, \
+             rules: [[[{{principals: [!Exact {TD}/ns/default/sa/client-sa]}}]]]}}\n",
+            wl(
+                &server,
+                "server-sa",
+                "HBONE",
+                &format!(", network: net2, networkGateway: {{destination: \"net2/{gw_there}\", hboneMtlsPort: 15008}}, services: {{\"default/{host}\": {{80: 8080}}}}")
+            ),
+            service("net2")
+        ),
+    )
+    .unwrap();
+    m.mesh_env(&client, "client-sa", &[("NETWORK", "net1")]);
+    m.mesh_env(&intruder, "intruder-sa", &[("NETWORK", "net1")]);
+    m.lab.redirect(&server).unwrap();
+    let spec = ProxySpec {
+        config: net2_config,
+        ca_cert: m.ca.0.clone(),
+        ca_key: m.ca.1.clone(),
+        workload_info: "default/server/server-sa".into(),
+        trust_domain: TD.into(),
+        extra_env: vec![("NETWORK".into(), "net2".into())],
+    };
+    m.lab.start_proxy(&server, &spec).unwrap();
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let gw_id = Identity::new(TD, "istio-system", "eastwestgateway");
+    let to_server = SocketAddr::new(server.ip.into(), 15008);
+    let routes = HashMap::from([
+        (format!("{host}:80"), to_server),
+        ("other.default.svc.cluster.local:80".to_string(), to_server),
+    ]);
+    let gateway = GatewayStandIn::start(&gw, (&m.ca.0, &m.ca.1), gw_id, 15008, routes).unwrap();
+    // No route between the networks: the server's address is not reachable
+    // from net1 but through the gateway.
+    let there = SocketAddr::new(server.ip.into(), 8080);
+    // (From the first network's node: a meshed pod's own proxy would
+    // take the connection before failing it.)
+    let direct = m
+        .lab
+        .node
+        .run(move || std::net::TcpStream::connect_timeout(&there, Duration::from_millis(500)))
+        .unwrap();
+    assert!(
+        connect_from(&gw, there).is_ok() && direct.is_err(),
+        "the lab's networks are apart"
+    );
+
+    let marker = b"plaintext only the two ends may read";
+    for _ in 0..5 {
+        assert_eq!(roundtrip(&client, api, marker), marker);
+    }
+    // Outer tunnel: the gateway was asked for the service by name, by the
+    // client's identity, with no network header (that one is inner).
+    let seen = gateway.seen();
+    assert_eq!(seen.len(), 5, "{seen:?}");
+    for c in &seen {
+        assert_eq!(c.authority, format!("{host}:80"));
+        assert_eq!(c.peer, format!("spiffe://{TD}/ns/default/sa/client-sa"));
+        assert!(!c.headers.contains_key("x-forwarded-network"), "{c:?}");
+    }
+    // One pooled connection to the gateway carried every outer stream.
+    assert_eq!(gateway.connections(), 1);
+    // Inner tunnel: the gateway carried TLS records, never the bytes.
+    let relayed = gateway.relayed();
+    assert!(relayed.len() > 5 * marker.len(), "{} bytes", relayed.len());
+    assert!(
+        !relayed.windows(marker.len()).any(|w| w == marker),
+        "the gateway saw the application's bytes"
+    );
+    assert_eq!(relayed[0], 0x16, "a TLS handshake record first");
+    // The destination's proxy saw the client itself: its policy allows the
+    // client's identity and denies another pod's through the same gateway.
+    assert_eq!(echo.peers().len(), 5);
+    let from_client = counter(
+        &m.metrics(&server),
+        "istio_tcp_connections_opened_total",
+        &[
+            ("reporter", "destination"),
+            (
+                "source_principal",
+                &format!("spiffe://{TD}/ns/default/sa/client-sa"),
+            ),
+            ("connection_security_policy", "mutual_tls"),
+        ],
+    );
+    assert_eq!(from_client, 5);
+    assert!(roundtrip(&intruder, api, b"let me in").is_empty());
+    assert_eq!(
+        echo.peers().len(),
+        5,
+        "the intruder reached the application"
+    );
+    common::wait_until_showing(
+        "the intruder denied by the destination's policy, by its own identity",
+        SETTLE,
+        || m.proxy_log(&server).contains("intruder-sa"),
+        || m.proxy_log(&server),
+    );
+    // A CONNECT for a service the destination pod does not back, sent to
+    // it by name (here, by a gateway that routes it wrong): refused there.
+    assert!(roundtrip(&client, other, b"not yours").is_empty());
+    common::wait_until_showing(
+        "the hostname refused at the destination",
+        SETTLE,
+        || {
+            m.proxy_log(&server)
+                .contains("no service other.default.svc.cluster.local that this pod backs")
+        },
+        || m.proxy_log(&server),
+    );
+    assert_eq!(echo.peers().len(), 5);
+    // The client's proxy names the route and the gateway.
+    let log = m.proxy_log(&client);
+    let through = format!("dst.addr={}:15008", gw.ip);
+    let routed = log
+        .lines()
+        .filter(|l| l.contains("route=\"gateway\"") && l.contains(&through));
+    assert_eq!(routed.count(), 6, "{log}");
 }

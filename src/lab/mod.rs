@@ -10,7 +10,8 @@
 //! `cni_call` (plugins as a runtime calls them),
 //! `node` (a whole `ambit node` with the real CNI chain), and, for tests
 //! only, `kubeapi` (a Kubernetes API server stand-in), `waypoint` (an
-//! HBONE server that records what it is sent), `attacker` (hostile mesh
+//! HBONE server that records what it is sent), `gateway` (an east-west
+//! gateway that carries the inner tunnel as it is and keeps what it relays), `attacker` (hostile mesh
 //! peers) and `frames` (a peer streaming HTTP/2 control frames).
 
 #[cfg(feature = "testing")]
@@ -18,6 +19,8 @@ pub mod attacker;
 mod cni_call;
 #[cfg(feature = "testing")]
 pub mod frames;
+#[cfg(feature = "testing")]
+pub mod gateway;
 #[cfg(feature = "testing")]
 pub mod kubeapi;
 pub mod node;
@@ -34,7 +37,9 @@ pub use probes::{
     set_default_congestion_control, stdout_in, time_waits, Established,
 };
 pub use sandbox::pod_uid;
-pub use topology::{write_ca, write_serving_ca, Lab, LabPod, ProxySpec, BRIDGE, SUBNET};
+pub use topology::{
+    write_ca, write_serving_ca, Lab, LabNetwork, LabPod, ProxySpec, BRIDGE, SUBNET,
+};
 pub use traffic::{
     close_first_echo, connect_from, echo_roundtrip, http_get, http_get_in, http_request_in, iperf3,
     short_connection, short_connections, EchoServer, Ends, Iperf, ShortRun,

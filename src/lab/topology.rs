@@ -33,6 +33,20 @@ pub struct LabPod {
     pub ns: Netns,
 }
 
+/// Another network of a lab: a netns of its own holding its own bridge,
+/// with no route to or from the lab's first bridge. A pod on it reaches
+/// the first network only through a pod attached to both ([`Lab::attach`]),
+/// as another network's pods reach a mesh only through its gateway.
+#[derive(Debug)]
+pub struct LabNetwork {
+    pub name: String,
+    netns_name: String,
+    /// The first three bytes of its /24, the bridge at `.1`.
+    pub subnet: [u8; 3],
+    /// The next host address to give.
+    next: u8,
+}
+
 /// A single-host node of network namespaces.
 pub struct Lab {
     pub id: String,
@@ -40,6 +54,8 @@ pub struct Lab {
     pub node: Netns,
     node_name: String,
     pods: Vec<LabPod>,
+    /// Netns of the other networks and of their pods, removed at the end.
+    others: Vec<String>,
     children: Mutex<Vec<(String, Child)>>,
     /// The processes holding pods' netns, in cgroups named by pod UID.
     sandboxes: Mutex<Sandboxes>,
@@ -93,6 +109,7 @@ impl Lab {
             node,
             node_name: node_name.clone(),
             pods: Vec::new(),
+            others: Vec::new(),
             children: Mutex::default(),
             binary: binary.into(),
         };
@@ -147,6 +164,66 @@ impl Lab {
         };
         self.pods.push(pod.clone());
         Ok(pod)
+    }
+
+    /// Another network, `subnet.0/24` on a bridge of its own (see
+    /// [`LabNetwork`]).
+    pub fn add_network(&mut self, name: &str, subnet: [u8; 3]) -> io::Result<LabNetwork> {
+        let netns_name = format!("{}-net-{name}", self.id);
+        ip(&["netns", "add", &netns_name])?;
+        self.others.push(netns_name.clone());
+        let n = netns_name.as_str();
+        let [a, b, c] = subnet;
+        ip(&["-n", n, "link", "set", "lo", "up"])?;
+        ip(&["-n", n, "link", "add", BRIDGE, "type", "bridge"])?;
+        ip(&[
+            "-n",
+            n,
+            "addr",
+            "add",
+            &format!("{a}.{b}.{c}.1/24"),
+            "dev",
+            BRIDGE,
+        ])?;
+        ip(&["-n", n, "link", "set", BRIDGE, "up"])?;
+        Ok(LabNetwork {
+            name: name.to_string(),
+            netns_name,
+            subnet,
+            next: 2,
+        })
+    }
+
+    /// A pod on `net`, as [`Lab::add_pod`] adds one on the first network.
+    pub fn add_pod_on(&mut self, net: &mut LabNetwork, name: &str) -> io::Result<LabPod> {
+        let netns_name = format!("{}-{}-{name}", self.id, net.name);
+        ip(&["netns", "add", &netns_name])?;
+        self.others.push(netns_name.clone());
+        self.hold(&netns_name, &pod_uid(name))?;
+        let addr = plug(net, &netns_name, "eth0")?;
+        let gw = Ipv4Addr::from([net.subnet[0], net.subnet[1], net.subnet[2], 1]);
+        ip(&["-n", &netns_name, "link", "set", "lo", "up"])?;
+        ip(&[
+            "-n",
+            &netns_name,
+            "route",
+            "add",
+            "default",
+            "via",
+            &gw.to_string(),
+        ])?;
+        Ok(LabPod {
+            name: name.to_string(),
+            netns_name: netns_name.clone(),
+            ip: addr,
+            ns: Netns::named(&netns_name)?,
+        })
+    }
+
+    /// A second interface (`eth1`) for `pod` on `net`, with the next
+    /// address there (returned): the pod stands on both networks.
+    pub fn attach(&self, pod: &LabPod, net: &mut LabNetwork) -> io::Result<Ipv4Addr> {
+        plug(net, &pod.netns_name, "eth1")
     }
 
     /// Gives `pod` an IPv6 address too (`fd77::<n>/64`, `<n>` its IPv4
@@ -351,6 +428,27 @@ impl Lab {
     }
 }
 
+/// A veth from `net`'s bridge to `dev` in the netns `netns_name`, with
+/// `net`'s next address (returned).
+fn plug(net: &mut LabNetwork, netns_name: &str, dev: &str) -> io::Result<Ipv4Addr> {
+    let [a, b, c] = net.subnet;
+    let addr = Ipv4Addr::new(a, b, c, net.next);
+    let veth = format!("veth{}", net.next);
+    net.next = net
+        .next
+        .checked_add(1)
+        .filter(|n| *n < 255)
+        .ok_or_else(|| io::Error::other(format!("network {} is full", net.name)))?;
+    let (n, p) = (net.netns_name.as_str(), netns_name);
+    ip(&[
+        "-n", n, "link", "add", &veth, "type", "veth", "peer", "name", dev, "netns", p,
+    ])?;
+    ip(&["-n", n, "link", "set", &veth, "master", BRIDGE, "up"])?;
+    ip(&["-n", p, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+    ip(&["-n", p, "link", "set", dev, "up"])?;
+    Ok(addr)
+}
+
 fn stop_child(child: &mut Child, grace: Duration) {
     // SAFETY: kill(2) on a pid we spawned and have not reaped yet.
     unsafe {
@@ -379,6 +477,9 @@ impl Drop for Lab {
         }
         for pod in &self.pods {
             let _ = ip(&["netns", "del", &pod.netns_name]);
+        }
+        for netns in &self.others {
+            let _ = ip(&["netns", "del", netns]);
         }
         let _ = ip(&["netns", "del", &self.node_name]);
         if std::env::var_os("AMBIT_KEEP_LAB").is_none() {

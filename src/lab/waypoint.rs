@@ -48,26 +48,9 @@ impl WaypointStandIn {
         identity: Identity,
         forward: HashMap<SocketAddr, SocketAddr>,
     ) -> std::io::Result<WaypointStandIn> {
-        let ca = LocalCa::from_files(ca.0, ca.1).map_err(std::io::Error::other)?;
-        let cert = ca
-            .issue(&identity, Duration::from_secs(3600))
-            .map_err(std::io::Error::other)?;
-        let listener = pod
-            .ns
-            .run(|| std::net::TcpListener::bind(("0.0.0.0", HBONE_PORT)))??;
-        listener.set_nonblocking(true)?;
-        let seen: Arc<Mutex<Vec<ConnectSeen>>> = Arc::default();
-        let connections: Arc<AtomicUsize> = Arc::default();
-        let (ns, record, count) = (pod.ns.clone(), seen.clone(), connections.clone());
-        std::thread::spawn(move || {
-            // Outbound dials must leave from the waypoint pod's netns too.
-            let _ = ns.run(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()?;
-                rt.block_on(serve(listener, cert, record, count, Arc::new(forward)))
-            });
-        });
+        let (listener, cert) = listen_as(pod, ca, identity, HBONE_PORT)?;
+        let onward = Onward::Hbone(Arc::new(forward));
+        let (seen, connections) = spawn_server(pod, listener, cert, onward);
         Ok(WaypointStandIn { seen, connections })
     }
 
@@ -82,24 +65,84 @@ impl WaypointStandIn {
     }
 }
 
+/// A listener on `pod`'s `port` and a certificate for `identity` from the
+/// CA in `ca` (cert, key).
+pub(super) fn listen_as(
+    pod: &LabPod,
+    ca: (&Path, &Path),
+    identity: Identity,
+    port: u16,
+) -> std::io::Result<(std::net::TcpListener, WorkloadCert)> {
+    let ca = LocalCa::from_files(ca.0, ca.1).map_err(std::io::Error::other)?;
+    let cert = ca
+        .issue(&identity, Duration::from_secs(3600))
+        .map_err(std::io::Error::other)?;
+    let listener = pod
+        .ns
+        .run(move || std::net::TcpListener::bind(("0.0.0.0", port)))??;
+    listener.set_nonblocking(true)?;
+    Ok((listener, cert))
+}
+
+/// Where a stand-in carries what it is sent.
+pub(super) enum Onward {
+    /// On over HBONE, as a waypoint: an authority in the map to the
+    /// address it maps to, any other to itself.
+    Hbone(Arc<HashMap<SocketAddr, SocketAddr>>),
+    /// As raw bytes to the address the authority maps to (nothing else is
+    /// carried), every byte kept in `relayed` (up to [`RELAYED_KEPT`]): an
+    /// east-west gateway, which carries the inner tunnel as it is.
+    Raw {
+        routes: Arc<HashMap<String, SocketAddr>>,
+        relayed: Arc<Mutex<Vec<u8>>>,
+    },
+}
+
+/// How much of what it relays a gateway stand-in keeps.
+pub(super) const RELAYED_KEPT: usize = 16 << 20;
+
+type Seen = Arc<Mutex<Vec<ConnectSeen>>>;
+
+/// Serves HBONE on `listener` as `cert` from a thread in `pod`'s netns (its
+/// dials leave from there too), recording every CONNECT.
+pub(super) fn spawn_server(
+    pod: &LabPod,
+    listener: std::net::TcpListener,
+    cert: WorkloadCert,
+    onward: Onward,
+) -> (Seen, Arc<AtomicUsize>) {
+    let seen: Seen = Arc::default();
+    let connections: Arc<AtomicUsize> = Arc::default();
+    let (ns, record, count) = (pod.ns.clone(), seen.clone(), connections.clone());
+    std::thread::spawn(move || {
+        let _ = ns.run(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(serve(listener, cert, record, count, Arc::new(onward)))
+        });
+    });
+    (seen, connections)
+}
+
 async fn serve(
     listener: std::net::TcpListener,
     cert: WorkloadCert,
-    seen: Arc<Mutex<Vec<ConnectSeen>>>,
+    seen: Seen,
     connections: Arc<AtomicUsize>,
-    forward: Arc<HashMap<SocketAddr, SocketAddr>>,
+    onward: Arc<Onward>,
 ) -> std::io::Result<()> {
     let listener = TcpListener::from_std(listener)?;
     let server = Arc::new(tls::server_config(&cert, None).map_err(std::io::Error::other)?);
     let client = Arc::new(tls::client_config(&cert, None).map_err(std::io::Error::other)?);
     loop {
         let (tcp, _) = listener.accept().await?;
-        let (server, client, seen, connections, forward) = (
+        let (server, client, seen, connections, onward) = (
             server.clone(),
             client.clone(),
             seen.clone(),
             connections.clone(),
-            forward.clone(),
+            onward.clone(),
         );
         tokio::spawn(async move {
             let Ok(tls) = tokio_rustls::TlsAcceptor::from(server).accept(tcp).await else {
@@ -130,8 +173,16 @@ async fn serve(
                 seen.lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .push(seen_now);
-                let (client, forward) = (client.clone(), forward.clone());
-                tokio::spawn(carry(req, respond, client, forward));
+                match &*onward {
+                    Onward::Hbone(forward) => {
+                        let (client, forward) = (client.clone(), forward.clone());
+                        tokio::spawn(carry(req, respond, client, forward));
+                    }
+                    Onward::Raw { routes, relayed } => {
+                        let (routes, relayed) = (routes.clone(), relayed.clone());
+                        tokio::spawn(super::gateway::relay(req, respond, routes, relayed));
+                    }
+                }
             }
         });
     }
@@ -144,13 +195,6 @@ async fn carry(
     client: Arc<rustls::ClientConfig>,
     forward: Arc<HashMap<SocketAddr, SocketAddr>>,
 ) {
-    let refuse = |respond: &mut h2::server::SendResponse<Bytes>| {
-        let resp = Response::builder()
-            .status(StatusCode::SERVICE_UNAVAILABLE)
-            .body(())
-            .unwrap_or_default();
-        let _ = respond.send_response(resp, true);
-    };
     let Ok(authority) = req.uri().to_string().parse::<SocketAddr>() else {
         return refuse(&mut respond);
     };
@@ -183,6 +227,15 @@ async fn carry(
     };
     let down_recv = req.into_body();
     tokio::join!(pipe(down_recv, up_send), pipe(up_recv, down_send));
+}
+
+/// Answers a CONNECT 503, ending the stream.
+pub(super) fn refuse(respond: &mut h2::server::SendResponse<Bytes>) {
+    let resp = Response::builder()
+        .status(StatusCode::SERVICE_UNAVAILABLE)
+        .body(())
+        .unwrap_or_default();
+    let _ = respond.send_response(resp, true);
 }
 
 /// Copies one HTTP/2 stream's data into another, ending it at the end.

@@ -21,7 +21,10 @@ use tokio::net::{TcpListener, TcpStream};
 use super::activity::{Activity, OnConnection};
 use super::budget::{Reservation, WindowRetry, BUDGET, STREAM_OPEN_COST};
 use super::copy::{tcp_h2_bidirectional, Transferred};
-use super::hbone::{canonical, forwarded_for, forwarded_host, validate_connect, H2Settings};
+use super::hbone::{
+    authority_of, canonical, forwarded_for, forwarded_host, validate_connect, Authority,
+    ConnectRejection, H2Settings,
+};
 use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
 use super::open::Protocol;
 use super::outbound::original_dst;
@@ -36,8 +39,9 @@ use crate::constants::{HBONE_PORT, PROXY_OWN_PORTS};
 use crate::identity::crl::{self, Side};
 use crate::identity::{tls, Identity};
 use crate::limits::{caps, ConnectionCap, LogThrottle};
+use crate::xds::best_service;
 use crate::xds::client::OnDemand;
-use crate::xds::types::{GatewayAddress, Service};
+use crate::xds::types::{GatewayAddress, Name, Ports, Service};
 use crate::xds::{State, StateHandle};
 
 /// How long a peer has to finish the TLS handshake, and then HTTP/2's.
@@ -400,7 +404,21 @@ impl Inbound {
         // the peer's certificate: never the address logged or authorized.
         let src_ip = forwarded_for(req).map(|s| s.ip());
         let fronts = |t: SocketAddr| self.is_waypoint_of(t);
-        let target = match validate_connect(req, local_ip, fronts) {
+        // A service's hostname is looked up in the pod's own workload:
+        // give the control plane the time it has for a policy check.
+        let named = match authority_of(req) {
+            Ok(Authority::Host(host, _)) => Some(host),
+            _ => None,
+        };
+        let state = match named {
+            Some(_) => self.state_with_own().await,
+            None => self.state.load(),
+        };
+        // The service the client asked for: as its proxy says, else as the
+        // authority names it.
+        let asked = forwarded_host(req).or(named);
+        let backs = |host: &str, port: u16| self.backed_port(&state, host, port);
+        let target = match validate_connect(req, local_ip, fronts, backs) {
             Ok(t) => t,
             Err(rej) => {
                 tracing::warn!(src.principal = %peer_id, error = %rej, "HBONE CONNECT rejected");
@@ -422,7 +440,7 @@ impl Inbound {
                 // Labelled from what the state holds: no address a denied
                 // peer names is looked up on demand.
                 let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
-                let to = (target.port(), forwarded_host(req));
+                let to = (target.port(), asked.clone());
                 let mut labels = self.labels(&sources, Some(peer_id), to, false).await;
                 labels.connection_security_policy = "mutual_tls";
                 let hbone = SocketAddr::new(local_ip, HBONE_PORT);
@@ -438,7 +456,7 @@ impl Inbound {
         };
         // Allowed: only now may a source the state lacks be asked for.
         let sources: Vec<IpAddr> = src_ip.into_iter().chain([peer.ip()]).collect();
-        let to = (target.port(), forwarded_host(req));
+        let to = (target.port(), asked);
         let mut labels = self.labels(&sources, Some(peer_id), to, true).await;
         labels.connection_security_policy = "mutual_tls";
         // The authenticated peer's address, the one policy was applied to.
@@ -552,22 +570,70 @@ impl Inbound {
     fn is_waypoint_of(&self, t: SocketAddr) -> bool {
         let st = self.state.load();
         let network = &self.pod.network;
-        let gateways: Vec<GatewayAddress> = match st.service_by_vip(network, t.ip(), None) {
-            Some(svc) => svc
-                .waypoint
-                .iter()
-                .cloned()
-                .chain(svc.weighted_waypoints.iter().map(|w| w.gateway()))
-                .collect(),
+        match st.service_by_vip(network, t.ip(), None) {
+            Some(svc) => self.fronts_service(&st, svc),
             None => st
                 .workload_by_addr(network, t.ip())
-                .and_then(|w| w.waypoint.clone())
-                .into_iter()
-                .collect(),
-        };
-        gateways
+                .and_then(|w| w.waypoint.as_ref())
+                .is_some_and(|gw| self.is(&st, gw)),
+        }
+    }
+
+    /// Whether this pod is one of `svc`'s waypoints.
+    fn fronts_service(&self, st: &State, svc: &Service) -> bool {
+        let mut gateways = svc
+            .waypoint
             .iter()
-            .any(|gw| waypoint::resolve(&st, gw).is_ok_and(|r| r.is_from(&st, &self.pod.ips)))
+            .cloned()
+            .chain(svc.weighted_waypoints.iter().map(|w| w.gateway()));
+        gateways.any(|gw| self.is(st, &gw))
+    }
+
+    /// Whether the gateway `gw` resolves to this pod.
+    fn is(&self, st: &State, gw: &GatewayAddress) -> bool {
+        waypoint::resolve(st, gw).is_ok_and(|r| r.is_from(st, &self.pod.ips))
+    }
+
+    /// The port a CONNECT to service `host`:`port` is delivered to on this
+    /// pod, as ztunnel's inbound finds it: the service is the one of that
+    /// hostname this pod's namespace sees best; when this pod backs it, the
+    /// target port its workload (else the service) maps `port` to; when
+    /// this pod is its waypoint, `port` itself (as for a VIP). Only the
+    /// pod's own services are looked up by key; the scan over every
+    /// service of that name is left to a hostname the pod does not back.
+    fn backed_port(&self, st: &State, host: &str, port: u16) -> Result<u16, ConnectRejection> {
+        let pod = &self.pod;
+        let own = st
+            .workload_by_name(&pod.namespace, &pod.name)
+            .filter(|w| w.service_account == pod.service_account);
+        let named = |key: &str| key.split_once('/').is_some_and(|(_, h)| h == host);
+        let backed = own.and_then(|w| {
+            let mut keys = w.services.iter().filter(|(k, _)| named(k));
+            let first = keys.next()?;
+            let ours = |(k, _): &(&Name, &Ports)| {
+                k.split_once('/')
+                    .is_some_and(|(ns, _)| *ns == *pod.namespace)
+            };
+            Some(if ours(&first) {
+                first
+            } else {
+                keys.find(ours).unwrap_or(first)
+            })
+        });
+        if let Some((key, ports)) = backed {
+            let svc = st.service_by_host(key);
+            let target = match (ports.get(&port), svc.and_then(|s| s.ports.get(&port))) {
+                (Some(&t), _) if t != 0 => t,
+                (_, Some(&t)) if t != 0 => t,
+                (Some(_), _) | (_, Some(_)) => port,
+                (None, None) => return Err(ConnectRejection::NoPort(host.to_string(), port)),
+            };
+            return Ok(target);
+        }
+        match best_service(st.services_named(host), Some(&pod.namespace)) {
+            Some(svc) if self.fronts_service(st, svc) => Ok(port),
+            _ => Err(ConnectRejection::NotBacked(host.to_string())),
+        }
     }
 
     /// What this connection is authorized as (for the check and re-checks).
@@ -592,14 +658,25 @@ impl Inbound {
     /// be served before the control plane has sent it); still missing, the
     /// connection is denied.
     async fn decide(&self, auth: &Authorized) -> Result<Option<String>, Denied> {
+        auth.check(&*self.state_with_own().await)
+    }
+
+    /// The state, once it holds the pod's own workload: waits up to
+    /// [`OWN_WORKLOAD_WAIT`] for it, then gives the state as it is.
+    async fn state_with_own(&self) -> Arc<State> {
+        let pod = &self.pod;
+        let holds = |st: &State| {
+            st.workload_by_name(&pod.namespace, &pod.name)
+                .is_some_and(|w| w.service_account == pod.service_account)
+        };
         // Subscribed before looking, so a change in between is not missed.
         let mut changes = self.state.subscribe();
         let mut state = self.state.load();
-        if auth.workload(&state).is_none() {
+        if !holds(&state) {
             let arrived = async {
                 while changes.changed().await.is_ok() {
                     state = self.state.load();
-                    if auth.workload(&state).is_some() {
+                    if holds(&state) {
                         return;
                     }
                 }
@@ -610,10 +687,10 @@ impl Inbound {
                 .await
                 .is_err()
             {
-                tracing::debug!(pod = %format!("{}/{}", auth.namespace, auth.name), "the pod's own workload is not in the state");
+                tracing::debug!(pod = %format!("{}/{}", pod.namespace, pod.name), "the pod's own workload is not in the state");
             }
         }
-        auth.check(&state)
+        state
     }
 
     /// The metric labels of a connection. Over HBONE, `sources` are the

@@ -38,6 +38,7 @@ mod splice;
 mod timewait;
 mod tls_stream;
 mod together;
+pub mod tunnel;
 
 pub use app::{run, start, ProxyHandle};
 // Pure wire-protocol pieces (no I/O), public so fuzz/ can drive them.

@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::activity::Activity;
 use super::budget::{Refusal, Reservation, BUDGET, STREAM_OPEN_COST};
 use super::copy::tcp_h2_bidirectional;
-use super::hbone::{ConnectRequest, H2Settings};
+use super::hbone::{Authority, ConnectRequest, H2Settings};
 use super::hostname::HostnameResolver;
 use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
 use super::open::{Listed, Protocol};
@@ -27,6 +27,7 @@ use super::route::{route, to_workload, Client, Route};
 use super::splice::splice_bidirectional;
 use super::tls_stream;
 use super::together;
+use super::tunnel;
 use crate::identity::crl::Side;
 use crate::identity::{tls, Identity};
 use crate::limits::{caps, CapSlot, ConnectionCap};
@@ -66,8 +67,14 @@ pub enum OutboundError {
     H2 { addr: SocketAddr, source: h2::Error },
     #[error("CONNECT {target} refused with status {status}")]
     Refused {
-        target: SocketAddr,
+        target: Authority,
         status: http::StatusCode,
+    },
+    #[error("through the gateway {gateway}, the inner tunnel to {target}: {source}")]
+    Inner {
+        gateway: SocketAddr,
+        target: Authority,
+        source: io::Error,
     },
     #[error("{0}")]
     NoEndpoint(String),
@@ -230,6 +237,7 @@ impl Outbound {
         let kind = match &route {
             Route::Hbone { waypoint: true, .. } => "waypoint",
             Route::Hbone { .. } => "hbone",
+            Route::Gateway { .. } => "gateway",
             Route::Tcp { .. } => "tcp",
             Route::Passthrough { .. } => "passthrough",
             Route::NoEndpoint { .. } => "no-endpoint",
@@ -247,8 +255,10 @@ impl Outbound {
             dst,
         );
         record.set_route(kind);
-        if let Route::Hbone { proxy, target, .. } = &route {
-            record.set_hbone(*proxy, *target);
+        match &route {
+            Route::Hbone { proxy, target, .. } => record.set_hbone(*proxy, *target),
+            Route::Gateway { gateway, .. } => record.set_hbone(*gateway, dst),
+            _ => {}
         }
         let upstream = match route {
             Route::Hbone {
@@ -263,6 +273,19 @@ impl Outbound {
                 let host = service.filter(|_| waypoint).map(|s| s.hostname.clone());
                 let baggage = own.baggage.clone();
                 self.hbone(peer, proxy, target, identities, (host, baggage))
+                    .await
+            }
+            Route::Gateway {
+                gateway,
+                gateway_identities,
+                host,
+                port,
+                identities,
+                ..
+            } => {
+                let through = (gateway, gateway_identities);
+                let target = Authority::Host(host, port);
+                self.through_gateway(peer, through, target, identities, own.baggage.clone())
                     .await
             }
             Route::Tcp { target, .. } | Route::Passthrough { target } => self.plain(target).await,
@@ -310,11 +333,12 @@ impl Outbound {
         let reserved = BUDGET
             .reserve(STREAM_OPEN_COST, None, Some(&self.pod.key))
             .map_err(OutboundError::Budget)?;
-        let key = PoolKey {
-            pod: self.pod.uid.clone(),
-            src: self.pod.identity.clone(),
-            dst: identities.clone(),
-            addr: proxy,
+        let req = ConnectRequest {
+            target: target.into(),
+            source: src,
+            host,
+            baggage,
+            network: None,
         };
         // Everything before the first byte (a pooled connection or a dial:
         // TCP, TLS, HTTP/2; then the CONNECT and its answer) within one
@@ -322,49 +346,126 @@ impl Outbound {
         // in time instead of holding them (and the pool's dial lock) forever.
         // On the heap while it runs: the dial (TCP, TLS and HTTP/2
         // handshakes) is the largest stage.
-        let established = Box::pin(tokio::time::timeout(HBONE_DEADLINE, async {
-            let lease: Lease = self
-                .pool
-                .get(key, || self.dial(proxy, identities.clone()))
-                .await?;
-            let mut sender = lease.sender();
-            let req = ConnectRequest {
-                target,
-                source: src,
-                host,
-                baggage,
-            }
-            .to_http()
-            .map_err(|e| OutboundError::Connect {
-                addr: target,
-                source: io::Error::other(e),
-            })?;
-            let h2err = |source| OutboundError::H2 {
-                addr: proxy,
-                source,
-            };
-            sender = sender.ready().await.map_err(h2err)?;
-            let (resp, send) = sender.send_request(req, false).map_err(h2err)?;
-            let resp = resp.await.map_err(h2err)?;
-            if resp.status() != http::StatusCode::OK {
-                return Err(OutboundError::Refused {
-                    target,
-                    status: resp.status(),
-                });
-            }
-            Ok((lease, send, resp))
-        }))
+        let established = Box::pin(tokio::time::timeout(
+            HBONE_DEADLINE,
+            self.stream_to(proxy, identities, req),
+        ))
         .await;
-        let (lease, send, resp) = match established {
+        let (lease, send, body) = match established {
             Ok(r) => r?,
             Err(_) => return Err(OutboundError::Deadline(proxy)),
         };
         Ok(Upstream::Hbone {
             lease,
             send,
-            body: resp.into_body(),
+            body,
             reserved,
             target,
+        })
+    }
+
+    /// A CONNECT stream through `proxy` (a pooled connection, or one
+    /// dialled and checked against `identities`), answered 200.
+    async fn stream_to(
+        &self,
+        proxy: SocketAddr,
+        identities: Vec<Identity>,
+        req: ConnectRequest,
+    ) -> Result<(Lease, h2::SendStream<Bytes>, h2::RecvStream), OutboundError> {
+        let key = PoolKey {
+            pod: self.pod.uid.clone(),
+            src: self.pod.identity.clone(),
+            dst: identities.clone(),
+            addr: proxy,
+        };
+        let lease: Lease = self
+            .pool
+            .get(key, || self.dial(proxy, identities.clone()))
+            .await?;
+        let target = req.target.clone();
+        let (send, resp) = send_connect(lease.sender(), req, proxy).await?;
+        if resp.status() != http::StatusCode::OK {
+            return Err(OutboundError::Refused {
+                target,
+                status: resp.status(),
+            });
+        }
+        Ok((lease, send, resp.into_body()))
+    }
+
+    /// A stream to service `target` on another network, through its
+    /// gateway, as ztunnel opens one: a CONNECT to `target` over HBONE to
+    /// the gateway (pooled, checked against the gateway's identities);
+    /// inside that stream, mutual TLS with this pod's certificate to the
+    /// destination's proxy (checked against `identities`: the gateway
+    /// sees only ciphertext), HTTP/2, and the CONNECT again, saying which
+    /// network it comes from. The inner connection is this connection's
+    /// alone and ends with it.
+    async fn through_gateway(
+        &self,
+        src: SocketAddr,
+        (gateway, gateway_ids): (SocketAddr, Vec<Identity>),
+        target: Authority,
+        identities: Vec<Identity>,
+        baggage: http::HeaderValue,
+    ) -> Result<Upstream, OutboundError> {
+        // The outer stream's read buffer, and the inner connection's
+        // windows and buffers, for the connection's life.
+        let reserved = BUDGET
+            .reserve(STREAM_OPEN_COST + INNER_COST, None, Some(&self.pod.key))
+            .map_err(OutboundError::Budget)?;
+        let Authority::Host(host, _) = &target else {
+            unreachable!("a gateway is asked for a service by name")
+        };
+        let req = |network| ConnectRequest {
+            target: target.clone(),
+            source: src,
+            host: Some(host.clone()),
+            baggage: baggage.clone(),
+            network,
+        };
+        let inner_err = |source: io::Error| OutboundError::Inner {
+            gateway,
+            target: target.clone(),
+            source,
+        };
+        let established = Box::pin(tokio::time::timeout(HBONE_DEADLINE, async {
+            let (lease, send, body) = self.stream_to(gateway, gateway_ids, req(None)).await?;
+            let io = tunnel::StreamIo::new(send, body);
+            let client = self.pod.tls.load_full().client.clone();
+            let tls = tokio_rustls::TlsConnector::from(client)
+                .connect(tls::hbone_server_name(), io)
+                .await
+                .map_err(inner_err)?;
+            tls::verify_peer_identity(tls.get_ref().1.peer_certificates(), &identities)
+                .map_err(|e| inner_err(io::Error::other(e)))?;
+            let (sender, conn) = inner_h2()
+                .handshake::<_, Bytes>(tls)
+                .await
+                .map_err(|e| inner_err(io::Error::other(e)))?;
+            // Ends once the stream and the sender are let go.
+            tokio::spawn(conn);
+            let network = Some(self.pod.network.to_string());
+            let (send, resp) = send_connect(sender, req(network), gateway).await?;
+            if resp.status() != http::StatusCode::OK {
+                return Err(OutboundError::Refused {
+                    target: target.clone(),
+                    status: resp.status(),
+                });
+            }
+            Ok((lease, send, resp.into_body()))
+        }))
+        .await;
+        let (lease, send, body) = match established {
+            Ok(r) => r?,
+            Err(_) => return Err(OutboundError::Deadline(gateway)),
+        };
+        Ok(Upstream::Hbone {
+            lease,
+            send,
+            body,
+            reserved,
+            target: gateway,
         })
     }
 
@@ -501,6 +602,12 @@ impl Outbound {
                 l.connection_security_policy = "mutual_tls";
                 (Some(workload), service.as_ref())
             }
+            Route::Gateway {
+                workload, service, ..
+            } => {
+                l.connection_security_policy = "mutual_tls";
+                (Some(workload), Some(service))
+            }
             Route::Tcp {
                 workload, service, ..
             } => (Some(workload), service.as_ref()),
@@ -516,8 +623,15 @@ impl Outbound {
         };
         if let Some(w) = workload {
             l.set_destination(&WorkloadLabels::of(w));
-            if matches!(route, Route::Hbone { .. }) {
-                l.destination_principal = w.identity(&self.trust_domain).to_string();
+            match route {
+                Route::Hbone { .. } => {
+                    l.destination_principal = w.identity(&self.trust_domain).to_string()
+                }
+                // The identity the inner tunnel is checked against.
+                Route::Gateway { identities, .. } => {
+                    l.destination_principal = identities[0].to_string()
+                }
+                _ => {}
             }
         }
         if let Some(s) = service {
@@ -614,6 +728,47 @@ fn carry(mut c: Carried) -> impl std::future::Future<Output = ()> + Send {
         // listener's cap held only connections still being opened).
         drop((c.slot, c.listed));
     }
+}
+
+/// The inner connection's windows through a gateway: one stream, so the
+/// stream's and the connection's are one.
+const INNER_WINDOW: u32 = 256 * 1024;
+
+/// What an inner connection through a gateway is reserved in the budget
+/// beyond its outer stream: its receive window, and its TLS session's and
+/// HTTP/2 codec's buffers.
+const INNER_COST: usize = INNER_WINDOW as usize + 64 * 1024;
+
+fn inner_h2() -> h2::client::Builder {
+    let mut b = h2::client::Builder::new();
+    b.initial_window_size(INNER_WINDOW)
+        .initial_connection_window_size(INNER_WINDOW)
+        .max_header_list_size(16 * 1024)
+        .max_concurrent_streams(1)
+        .max_send_buffer_size(super::budget::STREAM_SEND_BUFFER)
+        .enable_push(false);
+    b
+}
+
+/// Sends the CONNECT `req` on `sender` (to `proxy`) and waits for its answer.
+async fn send_connect(
+    sender: h2::client::SendRequest<Bytes>,
+    req: ConnectRequest,
+    proxy: SocketAddr,
+) -> Result<(h2::SendStream<Bytes>, http::Response<h2::RecvStream>), OutboundError> {
+    let target = req.target.to_string();
+    let req = req.to_http().map_err(|e| OutboundError::Connect {
+        addr: proxy,
+        source: io::Error::other(format!("CONNECT {target}: {e}")),
+    })?;
+    let h2err = |source| OutboundError::H2 {
+        addr: proxy,
+        source,
+    };
+    let mut sender = sender.ready().await.map_err(h2err)?;
+    let (resp, send) = sender.send_request(req, false).map_err(h2err)?;
+    let resp = resp.await.map_err(h2err)?;
+    Ok((send, resp))
 }
 
 /// A connection the proxy closed first leaves its TIME_WAIT in the pod's

@@ -134,16 +134,20 @@ pub fn choose<'a>(
             Need::Port(_) => !w.workload_ips.is_empty() || !w.hostname.is_empty(),
             Need::Waypoint => !w.workload_ips.is_empty(),
         };
-        // Another network is reached only through its gateway, which this
-        // build does not take yet: never dialled directly. (istiod sends
-        // another network's endpoints of a service as one workload with
-        // no address and the gateway, ztunnel's "split horizon".)
+        // Another network is reached only through its gateway, never
+        // dialled directly: its endpoints (istiod sends them as one
+        // workload with no address and the gateway, ztunnel's "split
+        // horizon") are candidates when their network names a gateway
+        // (route::gateway takes them there). A waypoint is not sought on
+        // another network.
         if !same_text(&w.network, client.network) {
             remote += 1;
-            gated += usize::from(w.network_gateway.is_some());
-            continue;
-        }
-        if !addressed {
+            let gated_here = w.network_gateway.is_some() && matches!(need, Need::Port(_));
+            gated += usize::from(gated_here);
+            if !gated_here {
+                continue;
+            }
+        } else if !addressed {
             continue;
         }
         if let Need::Port(port) = need {
@@ -188,10 +192,11 @@ pub fn choose<'a>(
         };
         let others = match (remote, gated) {
             (0, _) => String::new(),
+            (_, 0) if matches!(need, Need::Waypoint) => {
+                format!("; {remote} on other networks, where no waypoint is sought")
+            }
             (_, 0) => format!("; {remote} on other networks, with no gateway to them"),
-            _ => format!(
-                "; {remote} on other networks, reached only through their gateway, which Ambit does not take yet"
-            ),
+            _ => format!("; {remote} on other networks, without the port"),
         };
         format!("service {key} has no healthy endpoint reachable on this network{port}{others}")
     } else if weighted == 0 {

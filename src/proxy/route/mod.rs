@@ -4,6 +4,7 @@
 //! listeners (`outbound`, `inbound`) act on what these functions decide.
 
 pub mod endpoints;
+pub mod gateway;
 pub mod waypoint;
 
 use std::net::{IpAddr, SocketAddr};
@@ -28,6 +29,20 @@ pub enum Route {
         workload: Arc<Workload>,
         service: Option<Arc<Service>>,
         waypoint: bool,
+    },
+    /// A service endpoint on another network, through that network's
+    /// gateway: HBONE to the gateway (`gateway`, checked against
+    /// `gateway_identities`) carrying a CONNECT to `host`:`port`, inside
+    /// which mutual TLS to the destination's proxy (checked against
+    /// `identities`) and the same CONNECT again ("double HBONE").
+    Gateway {
+        gateway: SocketAddr,
+        gateway_identities: Vec<Identity>,
+        host: String,
+        port: u16,
+        identities: Vec<Identity>,
+        workload: Arc<Workload>,
+        service: Arc<Service>,
     },
     /// Plain TCP to a known workload that is not meshed.
     Tcp {
@@ -178,6 +193,11 @@ fn to_service(hop: &Hop<'_>, svc: &Arc<Service>) -> Route {
         Ok(ep) => ep,
         Err(reason) => return no_endpoint(reason),
     };
+    if !same_text(&ep.workload.network, hop.place.network) {
+        // Chosen only with its network's gateway (endpoints::choose).
+        let to = (dst.ip(), dst.port());
+        return gateway::through(hop.state, svc, &ep.workload, to, hop.td);
+    }
     let port = match ep.ports.get(&dst.port()).copied().unwrap_or(svc_target) {
         0 => dst.port(),
         p => p,

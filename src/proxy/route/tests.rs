@@ -315,7 +315,9 @@ fn routed_from(st: &State, ns: &str, name: &str, src: &str, dst: &str) -> Route 
 /// The name of the workload a route ends at (its endpoint, or waypoint).
 fn endpoint_of(r: &Route) -> String {
     match r {
-        Route::Hbone { workload, .. } | Route::Tcp { workload, .. } => workload.name.to_string(),
+        Route::Hbone { workload, .. }
+        | Route::Tcp { workload, .. }
+        | Route::Gateway { workload, .. } => workload.name.to_string(),
         other => panic!("no endpoint: {other:?}"),
     }
 }
@@ -636,8 +638,9 @@ fn a_pods_call_to_the_proxys_own_ports_is_a_self_call_never_passed_through() {
 /// A multi-network mesh as istiod sends it to a node on `net1`: every
 /// workload names its own network's east-west gateway (WDS is the same for
 /// every client), the services' endpoints on `net2` come as one
-/// address-less "split horizon" workload with `net2`'s gateway, and the
-/// gateway itself as a workload.
+/// address-less "split horizon" workload with `net2`'s gateway, the
+/// gateway itself as a workload, and a global service's SANs list every
+/// network's identities.
 const TWO_NETWORKS: &str = r#"
 workloads:
 - {uid: c1//Pod/shop/client, name: client, namespace: shop, network: net1, workloadIps: [10.1.0.1],
@@ -662,13 +665,34 @@ workloads:
    protocol: HBONE, services: {"shop/cache.shop.svc.cluster.local": {6379: 6379}}}
 - {uid: c1//Pod/shop/report, name: report, namespace: shop, network: net1, workloadIps: [10.1.0.7],
    protocol: HBONE, waypoint: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008}}
+- {uid: "net4/SplitHorizonWorkload/x/lost", name: lost-split, namespace: shop, network: net4,
+   protocol: HBONE, networkGateway: {destination: "net4/172.18.4.10", hboneMtlsPort: 15008},
+   services: {"shop/lost.shop.svc.cluster.local": {80: 80}}}
+- {uid: "net5/SplitHorizonWorkload/x/astray", name: astray-split, namespace: shop, network: net5,
+   protocol: HBONE, networkGateway: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008},
+   services: {"shop/astray.shop.svc.cluster.local": {80: 80}}}
+- {uid: c6//Pod/shop/loop-1, name: loop-1, namespace: shop, serviceAccount: loop, network: net6,
+   workloadIps: [172.18.6.10], protocol: HBONE,
+   networkGateway: {destination: "net6/172.18.6.10", hboneMtlsPort: 15008},
+   services: {"shop/loop.shop.svc.cluster.local": {80: 80}}}
+- {uid: "net2/SplitHorizonWorkload/x/bare", name: bare-split, namespace: shop, network: net2,
+   protocol: HBONE, networkGateway: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008},
+   services: {"shop/bare.shop.svc.cluster.local": {80: 80}}}
 services:
 - {name: api, namespace: shop, hostname: api.shop.svc.cluster.local, vips: ["net1/10.96.0.20"],
-   ports: {80: 8080}}
+   ports: {80: 8080}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/api"]}
 - {name: db, namespace: shop, hostname: db.shop.svc.cluster.local, vips: ["net1/10.96.0.30"],
-   ports: {5432: 5432}}
+   ports: {5432: 5432}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/db"]}
 - {name: cache, namespace: shop, hostname: cache.shop.svc.cluster.local, vips: ["net1/10.96.0.40"],
    ports: {6379: 6379}}
+- {name: lost, namespace: shop, hostname: lost.shop.svc.cluster.local, vips: ["net1/10.96.0.50"],
+   ports: {80: 80}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/lost"]}
+- {name: astray, namespace: shop, hostname: astray.shop.svc.cluster.local, vips: ["net1/10.96.0.51"],
+   ports: {80: 80}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/astray"]}
+- {name: loop, namespace: shop, hostname: loop.shop.svc.cluster.local, vips: ["net1/10.96.0.52"],
+   ports: {80: 80}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/loop"]}
+- {name: bare, namespace: shop, hostname: bare.shop.svc.cluster.local, vips: ["net1/10.96.0.53"],
+   ports: {80: 80}}
 "#;
 
 fn routed_on_net1(st: &State, dst: &str) -> Route {
@@ -682,7 +706,8 @@ fn routed_on_net1(st: &State, dst: &str) -> Route {
 }
 
 #[test]
-fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_others_refused() {
+fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_others_through_it()
+{
     let cfg: crate::xds::local::LocalConfig = serde_yaml::from_str(TWO_NETWORKS).unwrap();
     let (st, errors) = State::build_lenient(cfg.workloads, cfg.services, cfg.policies);
     assert!(errors.is_empty(), "nothing refused: {errors:?}");
@@ -700,32 +725,68 @@ fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_
         }
         other => panic!("not HBONE to the pod: {other:?}"),
     }
-    // Its service: always the endpoint here, never the other network's
-    // (reached only through the gateway, which is not taken yet).
-    let seen = (0..200)
-        .map(|_| endpoint_of(&routed_on_net1(&st, "10.96.0.20:80")))
-        .collect::<std::collections::BTreeSet<_>>();
-    assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["api-1"]);
+    // Its service: the endpoint here and the other network's (through its
+    // gateway) by capacity, 1 : 2, as ztunnel balances them.
+    let mut seen = BTreeMap::<String, usize>::new();
+    for _ in 0..3000 {
+        *seen
+            .entry(endpoint_of(&routed_on_net1(&st, "10.96.0.20:80")))
+            .or_default() += 1;
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!((850..1150).contains(&seen["api-1"]), "{seen:?}");
 
-    // Only on another network: refused with the reason, never dialled
-    // nor passed through.
+    // Only on another network: through its gateway, checked against the
+    // gateway's identity; the CONNECT names the service, and the inner
+    // tunnel is checked against the service's identities.
+    match routed_on_net1(&st, "10.96.0.30:5432") {
+        Route::Gateway {
+            gateway,
+            gateway_identities,
+            host,
+            port,
+            identities,
+            ..
+        } => {
+            assert_eq!(gateway, "172.18.1.10:15008".parse().unwrap());
+            assert_eq!(
+                gateway_identities[0].to_string(),
+                "spiffe://cluster.local/ns/istio-system/sa/eastwestgateway"
+            );
+            assert_eq!((host.as_str(), port), ("db.shop.svc.cluster.local", 5432));
+            let ids: Vec<String> = identities.iter().map(|i| i.to_string()).collect();
+            assert_eq!(ids, ["spiffe://cluster.local/ns/shop/sa/db"]);
+        }
+        other => panic!("not through the gateway: {other:?}"),
+    }
+    // Refused with the reason, never dialled nor passed through: no
+    // gateway; a gateway not in the state; a gateway on another network
+    // than the endpoint's; a gateway that is the endpoint itself; nothing
+    // to verify the destination by.
     for (vip, why) in [
-        (
-            "10.96.0.30:5432",
-            "through their gateway, which Ambit does not take yet",
-        ),
         ("10.96.0.40:6379", "with no gateway to them"),
+        (
+            "10.96.0.50:80",
+            "network gateway net4/172.18.4.10 is not known",
+        ),
+        (
+            "10.96.0.51:80",
+            "is on network \"net2\", not the endpoint's \"net5\"",
+        ),
+        ("10.96.0.52:80", "is the endpoint itself"),
+        ("10.96.0.53:80", "the service lists no subjectAltNames"),
     ] {
         match routed_on_net1(&st, vip) {
-            Route::NoEndpoint { reason, .. } => {
-                assert!(
-                    reason.contains("1 on other networks") && reason.contains(why),
-                    "{reason}"
-                )
-            }
+            Route::NoEndpoint { reason, .. } => assert!(reason.contains(why), "{vip}: {reason}"),
             other => panic!("{vip}: {other:?}"),
         }
     }
+    // Another network's pod by its own address: not in this network's
+    // state, so never taken for a mesh workload.
+    assert!(matches!(
+        routed_on_net1(&st, "10.3.0.5:6379"),
+        Route::Passthrough { .. }
+    ));
     // A waypoint named by an address on another network: refused, not dialled.
     match routed_on_net1(&st, "10.1.0.7:80") {
         Route::NoWaypoint { reason } => {

@@ -43,6 +43,16 @@ pub enum Resolved<'a> {
 /// by address or by hostname. An error says why there is none; the caller
 /// refuses the connection rather than bypass the waypoint.
 pub fn resolve<'a>(state: &'a State, gw: &GatewayAddress) -> Result<Resolved<'a>, String> {
+    resolve_as(state, gw, "waypoint")
+}
+
+/// [`resolve`], its errors naming `gw` as `what` (a waypoint, a network
+/// gateway).
+pub fn resolve_as<'a>(
+    state: &'a State,
+    gw: &GatewayAddress,
+    what: &str,
+) -> Result<Resolved<'a>, String> {
     match &gw.destination {
         GatewayDestination::Address(a) => {
             if let Some(w) = state.workload_by_addr(&a.network, a.address) {
@@ -51,8 +61,8 @@ pub fn resolve<'a>(state: &'a State, gw: &GatewayAddress) -> Result<Resolved<'a>
             match state.service_by_vip(&a.network, a.address, None) {
                 Some(svc) => Ok(Resolved::Service(svc)),
                 None => Err(match state.refused_at(&a.network, a.address) {
-                    Some(r) => format!("waypoint {a} was refused: {}", r.reason),
-                    None => format!("waypoint {a} is not known"),
+                    Some(r) => format!("{what} {a} was refused: {}", r.reason),
+                    None => format!("{what} {a} is not known"),
                 }),
             }
         }
@@ -64,8 +74,8 @@ pub fn resolve<'a>(state: &'a State, gw: &GatewayAddress) -> Result<Resolved<'a>
             match state.service_by_host(&key) {
                 Some(svc) => Ok(Resolved::Service(svc)),
                 None => Err(match state.refused_host(&key) {
-                    Some(r) => format!("waypoint service {key} was refused: {}", r.reason),
-                    None => format!("waypoint service {key} is not known"),
+                    Some(r) => format!("{what} service {key} was refused: {}", r.reason),
+                    None => format!("{what} service {key} is not known"),
                 }),
             }
         }
