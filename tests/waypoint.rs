@@ -353,3 +353,115 @@ fn a_captured_waypoint_pod_accepts_traffic_for_the_workloads_it_fronts() {
     );
     assert_eq!(server_echo.peers().len(), at_server + 1);
 }
+
+/// What a PROXY-protocol application read in front of one connection.
+#[derive(Debug, Clone)]
+struct ProxyHeaderSeen {
+    addresses: ppp::v2::Addresses,
+    tlvs: Vec<(u8, Vec<u8>)>,
+}
+
+/// An application in `pod` on `127.0.0.1:port` that takes PROXY protocol
+/// v2, as a waypoint's inbound binding does: reads the header with a
+/// third-party parser, records it, then echoes the rest.
+fn proxy_protocol_app(
+    pod: &LabPod,
+    port: u16,
+) -> std::sync::Arc<std::sync::Mutex<Vec<ProxyHeaderSeen>>> {
+    use std::io::{Read, Write};
+    let listener = pod
+        .ns
+        .run(move || std::net::TcpListener::bind(("127.0.0.1", port)))
+        .unwrap()
+        .unwrap();
+    let seen: std::sync::Arc<std::sync::Mutex<Vec<ProxyHeaderSeen>>> = Default::default();
+    let record = seen.clone();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { return };
+            let record = record.clone();
+            std::thread::spawn(move || {
+                let mut fixed = [0u8; 16];
+                if conn.read_exact(&mut fixed).is_err() {
+                    return;
+                }
+                let len = u16::from_be_bytes([fixed[14], fixed[15]]) as usize;
+                let mut header = fixed.to_vec();
+                header.resize(16 + len, 0);
+                if conn.read_exact(&mut header[16..]).is_err() {
+                    return;
+                }
+                let Ok(parsed) = ppp::v2::Header::try_from(&header[..]) else {
+                    return;
+                };
+                let tlvs = parsed
+                    .tlvs()
+                    .filter_map(Result::ok)
+                    .map(|t| (t.kind, t.value.to_vec()))
+                    .collect();
+                record.lock().unwrap().push(ProxyHeaderSeen {
+                    addresses: parsed.addresses,
+                    tlvs,
+                });
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = conn.read(&mut buf) {
+                    if n == 0 || conn.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    seen
+}
+
+/// istiod's waypoint inbound binding (`ambient.istio.io/waypoint-inbound-
+/// binding: PROXY/15088`): the waypoint pod's workload asks for a PROXY
+/// application tunnel. Its proxy delivers what it fronts to the tunnel's
+/// port on the pod's loopback, first telling the application who called
+/// (the peer's address and identity) and where the call was going.
+#[test]
+fn a_waypoint_with_a_proxy_binding_is_told_who_called_and_where_in_a_proxy_header() {
+    let mut m = Mesh::new("wp-ppp");
+    let (client, server, wp) = (m.pod("client"), m.pod("server"), m.pod("wp"));
+    let vip: SocketAddr = format!("{VIP}:80").parse().unwrap();
+    let service_wp = format!(", waypoint: {{destination: \"/{}\"}}", wp.ip);
+    let cfg = config(&client, &server, &[&wp], None, &service_wp);
+    let wp_line = workload(&wp, "wp-sa", "HBONE");
+    let tunnel = format!(
+        "{}, applicationTunnel: {{protocol: PROXY, port: 15088}}}}\n",
+        wp_line.trim_end().trim_end_matches('}')
+    );
+    m.write_config(&cfg.replace(&wp_line, &tunnel));
+    m.mesh(&client, "client-sa");
+    m.mesh(&server, "server-sa");
+    m.mesh(&wp, "wp-sa");
+    let server_echo = ambit::lab::EchoServer::start(&server, 8080).unwrap();
+    // Were the tunnel ignored, the waypoint's connection would land here.
+    let unbound = ambit::lab::EchoServer::start(&wp, 80).unwrap();
+    let headers = proxy_protocol_app(&wp, 15088);
+
+    assert_eq!(
+        roundtrip(&client, vip, b"through the binding"),
+        b"through the binding"
+    );
+    let seen = headers.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    match &seen[0].addresses {
+        ppp::v2::Addresses::IPv4(a) => {
+            assert_eq!(a.source_address, client.ip, "the caller's address");
+            assert_eq!(
+                SocketAddr::new(a.destination_address.into(), a.destination_port),
+                vip,
+                "where the call was going"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        seen[0].tlvs,
+        [(0xD0, identity("client-sa").into_bytes())],
+        "the caller's identity, as ztunnel sends it"
+    );
+    assert!(unbound.peers().is_empty() && server_echo.peers().is_empty());
+}

@@ -29,6 +29,7 @@ use super::metrics::{ConnectionLabels, Metrics, WorkloadLabels};
 use super::open::Protocol;
 use super::outbound::original_dst;
 use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFER};
+use super::proxy_protocol;
 use super::reauth::{Authorized, Denied, Tracker};
 use super::record::{ConnectionRecord, Direction};
 use super::route::waypoint;
@@ -41,7 +42,7 @@ use crate::identity::{tls, Identity};
 use crate::limits::{caps, ConnectionCap, LogThrottle};
 use crate::xds::best_service;
 use crate::xds::client::OnDemand;
-use crate::xds::types::{GatewayAddress, Name, Ports, Service};
+use crate::xds::types::{GatewayAddress, Name, Ports, Service, TunnelToApp};
 use crate::xds::{State, StateHandle};
 
 /// How long a peer has to finish the TLS handshake, and then HTTP/2's.
@@ -406,8 +407,9 @@ impl Inbound {
         let fronts = |t: SocketAddr| self.is_waypoint_of(t);
         // A service's hostname is looked up in the pod's own workload:
         // give the control plane the time it has for a policy check.
-        let named = match authority_of(req) {
-            Ok(Authority::Host(host, _)) => Some(host),
+        let authority = authority_of(req).ok();
+        let named = match &authority {
+            Some(Authority::Host(host, _)) => Some(host.clone()),
             _ => None,
         };
         let state = match named {
@@ -463,7 +465,22 @@ impl Inbound {
         let mut record = self.record(labels, Direction::InboundHbone, Some(peer), target);
         record.set_hbone(SocketAddr::new(local_ip, HBONE_PORT), target);
         record.set_allowed_by(allowed_by);
-        let upstream = match self.pod.sockets.connect_as(target, peer.ip()).await {
+        let authority = authority.unwrap_or(Authority::Addr(target));
+        let (to, header) = match self.delivery(&authority, target, peer, peer_id) {
+            Ok(d) => d,
+            Err(reason) => {
+                reply(respond, StatusCode::SERVICE_UNAVAILABLE);
+                record.failed("CONNECT", reason);
+                return None;
+            }
+        };
+        let dialed = match &header {
+            // The header says who called: the application is dialled from
+            // the pod's loopback, as ztunnel dials it.
+            Some(_) => self.pod.sockets.connect(to).await,
+            None => self.pod.sockets.connect_as(to, peer.ip()).await,
+        };
+        let mut upstream = match dialed {
             Ok(s) => s,
             Err(e) => {
                 reply(respond, StatusCode::SERVICE_UNAVAILABLE);
@@ -471,7 +488,73 @@ impl Inbound {
                 return None;
             }
         };
+        if let Some(header) = header {
+            use tokio::io::AsyncWriteExt;
+            if let Err(e) = upstream.write_all(&header).await {
+                reply(respond, StatusCode::SERVICE_UNAVAILABLE);
+                record.failed("CONNECT", format_args!("PROXY header not taken: {e}"));
+                return None;
+            }
+        }
         Some((record, upstream, auth))
+    }
+
+    /// Where the application takes a stream delivered to `target`, and
+    /// what it is told first: as the pod's workload asks by its
+    /// application tunnel, its port instead of the target's (NONE and
+    /// PROXY alike) and, for PROXY, on the pod's loopback, a PROXY v2
+    /// header naming the peer (`peer`, `peer_id`) and the destination the
+    /// peer asked for (the authority; for a service's hostname, the
+    /// service's address on this network).
+    fn delivery(
+        &self,
+        authority: &Authority,
+        target: SocketAddr,
+        peer: SocketAddr,
+        peer_id: &Identity,
+    ) -> Result<(SocketAddr, Option<Vec<u8>>), String> {
+        let st = self.state.load();
+        let pod = &self.pod;
+        let tunnel = st
+            .workload_by_name(&pod.namespace, &pod.name)
+            .filter(|w| w.service_account == pod.service_account)
+            .and_then(|w| w.application_tunnel);
+        let Some(tunnel) = tunnel else {
+            return Ok((target, None));
+        };
+        let port = tunnel.port.unwrap_or(target.port());
+        if PROXY_OWN_PORTS.contains(&port) {
+            return Err(format!(
+                "the application tunnel's port {port} is the proxy's own"
+            ));
+        }
+        match tunnel.protocol {
+            TunnelToApp::None => Ok((SocketAddr::new(target.ip(), port), None)),
+            TunnelToApp::Proxy => {
+                let dst = match authority {
+                    Authority::Addr(a) => *a,
+                    Authority::Host(host, asked) => {
+                        let svc = best_service(st.services_named(host), Some(&pod.namespace));
+                        let vip = svc.and_then(|s| {
+                            let here = s.vips.iter().filter(|v| v.network == *pod.network);
+                            here.map(|v| v.address).max_by_key(|ip| ip.is_ipv4())
+                        });
+                        let Some(vip) = vip else {
+                            return Err(format!(
+                                "service {host} has no address on this network for the PROXY header"
+                            ));
+                        };
+                        SocketAddr::new(vip, *asked)
+                    }
+                };
+                let loopback: IpAddr = match canonical(target.ip()) {
+                    IpAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                    IpAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+                };
+                let header = proxy_protocol::header(peer, dst, Some(peer_id));
+                Ok((SocketAddr::new(loopback, port), Some(header)))
+            }
+        }
     }
 
     async fn plaintext_conn(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) {

@@ -29,6 +29,7 @@ pub mod pod;
 mod pods;
 mod pool;
 mod profile;
+mod proxy_protocol;
 pub mod rbac;
 mod reauth;
 mod record;

@@ -295,12 +295,15 @@ impl Workload {
         // A network gateway is not refused: istiod names one on every
         // workload of a network that has one, the local network's too (WDS
         // is the same for every client), and a workload of the local
-        // network is reached directly. What lies on another network is
-        // refused where it would be reached (`proxy::route`): its gateway
-        // is not taken yet, and it is never dialled directly.
+        // network is reached directly; another network's, through its
+        // gateway (`proxy::route::gateway`), never dialled directly.
+        // A PROXY tunnel is the header an HBONE inbound writes: a workload
+        // that takes no HBONE could never be sent it.
         if let Some(t) = &self.application_tunnel {
-            if t.protocol == TunnelToApp::Proxy {
-                return Some("application tunnel PROXY is not supported yet".into());
+            if t.protocol == TunnelToApp::Proxy && self.protocol != Protocol::Hbone {
+                return Some(
+                    "application tunnel PROXY on a workload that does not take HBONE".into(),
+                );
             }
         }
         if let Some(GatewayAddress {

@@ -492,8 +492,7 @@ fn a_refused_resources_addresses_are_refused_never_passed_through() {
         r#"
 workloads:
 - {name: client, namespace: shop, workloadIps: [10.1.0.1]}
-- {name: gated, namespace: shop, workloadIps: [10.1.5.1], protocol: HBONE,
-   applicationTunnel: {protocol: PROXY}}
+- {name: gated, namespace: shop, workloadIps: [10.1.5.1], applicationTunnel: {protocol: PROXY}}
 - {name: twice, namespace: shop, uid: dup, workloadIps: [10.1.5.2]}
 - {name: twice2, namespace: shop, uid: dup, workloadIps: [10.1.5.3]}
 services:

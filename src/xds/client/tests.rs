@@ -416,6 +416,8 @@ fn a_refused_update_leaves_the_version_that_served_serving() {
     };
     let mut gated = wl("w", [10, 0, 0, 9]);
     if let Some(pb::address::Type::Workload(w)) = &mut gated.r#type {
+        // A PROXY tunnel on a workload that takes no HBONE.
+        w.tunnel_protocol = pb::TunnelProtocol::None as i32;
         w.application_tunnel = Some(pb::ApplicationTunnel {
             protocol: pb::application_tunnel::Protocol::Proxy as i32,
             port: 15088,
