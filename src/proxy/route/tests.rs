@@ -677,9 +677,24 @@ workloads:
 - {uid: "net2/SplitHorizonWorkload/x/bare", name: bare-split, namespace: shop, network: net2,
    protocol: HBONE, networkGateway: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008},
    services: {"shop/bare.shop.svc.cluster.local": {80: 80}}}
+- {uid: "net7/SplitHorizonWorkload/x/web", name: web-split, namespace: shop, network: net7,
+   protocol: HBONE, networkGateway: {destination: "istio-system/eastwest.istio-system.svc.cluster.local",
+   hboneMtlsPort: 15443}, services: {"shop/web.shop.svc.cluster.local": {80: 80}}}
+- {uid: c7//Pod/istio-system/eastwest-1, name: eastwest-1, namespace: istio-system,
+   serviceAccount: eastwest, network: net7, workloadIps: [172.18.7.10], protocol: HBONE,
+   services: {"istio-system/eastwest.istio-system.svc.cluster.local": {15443: 15008}}}
+- {uid: "net7/SplitHorizonWorkload/x/eastwest", name: eastwest-split, namespace: istio-system,
+   network: net7, protocol: HBONE, networkGateway: {destination:
+   "istio-system/eastwest.istio-system.svc.cluster.local", hboneMtlsPort: 15443},
+   services: {"istio-system/eastwest.istio-system.svc.cluster.local": {15443: 15008}}}
 services:
 - {name: api, namespace: shop, hostname: api.shop.svc.cluster.local, vips: ["net1/10.96.0.20"],
    ports: {80: 8080}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/api"]}
+- {name: web, namespace: shop, hostname: web.shop.svc.cluster.local, vips: ["net1/10.96.0.60"],
+   ports: {80: 80}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/web"]}
+- {name: eastwest, namespace: istio-system, hostname: eastwest.istio-system.svc.cluster.local,
+   vips: ["net1/10.96.0.61"], ports: {15443: 15008},
+   subjectAltNames: ["spiffe://cluster.local/ns/istio-system/sa/eastwest-svc"]}
 - {name: db, namespace: shop, hostname: db.shop.svc.cluster.local, vips: ["net1/10.96.0.30"],
    ports: {5432: 5432}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/db"]}
 - {name: cache, namespace: shop, hostname: cache.shop.svc.cluster.local, vips: ["net1/10.96.0.40"],
@@ -758,6 +773,28 @@ fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_
         }
         other => panic!("not through the gateway: {other:?}"),
     }
+    // A gateway named by hostname (istiod's form for a gateway with a
+    // hostname address): an endpoint of that service on the endpoint's
+    // network, at the target port of the HBONE port, checked against the
+    // endpoint's identity and the gateway service's SANs.
+    match routed_on_net1(&st, "10.96.0.60:80") {
+        Route::Gateway {
+            gateway,
+            gateway_identities,
+            ..
+        } => {
+            assert_eq!(gateway, "172.18.7.10:15008".parse().unwrap());
+            let ids: Vec<String> = gateway_identities.iter().map(|i| i.to_string()).collect();
+            assert_eq!(
+                ids,
+                [
+                    "spiffe://cluster.local/ns/istio-system/sa/eastwest",
+                    "spiffe://cluster.local/ns/istio-system/sa/eastwest-svc"
+                ]
+            );
+        }
+        other => panic!("not through the gateway service: {other:?}"),
+    }
     // Refused with the reason, never dialled nor passed through: no
     // gateway; a gateway not in the state; a gateway on another network
     // than the endpoint's; a gateway that is the endpoint itself; nothing
@@ -774,6 +811,9 @@ fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_
         ),
         ("10.96.0.52:80", "is the endpoint itself"),
         ("10.96.0.53:80", "the service lists no subjectAltNames"),
+        // The gateway service's own endpoints on net7: its gateway would
+        // be itself, a loop.
+        ("10.96.0.61:15443", "is the service itself"),
     ] {
         match routed_on_net1(&st, vip) {
             Route::NoEndpoint { reason, .. } => assert!(reason.contains(why), "{vip}: {reason}"),
