@@ -237,6 +237,7 @@ impl Outbound {
         let kind = match &route {
             Route::Hbone { waypoint: true, .. } => "waypoint",
             Route::Hbone { .. } => "hbone",
+            Route::Gateway { waypoint: true, .. } => "gateway-waypoint",
             Route::Gateway { .. } => "gateway",
             Route::Tcp { .. } => "tcp",
             Route::Passthrough { .. } => "passthrough",

@@ -138,13 +138,11 @@ pub fn choose<'a>(
         // dialled directly: its endpoints (istiod sends them as one
         // workload with no address and the gateway, ztunnel's "split
         // horizon") are candidates when their network names a gateway
-        // (route::gateway takes them there). A waypoint is not sought on
-        // another network.
+        // (route::gateway takes them there), for a service or a waypoint.
         if !same_text(&w.network, client.network) {
             remote += 1;
-            let gated_here = w.network_gateway.is_some() && matches!(need, Need::Port(_));
-            gated += usize::from(gated_here);
-            if !gated_here {
+            gated += usize::from(w.network_gateway.is_some());
+            if w.network_gateway.is_none() {
                 continue;
             }
         } else if !addressed {
@@ -192,9 +190,6 @@ pub fn choose<'a>(
         };
         let others = match (remote, gated) {
             (0, _) => String::new(),
-            (_, 0) if matches!(need, Need::Waypoint) => {
-                format!("; {remote} on other networks, where no waypoint is sought")
-            }
             (_, 0) => format!("; {remote} on other networks, with no gateway to them"),
             _ => format!("; {remote} on other networks, without the port"),
         };

@@ -5,43 +5,48 @@
 //! no I/O. Another network's address is never dialled directly, and what
 //! cannot be resolved is refused with its reason.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
 
 use super::endpoints::{self, Need, Place};
-use super::{waypoint, Route};
+use super::waypoint;
 use crate::identity::Identity;
 use crate::xds::types::{same_text, GatewayDestination, Service, Workload};
 use crate::xds::State;
 
-/// The route to `w`, an endpoint of `svc` on another network than the
-/// client's, for a connection to service port `port` (first sent to
-/// `original`): an outer HBONE connection to `w`'s network gateway, checked
-/// against the gateway's identity, carrying an inner one to the service's
-/// hostname, checked against the service's identities. Refused when the
-/// network names no gateway, when the gateway cannot be found on that
-/// network, when it is the destination itself, or when nothing could
+/// How a connection reaches an endpoint on another network: the gateway's
+/// address and identities, and the identities the destination's proxy
+/// must prove inside the tunnel.
+#[derive(Debug, Clone)]
+pub struct Through {
+    pub gateway: SocketAddr,
+    pub gateway_identities: Vec<Identity>,
+    pub identities: Vec<Identity>,
+}
+
+/// How to reach `w`, an endpoint of `svc` (a service, or a waypoint's
+/// service) on another network than the client's, for a connection first
+/// sent to `original`: an outer HBONE connection to `w`'s network gateway,
+/// checked against the gateway's identity, carrying an inner one checked
+/// against `svc`'s identities. An error, the reason, when the network
+/// names no gateway, when the gateway cannot be found on that network,
+/// when it is the destination or `svc` itself, or when nothing could
 /// verify the destination.
-pub fn through(
+pub fn resolve(
     state: &State,
-    svc: &Arc<Service>,
-    w: &Arc<Workload>,
-    (original, port): (std::net::IpAddr, u16),
+    svc: &Service,
+    w: &Workload,
+    original: IpAddr,
     td: &str,
-) -> Route {
-    let refuse = |reason: String| Route::NoEndpoint {
-        service: svc.clone(),
-        reason: format!("service {}: {reason}", svc.key()),
-    };
+) -> Result<Through, String> {
     let Some(gw) = &w.network_gateway else {
-        return refuse(format!(
+        return Err(format!(
             "endpoint {}/{} is on network {:?}, with no gateway to it",
             w.namespace, w.name, w.network
         ));
     };
     if let GatewayDestination::Address(a) = &gw.destination {
         if !same_text(&a.network, &w.network) {
-            return refuse(format!(
+            return Err(format!(
                 "gateway {} is on network {:?}, not the endpoint's {:?}",
                 gw.destination, a.network, w.network
             ));
@@ -49,7 +54,7 @@ pub fn through(
     }
     let at = match waypoint::resolve_as(state, gw, "network gateway") {
         Ok(r) => r,
-        Err(reason) => return refuse(format!("{reason} (network {:?})", w.network)),
+        Err(reason) => return Err(format!("{reason} (network {:?})", w.network)),
     };
     // The gateway: one workload at the address named, or one endpoint of
     // the gateway's service (its HBONE port a service port), both on the
@@ -60,7 +65,7 @@ pub fn through(
         }
         waypoint::Resolved::Service(gsvc) => {
             if gsvc.key() == svc.key() {
-                return refuse(format!(
+                return Err(format!(
                     "its gateway {} is the service itself",
                     gw.destination
                 ));
@@ -72,9 +77,7 @@ pub fn through(
             let hbone = gw.hbone_mtls_port;
             let ep = match endpoints::choose(state, gsvc, &there, Need::Port(hbone)) {
                 Ok(ep) => ep,
-                Err(reason) => {
-                    return refuse(format!("network gateway {}: {reason}", gw.destination))
-                }
+                Err(reason) => return Err(format!("network gateway {}: {reason}", gw.destination)),
             };
             let target = gsvc.ports.get(&hbone).copied().unwrap_or(0);
             let port = match ep.ports.get(&hbone).copied().unwrap_or(target) {
@@ -89,19 +92,19 @@ pub fn through(
     if gateway.uid == w.uid
         || (!w.workload_ips.is_empty() && w.workload_ips == gateway.workload_ips)
     {
-        return refuse(format!(
+        return Err(format!(
             "its gateway {} is the endpoint itself",
             gw.destination
         ));
     }
     if !same_text(&gateway.network, &w.network) {
-        return refuse(format!(
+        return Err(format!(
             "gateway {} is on network {:?}, not the endpoint's {:?}",
             gw.destination, gateway.network, w.network
         ));
     }
     let Some((ip, gw_port)) = addr else {
-        return refuse(format!("network gateway {} has no address", gw.destination));
+        return Err(format!("network gateway {} has no address", gw.destination));
     };
     gateway_ids.insert(0, gateway.identity(td));
     // The destination's proxy proves one of the service's identities (for
@@ -116,18 +119,14 @@ pub fn through(
         identities.push(w.identity(td));
     }
     if identities.is_empty() {
-        return refuse(format!(
+        return Err(format!(
             "no identity to verify its endpoints on network {:?} by (the service lists no subjectAltNames)",
             w.network
         ));
     }
-    Route::Gateway {
+    Ok(Through {
         gateway: SocketAddr::new(ip, gw_port),
         gateway_identities: gateway_ids,
-        host: svc.hostname.to_string(),
-        port,
         identities,
-        workload: w.clone(),
-        service: svc.clone(),
-    }
+    })
 }

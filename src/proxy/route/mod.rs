@@ -35,6 +35,9 @@ pub enum Route {
     /// `gateway_identities`) carrying a CONNECT to `host`:`port`, inside
     /// which mutual TLS to the destination's proxy (checked against
     /// `identities`) and the same CONNECT again ("double HBONE").
+    /// With `waypoint`, the endpoint is the service's waypoint's (the
+    /// CONNECT still names the service), checked against the waypoint
+    /// service's identities.
     Gateway {
         gateway: SocketAddr,
         gateway_identities: Vec<Identity>,
@@ -43,6 +46,7 @@ pub enum Route {
         identities: Vec<Identity>,
         workload: Arc<Workload>,
         service: Arc<Service>,
+        waypoint: bool,
     },
     /// Plain TCP to a known workload that is not meshed.
     Tcp {
@@ -195,8 +199,10 @@ fn to_service(hop: &Hop<'_>, svc: &Arc<Service>) -> Route {
     };
     if !same_text(&ep.workload.network, hop.place.network) {
         // Chosen only with its network's gateway (endpoints::choose).
-        let to = (dst.ip(), dst.port());
-        return gateway::through(hop.state, svc, &ep.workload, to, hop.td);
+        return match gateway::resolve(hop.state, svc, &ep.workload, dst.ip(), hop.td) {
+            Ok(t) => through(t, (ep.workload.clone(), svc.clone(), dst.port()), false),
+            Err(reason) => no_endpoint(format!("service {}: {reason}", svc.key())),
+        };
     }
     let port = match ep.ports.get(&dst.port()).copied().unwrap_or(svc_target) {
         0 => dst.port(),
@@ -251,12 +257,42 @@ impl Hop<'_> {
                 ));
             }
             waypoint::Resolved::Workload(w, at) => (w.clone(), &[][..], Some(at)),
-            waypoint::Resolved::Service(svc) => {
-                match endpoints::choose(self.state, svc, self.place, Need::Waypoint) {
+            waypoint::Resolved::Service(wsvc) => {
+                match endpoints::choose(self.state, wsvc, self.place, Need::Waypoint) {
+                    // A waypoint on another network (istiod sends a global
+                    // waypoint service's endpoints there as one workload
+                    // with the gateway): through the gateway, naming the
+                    // service the client asked for, as ztunnel does; it
+                    // takes only service traffic, which names one.
+                    Ok(ep) if !same_text(&ep.workload.network, self.place.network) => {
+                        let Some(svc) = service else {
+                            return refuse(format!(
+                                "waypoint {} is on network {:?}: through its gateway it takes only traffic to a service",
+                                gw.destination, ep.workload.network
+                            ));
+                        };
+                        let dst = self.dst;
+                        return Some(
+                            match gateway::resolve(
+                                self.state,
+                                wsvc,
+                                &ep.workload,
+                                dst.ip(),
+                                self.td,
+                            ) {
+                                Ok(t) => {
+                                    through(t, (ep.workload.clone(), svc.clone(), dst.port()), true)
+                                }
+                                Err(reason) => Route::NoWaypoint {
+                                    reason: format!("waypoint {}: {reason}", gw.destination),
+                                },
+                            },
+                        );
+                    }
                     Ok(ep) => (
                         ep.workload.clone(),
-                        &svc.subject_alt_names[..],
-                        endpoints::address_for(&ep.workload, self.dst.ip(), svc.ip_families),
+                        &wsvc.subject_alt_names[..],
+                        endpoints::address_for(&ep.workload, self.dst.ip(), wsvc.ip_families),
                     ),
                     Err(reason) => return refuse(format!("waypoint {}: {reason}", gw.destination)),
                 }
@@ -278,6 +314,26 @@ impl Hop<'_> {
             service: service.cloned(),
             waypoint: true,
         })
+    }
+}
+
+/// The route through another network's gateway `t` to `workload`, an
+/// endpoint of `service` (or of its waypoint's service), for service port
+/// `port`: the CONNECT names the service.
+fn through(
+    t: gateway::Through,
+    (workload, service, port): (Arc<Workload>, Arc<Service>, u16),
+    waypoint: bool,
+) -> Route {
+    Route::Gateway {
+        gateway: t.gateway,
+        gateway_identities: t.gateway_identities,
+        host: service.hostname.to_string(),
+        port,
+        identities: t.identities,
+        workload,
+        service,
+        waypoint,
     }
 }
 

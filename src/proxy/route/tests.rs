@@ -687,9 +687,18 @@ workloads:
    network: net7, protocol: HBONE, networkGateway: {destination:
    "istio-system/eastwest.istio-system.svc.cluster.local", hboneMtlsPort: 15443},
    services: {"istio-system/eastwest.istio-system.svc.cluster.local": {15443: 15008}}}
+- {uid: "net2/SplitHorizonWorkload/x/wp", name: wp-split, namespace: shop, network: net2,
+   protocol: HBONE, networkGateway: {destination: "net2/172.18.1.10", hboneMtlsPort: 15008},
+   services: {"shop/wp.shop.svc.cluster.local": {15008: 15008}}}
+- {uid: c1//Pod/shop/ledger, name: ledger, namespace: shop, network: net1, workloadIps: [10.1.0.8],
+   protocol: HBONE, waypoint: {destination: "shop/wp.shop.svc.cluster.local"}}
 services:
 - {name: api, namespace: shop, hostname: api.shop.svc.cluster.local, vips: ["net1/10.96.0.20"],
    ports: {80: 8080}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/api"]}
+- {name: wp, namespace: shop, hostname: wp.shop.svc.cluster.local, vips: ["net1/10.96.0.70"],
+   ports: {15008: 15008}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/wp"]}
+- {name: pay, namespace: shop, hostname: pay.shop.svc.cluster.local, vips: ["net1/10.96.0.71"],
+   ports: {443: 8443}, waypoint: {destination: "shop/wp.shop.svc.cluster.local"}}
 - {name: web, namespace: shop, hostname: web.shop.svc.cluster.local, vips: ["net1/10.96.0.60"],
    ports: {80: 80}, subjectAltNames: ["spiffe://cluster.local/ns/shop/sa/web"]}
 - {name: eastwest, namespace: istio-system, hostname: eastwest.istio-system.svc.cluster.local,
@@ -826,6 +835,38 @@ fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_
         routed_on_net1(&st, "10.3.0.5:6379"),
         Route::Passthrough { .. }
     ));
+    // A service whose waypoint is on another network (a global waypoint
+    // service's endpoints there, as istiod sends them): through the
+    // gateway, the CONNECT naming the service the client asked for, the
+    // inner tunnel checked against the waypoint service's identities.
+    match routed_on_net1(&st, "10.96.0.71:443") {
+        Route::Gateway {
+            gateway,
+            host,
+            port,
+            identities,
+            waypoint,
+            ..
+        } => {
+            assert!(waypoint);
+            assert_eq!(gateway, "172.18.1.10:15008".parse().unwrap());
+            assert_eq!((host.as_str(), port), ("pay.shop.svc.cluster.local", 443));
+            let ids: Vec<String> = identities.iter().map(|i| i.to_string()).collect();
+            assert_eq!(ids, ["spiffe://cluster.local/ns/shop/sa/wp"]);
+        }
+        other => panic!("not to the waypoint through the gateway: {other:?}"),
+    }
+    // A workload behind it, called by address: no service to name through
+    // the gateway, so refused, never sent around the waypoint.
+    match routed_on_net1(&st, "10.1.0.8:80") {
+        Route::NoWaypoint { reason } => {
+            assert!(
+                reason.contains("takes only traffic to a service"),
+                "{reason}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
     // A waypoint named by an address on another network: refused, not dialled.
     match routed_on_net1(&st, "10.1.0.7:80") {
         Route::NoWaypoint { reason } => {
