@@ -674,3 +674,117 @@ fn another_networks_service_is_reached_through_its_gateway_with_the_inner_tunnel
         .filter(|l| l.contains("route=\"gateway\"") && l.contains(&through));
     assert_eq!(routed.count(), 6, "{log}");
 }
+
+/// The ztunnel binary (built from its public source, never committed) for
+/// the interop runs below: `AMBIT_ZTUNNEL=/path/to/ztunnel cargo test
+/// --test services -- --ignored ztunnel`. Its test root (`src/tls/` of its
+/// source) must be given too, so both ends chain to one root:
+/// `AMBIT_ZTUNNEL_CA=root-cert.pem:ca-key.pem`.
+fn ztunnel() -> (std::path::PathBuf, (std::path::PathBuf, std::path::PathBuf)) {
+    let bin = std::env::var("AMBIT_ZTUNNEL").expect("AMBIT_ZTUNNEL=/path/to/ztunnel");
+    let ca = std::env::var("AMBIT_ZTUNNEL_CA").expect("AMBIT_ZTUNNEL_CA=root-cert.pem:ca-key.pem");
+    let (cert, key) = ca.split_once(':').expect("cert.pem:key.pem");
+    (bin.into(), (cert.into(), key.into()))
+}
+
+/// Through the lab's gateway, one end ztunnel and the other Ambit: the
+/// client's proxy on net1 opens the double HBONE, the server's on net2
+/// takes the inner CONNECT by the service's hostname. (ztunnel's local
+/// config wants `services` and `workloadIps` on every workload, and its
+/// test CA a trust domain on the workload it issues for.)
+fn interop_through_a_gateway(ztunnel_is_client: bool) {
+    let (zt, ca) = ztunnel();
+    let ambit = std::path::PathBuf::from(env!("CARGO_BIN_EXE_ambit"));
+    let mut lab = ambit::lab::Lab::new("svc-ewgw-zt", &ambit).unwrap();
+    let (client, gw) = (lab.add_pod("client").unwrap(), lab.add_pod("ewgw").unwrap());
+    let mut net2 = lab.add_network("net2", [10, 78, 0]).unwrap();
+    let server = lab.add_pod_on(&mut net2, "server").unwrap();
+    lab.attach(&gw, &mut net2).unwrap();
+    let host = "api.default.svc.cluster.local";
+    let service = |net: &str| {
+        format!(
+            "services:\n- {{name: api, namespace: default, hostname: {host}, vips: [\"{net}/10.96.0.70\"], \
+             ports: {{80: 8080}}, subjectAltNames: [\"spiffe://{TD}/ns/default/sa/server-sa\"]}}\n"
+        )
+    };
+    let net1 = format!(
+        "workloads:\n\
+         - {{uid: client, name: client, namespace: default, serviceAccount: client-sa, trustDomain: {TD}, \
+         workloadIps: [\"{c}\"], protocol: HBONE, network: net1, services: {{}}}}\n\
+         - {{uid: net2/SplitHorizonWorkload/x/{host}, name: net2/SplitHorizonWorkload/x/{host}, namespace: default, \
+         network: net2, workloadIps: [], protocol: HBONE, \
+         networkGateway: {{destination: \"net2/{g}\", hboneMtlsPort: 15008}}, services: {{\"default/{host}\": {{80: 8080}}}}}}\n\
+         - {{uid: NetworkGateway/net2/{g}/15008, name: NetworkGateway/net2/{g}/15008, namespace: istio-system, \
+         serviceAccount: eastwestgateway, trustDomain: {TD}, network: net2, workloadIps: [\"{g}\"], services: {{}}}}\n{}",
+        service("net1"),
+        c = client.ip,
+        g = gw.ip
+    );
+    let net2_cfg = format!(
+        "workloads:\n- {{uid: server, name: server, namespace: default, serviceAccount: server-sa, trustDomain: {TD}, \
+         workloadIps: [\"{}\"], protocol: HBONE, network: net2, services: {{\"default/{host}\": {{80: 8080}}}}}}\n{}",
+        server.ip,
+        service("net2")
+    );
+    let start = |pod: &LabPod, bin: &std::path::Path, cfg: String, sa: &str, net: &str| {
+        let path = lab.dir.join(format!("{net}.yaml"));
+        std::fs::write(&path, cfg).unwrap();
+        let mut env = vec![("NETWORK".to_string(), net.to_string())];
+        if bin == zt.as_path() {
+            for (k, v) in [
+                ("FAKE_CA", "true"),
+                ("XDS_ADDRESS", ""),
+                ("PACKET_MARK", "1337"),
+            ] {
+                env.push((k.into(), v.into()));
+            }
+        }
+        lab.redirect(pod).unwrap();
+        let spec = ProxySpec {
+            config: path,
+            ca_cert: ca.0.clone(),
+            ca_key: ca.1.clone(),
+            workload_info: format!("default/{}/{sa}", pod.name),
+            trust_domain: TD.into(),
+            extra_env: env,
+        };
+        lab.start_proxy_from(bin, pod, &spec).unwrap();
+    };
+    let (client_bin, server_bin) = match ztunnel_is_client {
+        true => (&zt, &ambit),
+        false => (&ambit, &zt),
+    };
+    start(&client, client_bin, net1, "client-sa", "net1");
+    start(&server, server_bin, net2_cfg, "server-sa", "net2");
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let routes = HashMap::from([(
+        format!("{host}:80"),
+        SocketAddr::new(server.ip.into(), 15008),
+    )]);
+    let gw_id = Identity::new(TD, "istio-system", "eastwestgateway");
+    let gateway = GatewayStandIn::start(&gw, (&ca.0, &ca.1), gw_id, 15008, routes).unwrap();
+
+    let msg = b"across the gateway, one end ztunnel";
+    assert_eq!(roundtrip(&client, at("10.96.0.70", 80), msg), msg);
+    assert_eq!(echo.peers().len(), 1);
+    let seen = gateway.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].authority, format!("{host}:80"));
+    assert_eq!(
+        seen[0].peer,
+        format!("spiffe://{TD}/ns/default/sa/client-sa")
+    );
+    assert!(!gateway.relayed().windows(msg.len()).any(|w| w == msg));
+}
+
+#[test]
+#[ignore = "needs a ztunnel binary: AMBIT_ZTUNNEL and AMBIT_ZTUNNEL_CA"]
+fn ztunnel_at_the_destination_takes_ambits_inner_tunnel_through_a_gateway() {
+    interop_through_a_gateway(false);
+}
+
+#[test]
+#[ignore = "needs a ztunnel binary: AMBIT_ZTUNNEL and AMBIT_ZTUNNEL_CA"]
+fn ambit_at_the_destination_takes_ztunnels_inner_tunnel_through_a_gateway() {
+    interop_through_a_gateway(true);
+}
