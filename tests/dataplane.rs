@@ -110,6 +110,64 @@ fn meshed_pods_talk_over_hbone_by_pod_ip() {
     );
 }
 
+/// The same traffic with both pods' rules written by the nftables back
+/// end (istio-cni's `NATIVE_NFTABLES`): the client's connection is
+/// captured to its proxy, carried over HBONE, handed to the application
+/// with the client's own address (the marks, conntrack mark and table 100
+/// work), and a plain sender outside the mesh still reaches the server
+/// through its plaintext inbound port. Neither pod holds an iptables rule.
+#[test]
+fn with_the_pods_rules_in_nftables_traffic_is_captured_and_carried_as_with_iptables() {
+    use ambit::cni::redirect::Backend;
+    let mut m = Mesh::new("nft-pair");
+    let (client, server, outsider) = (m.pod("client"), m.pod("server"), m.pod("outsider"));
+    m.write_config(&format!(
+        "workloads:\n{}{}",
+        workload(&client, "client-sa", "HBONE"),
+        workload(&server, "server-sa", "HBONE")
+    ));
+    for (pod, sa) in [(&client, "client-sa"), (&server, "server-sa")] {
+        m.lab.redirect_with(pod, Backend::Nftables).unwrap();
+        let spec = ambit::lab::ProxySpec {
+            config: m.config.clone(),
+            ca_cert: m.ca.0.clone(),
+            ca_key: m.ca.1.clone(),
+            workload_info: format!("default/{}/{sa}", pod.name),
+            trust_domain: common::TD.into(),
+            extra_env: vec![],
+        };
+        m.lab.start_proxy(pod, &spec).unwrap();
+        let save = pod.ns.command("iptables-save").output().unwrap();
+        assert!(!String::from_utf8_lossy(&save.stdout).contains("ISTIO"));
+        let tables = pod
+            .ns
+            .command("nft")
+            .args(["list", "tables"])
+            .output()
+            .unwrap();
+        assert!(String::from_utf8_lossy(&tables.stdout).contains("inet istio-ambient-nat"));
+    }
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let mut conn = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(echo_roundtrip(&mut conn, &payload).unwrap(), payload);
+    assert_eq!(echo.peers()[0].ip(), std::net::IpAddr::from(client.ip));
+    let src = [
+        ("reporter", "source"),
+        ("destination_workload", "server"),
+        ("connection_security_policy", "mutual_tls"),
+    ];
+    wait_closed(&m, &client, &src, 1);
+    // Outside the mesh: in through the server's plaintext inbound port.
+    let mut plain = connect_from(&outsider, echo.addr).unwrap();
+    assert_eq!(echo_roundtrip(&mut plain, b"plain").unwrap(), b"plain");
+    let inbound_plain = [
+        ("reporter", "destination"),
+        ("connection_security_policy", "unknown"),
+    ];
+    wait_closed(&m, &server, &inbound_plain, 1);
+}
+
 const MARKER: &[u8] = b"AMBIT-PLAINTEXT-MARKER-7f3a9c";
 
 #[test]

@@ -7,9 +7,11 @@ mod hostprobe;
 mod install;
 mod kube;
 pub mod loopback;
+pub mod nft;
 // The plugin's pure stdin/env logic: public so fuzz/ can drive it.
 pub mod plugin;
 pub mod plugin_main;
 pub mod redirect;
+pub mod rules;
 pub mod virtual_interfaces;
 mod zds_server;

@@ -14,6 +14,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 
 use super::loopback;
+use super::nft;
+use super::rules::{self, pod_rules, Hook, Rule};
 use super::virtual_interfaces::{self, VirtualInterfaceRefused};
 use crate::constants::{
     CONNMARK, DNS_PORT, HBONE_PORT, INBOUND_PLAINTEXT_PORT, MARK_MASK, OUTBOUND_PORT,
@@ -41,13 +43,13 @@ impl Family {
             Family::V6 => "ip6tables-save",
         }
     }
-    fn localhost(self) -> &'static str {
+    pub(super) fn localhost(self) -> &'static str {
         match self {
             Family::V4 => "127.0.0.1/32",
             Family::V6 => "::1/128",
         }
     }
-    fn probe_src(self) -> &'static str {
+    pub(super) fn probe_src(self) -> &'static str {
         match self {
             Family::V4 => PROBE_SNAT_V4,
             Family::V6 => PROBE_SNAT_V6,
@@ -81,6 +83,17 @@ pub struct RedirectOptions {
     pub virtual_interfaces: Vec<String>,
     /// Raise the pod's loopback GSO limit (BIG TCP, see [`loopback`]).
     pub loopback_big_tcp: bool,
+    /// What writes the rules: iptables (Istio CNI's text) or nftables
+    /// (istio-cni's native nftables tables, [`super::nft`]).
+    pub backend: Backend,
+}
+
+/// The rules back end: istio-cni's `NATIVE_NFTABLES` setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    #[default]
+    Iptables,
+    Nftables,
 }
 
 impl Default for RedirectOptions {
@@ -91,6 +104,7 @@ impl Default for RedirectOptions {
             ipv6: true,
             virtual_interfaces: Vec::new(),
             loopback_big_tcp: true,
+            backend: Backend::Iptables,
         }
     }
 }
@@ -180,61 +194,44 @@ impl RedirectRules {
     }
 
     fn tables(&self, family: Family) -> Vec<Table> {
-        let mark = format!("0x{PROXY_MARK:x}/0x{MARK_MASK:x}");
-        let connmark = format!("0x{CONNMARK:x}/0x{MARK_MASK:x}");
-        let lo = family.localhost();
-        let probe = family.probe_src();
-        let mut out = vec![Table {
-            name: "mangle",
-            chains: vec!["ISTIO_PRERT", "ISTIO_OUTPUT"],
-            jumps: vec![("PREROUTING", "ISTIO_PRERT"), ("OUTPUT", "ISTIO_OUTPUT")],
-            rules: vec![
-                format!("-A ISTIO_PRERT -m mark --mark {mark} -j CONNMARK --set-xmark {connmark}"),
-                format!("-A ISTIO_OUTPUT -m connmark --mark {connmark} -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"),
-            ],
-        }];
-        let mut nat = Vec::new();
-        for vif in &self.opts.virtual_interfaces {
-            nat.push(format!(
-                "-A ISTIO_PRERT -i {vif} -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}"
-            ));
-            nat.push(format!("-A ISTIO_PRERT -i {vif} -p tcp -j RETURN"));
-        }
-        if !self.opts.bypass_inbound {
-            nat.push(format!("-A ISTIO_PRERT -s {probe} -p tcp -m tcp -j ACCEPT"));
-        }
-        nat.push(format!(
-            "-A ISTIO_OUTPUT -d {probe} -p tcp -m tcp -j ACCEPT"
-        ));
-        if !self.opts.bypass_inbound {
-            nat.push(format!(
-                "-A ISTIO_PRERT ! -d {lo} -p tcp ! --dport {HBONE_PORT} -m mark ! --mark {mark} -j REDIRECT --to-ports {INBOUND_PLAINTEXT_PORT}"
-            ));
-        }
-        if self.opts.dns_capture {
-            nat.push(format!("-A ISTIO_OUTPUT ! -o lo -p udp -m mark ! --mark {mark} -m udp --dport 53 -j REDIRECT --to-port {DNS_PORT}"));
-            nat.push(format!("-A ISTIO_OUTPUT ! -d {lo} -p tcp --dport 53 -m mark ! --mark {mark} -j REDIRECT --to-ports {DNS_PORT}"));
-        }
-        nat.push(format!(
-            "-A ISTIO_OUTPUT -p tcp -m mark --mark {connmark} -j ACCEPT"
-        ));
-        nat.push(format!("-A ISTIO_OUTPUT ! -d {lo} -o lo -j ACCEPT"));
-        nat.push(format!("-A ISTIO_OUTPUT ! -d {lo} -p tcp -m mark ! --mark {mark} -j REDIRECT --to-ports {OUTBOUND_PORT}"));
-        out.push(Table {
-            name: "nat",
-            chains: vec!["ISTIO_PRERT", "ISTIO_OUTPUT"],
-            jumps: vec![("OUTPUT", "ISTIO_OUTPUT"), ("PREROUTING", "ISTIO_PRERT")],
-            rules: nat,
-        });
-        if self.opts.dns_capture {
+        let rules: Vec<Rule> = pod_rules(&self.opts)
+            .into_iter()
+            .filter(|r| r.in_family(family))
+            .collect();
+        let mut out = Vec::new();
+        for (table, name) in [
+            (rules::Table::Mangle, "mangle"),
+            (rules::Table::Nat, "nat"),
+            (rules::Table::Raw, "raw"),
+        ] {
+            let text: Vec<String> = rules
+                .iter()
+                .filter(|r| r.table() == table)
+                .map(|r| iptables_rule(r, family))
+                .collect();
+            // Mangle and nat always (as Istio's); raw only with rules.
+            if text.is_empty() && table == rules::Table::Raw {
+                continue;
+            }
+            let (chains, jumps) = match table {
+                rules::Table::Mangle => (
+                    vec!["ISTIO_PRERT", "ISTIO_OUTPUT"],
+                    vec![("PREROUTING", "ISTIO_PRERT"), ("OUTPUT", "ISTIO_OUTPUT")],
+                ),
+                rules::Table::Nat => (
+                    vec!["ISTIO_PRERT", "ISTIO_OUTPUT"],
+                    vec![("OUTPUT", "ISTIO_OUTPUT"), ("PREROUTING", "ISTIO_PRERT")],
+                ),
+                rules::Table::Raw => (
+                    vec!["ISTIO_OUTPUT", "ISTIO_PRERT"],
+                    vec![("PREROUTING", "ISTIO_PRERT"), ("OUTPUT", "ISTIO_OUTPUT")],
+                ),
+            };
             out.push(Table {
-                name: "raw",
-                chains: vec!["ISTIO_OUTPUT", "ISTIO_PRERT"],
-                jumps: vec![("PREROUTING", "ISTIO_PRERT"), ("OUTPUT", "ISTIO_OUTPUT")],
-                rules: vec![
-                    format!("-A ISTIO_OUTPUT -p udp -m mark --mark {mark} -m udp --dport 53 -j CT --zone 1"),
-                    format!("-A ISTIO_PRERT -p udp -m mark ! --mark {mark} -m udp --sport 53 -j CT --zone 1"),
-                ],
+                name,
+                chains,
+                jumps,
+                rules: text,
             });
         }
         out
@@ -348,16 +345,32 @@ impl RedirectRules {
             virtual_interfaces::check(vifs, &[])?;
             virtual_interfaces::check(vifs, &virtual_interfaces::primary(netns))?;
         }
-        let result = self.families().into_iter().try_for_each(|family| {
-            let present = Present::parse(&run(netns, family.save(), &[], None)?);
-            let text = if present.is_empty() {
-                self.render(family)
-            } else {
-                self.render_reconcile(family, &present)
-            };
-            run(netns, family.restore(), &["--noflush"], Some(&text))?;
-            ensure_route(netns, family)
-        });
+        let result = match self.opts.backend {
+            Backend::Iptables => self.families().into_iter().try_for_each(|family| {
+                let present = Present::parse(&run(netns, family.save(), &[], None)?);
+                let text = if present.is_empty() {
+                    self.render(family)
+                } else {
+                    self.render_reconcile(family, &present)
+                };
+                run(netns, family.restore(), &["--noflush"], Some(&text))?;
+                ensure_route(netns, family)
+            }),
+            // One transaction for every table and both families.
+            Backend::Nftables => run(netns, "nft", &["-f", "-"], Some(&nft::render(&self.opts)))
+                .and_then(|_| {
+                    self.families()
+                        .into_iter()
+                        .try_for_each(|family| ensure_route(netns, family))
+                }),
+        };
+        if result.is_ok() && self.opts.backend == Backend::Nftables {
+            // A pod enrolled under iptables (the agent restarted with
+            // nftables on): its iptables rules go. (The other way round,
+            // the nftables tables are removed with the pod's rules; a
+            // first apply under iptables spawns no `nft`.)
+            self.remove_other_backend(netns);
+        }
         if result.is_ok() {
             migrate_queued_connections(netns);
             if !self.opts.loopback_big_tcp {
@@ -375,14 +388,29 @@ impl RedirectRules {
         result
     }
 
-    /// Removes our chains, jumps, rule and route from `netns`; absent pieces are fine.
-    pub fn remove(&self, netns: &Netns) -> Result<(), RedirectError> {
-        if let Err(e) = loopback::disable(netns) {
-            tracing::debug!(netns = %netns.path().display(), error = %e, "loopback GSO limit not restored");
+    /// What the other back end than ours left in `netns`, removed; a
+    /// back end whose tool this host lacks has left nothing.
+    fn remove_other_backend(&self, netns: &Netns) {
+        let removed = match self.opts.backend {
+            Backend::Iptables => Self::remove_nft(netns),
+            Backend::Nftables => Self::remove_iptables(netns),
+        };
+        if let Err(e) = removed {
+            tracing::debug!(netns = %netns.path().display(), error = %e, "the other rules back end's rules not removed");
         }
+    }
+
+    fn remove_nft(netns: &Netns) -> Result<(), RedirectError> {
+        match run(netns, "nft", &["-f", "-"], Some(&nft::render_remove())) {
+            Err(RedirectError::Step { reason, .. }) if is_missing_tool(&reason) => Ok(()),
+            r => r.map(drop),
+        }
+    }
+
+    fn remove_iptables(netns: &Netns) -> Result<(), RedirectError> {
         for family in [Family::V4, Family::V6] {
             let Ok(save) = run(netns, family.save(), &[], None) else {
-                continue; // no ip6tables in this netns: nothing of ours there either
+                continue; // no ip6tables (or no iptables) here: nothing of ours either
             };
             let present = Present::parse(&save);
             if !present.is_empty() {
@@ -393,6 +421,22 @@ impl RedirectRules {
                     Some(&Self::render_remove(&present)),
                 )?;
             }
+        }
+        Ok(())
+    }
+
+    /// Removes our rules (of either back end), `ip rule` and route from
+    /// `netns`; absent pieces are fine.
+    pub fn remove(&self, netns: &Netns) -> Result<(), RedirectError> {
+        if let Err(e) = loopback::disable(netns) {
+            tracing::debug!(netns = %netns.path().display(), error = %e, "loopback GSO limit not restored");
+        }
+        match self.opts.backend {
+            Backend::Iptables => Self::remove_iptables(netns)?,
+            Backend::Nftables => Self::remove_nft(netns)?,
+        }
+        self.remove_other_backend(netns);
+        for family in [Family::V4, Family::V6] {
             let pref = RULE_PRIORITY.to_string();
             while run(
                 netns,
@@ -412,6 +456,53 @@ impl RedirectRules {
         }
         Ok(())
     }
+}
+
+/// `rule` as Istio CNI writes it for `family`'s `iptables-restore`.
+fn iptables_rule(rule: &Rule, family: Family) -> String {
+    let mark = format!("0x{PROXY_MARK:x}/0x{MARK_MASK:x}");
+    let connmark = format!("0x{CONNMARK:x}/0x{MARK_MASK:x}");
+    let lo = family.localhost();
+    let probe = family.probe_src();
+    let chain = match rule.hook() {
+        Hook::Prerouting => "ISTIO_PRERT",
+        Hook::Output => "ISTIO_OUTPUT",
+    };
+    let spec = match rule {
+        Rule::MarkProxyConnections => {
+            format!("-m mark --mark {mark} -j CONNMARK --set-xmark {connmark}")
+        }
+        Rule::RestoreProxyMark => format!(
+            "-m connmark --mark {connmark} -j CONNMARK --restore-mark --nfmask 0xffffffff --ctmask 0xffffffff"
+        ),
+        Rule::VirtualInterfaceToOutbound(vif) => {
+            format!("-i {vif} -p tcp -j REDIRECT --to-ports {OUTBOUND_PORT}")
+        }
+        Rule::VirtualInterfaceDone(vif) => format!("-i {vif} -p tcp -j RETURN"),
+        Rule::AcceptProbesIn(_) => format!("-s {probe} -p tcp -m tcp -j ACCEPT"),
+        Rule::AcceptProbesOut(_) => format!("-d {probe} -p tcp -m tcp -j ACCEPT"),
+        Rule::InboundToProxy(_) => format!(
+            "! -d {lo} -p tcp ! --dport {HBONE_PORT} -m mark ! --mark {mark} -j REDIRECT --to-ports {INBOUND_PLAINTEXT_PORT}"
+        ),
+        Rule::DnsUdpToProxy => format!(
+            "! -o lo -p udp -m mark ! --mark {mark} -m udp --dport 53 -j REDIRECT --to-port {DNS_PORT}"
+        ),
+        Rule::DnsTcpToProxy(_) => format!(
+            "! -d {lo} -p tcp --dport 53 -m mark ! --mark {mark} -j REDIRECT --to-ports {DNS_PORT}"
+        ),
+        Rule::AcceptProxyConnections => format!("-p tcp -m mark --mark {connmark} -j ACCEPT"),
+        Rule::AcceptLoopback(_) => format!("! -d {lo} -o lo -j ACCEPT"),
+        Rule::OutboundToProxy(_) => format!(
+            "! -d {lo} -p tcp -m mark ! --mark {mark} -j REDIRECT --to-ports {OUTBOUND_PORT}"
+        ),
+        Rule::DnsUpstreamZone => {
+            format!("-p udp -m mark --mark {mark} -m udp --dport 53 -j CT --zone 1")
+        }
+        Rule::DnsAnswersZone => {
+            format!("-p udp -m mark ! --mark {mark} -m udp --sport 53 -j CT --zone 1")
+        }
+    };
+    format!("-A {chain} {spec}")
 }
 
 /// Lets the kernel hand connections still queued on a closing listener to
@@ -490,6 +581,11 @@ fn ensure_route(netns: &Netns, family: Family) -> Result<(), RedirectError> {
 }
 
 /// Runs a tool inside `netns`, feeding `stdin`, returning stdout.
+/// Whether a step failed because its program is not installed.
+fn is_missing_tool(reason: &str) -> bool {
+    reason.contains("No such file or directory") || reason.contains("not found")
+}
+
 fn run(
     netns: &Netns,
     prog: &str,

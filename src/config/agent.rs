@@ -73,10 +73,16 @@ pub static AGENT_KEYS: &[Key] = &[
         help: "raise each meshed pod's loopback GSO limit (BIG TCP) for the proxy's loopback legs",
     },
     Key {
+        name: "native_nftables",
+        env: &["NATIVE_NFTABLES"],
+        default: "false",
+        help: "write the in-pod rules with nftables (istio-cni's inet istio-ambient-* tables, one nft transaction per pod; chart: global.nativeNftables) instead of iptables; the host's kubelet-probe rule stays iptables + ipset",
+    },
+    Key {
         name: "ipv6",
         env: &["AMBIENT_IPV6"],
         default: "true",
-        help: "also program ip6tables in pods",
+        help: "also write the pods' IPv6 rules (ip6tables, or the IPv6 rules of the nftables tables)",
     },
     Key {
         name: "local_xds_path",
@@ -153,6 +159,8 @@ pub struct AgentConfig {
     pub enroll: EnrollRule,
     pub exclude_namespaces: Vec<String>,
     pub dns_capture: bool,
+    /// The in-pod rules in nftables, not iptables.
+    pub native_nftables: bool,
     pub pod_loopback_big_tcp: bool,
     pub ipv6: bool,
     pub local_xds_path: Option<PathBuf>,
@@ -211,6 +219,7 @@ impl AgentConfig {
                 })?
                 .unwrap_or_default(),
             dns_capture: l.require("dns_capture", "true or false", parse_bool)?,
+            native_nftables: l.require("native_nftables", "true or false", parse_bool)?,
             pod_loopback_big_tcp: l.require("pod_loopback_big_tcp", "true or false", parse_bool)?,
             ipv6: l.require("ipv6", "true or false", parse_bool)?,
             local_xds_path: l.get("local_xds_path", "a file path", path)?,

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use super::http_get;
 use super::sandbox::{pod_uid, Sandboxes};
-use crate::cni::redirect::{RedirectOptions, RedirectRules};
+use crate::cni::redirect::{Backend, RedirectOptions, RedirectRules};
 use crate::netns::Netns;
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
@@ -275,12 +275,18 @@ impl Lab {
 
     /// Puts a pod's traffic under redirection (the agent's job on a real node).
     pub fn redirect(&self, pod: &LabPod) -> io::Result<()> {
+        self.redirect_with(pod, Backend::Iptables)
+    }
+
+    /// [`Lab::redirect`], the rules written by `backend`.
+    pub fn redirect_with(&self, pod: &LabPod, backend: Backend) -> io::Result<()> {
         let opts = RedirectOptions {
             dns_capture: false,
             bypass_inbound: false,
             ipv6: true,
             virtual_interfaces: Vec::new(),
             loopback_big_tcp: true,
+            backend,
         };
         RedirectRules::new(opts)
             .apply(&pod.ns)

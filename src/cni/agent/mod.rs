@@ -26,7 +26,7 @@ use http::StatusCode;
 
 use super::kube::{self, Cluster, Wanted};
 use super::plugin::Enrollment;
-use super::redirect::{RedirectOptions, RedirectRules};
+use super::redirect::{Backend, RedirectOptions, RedirectRules};
 use super::zds_server::ZdsServer;
 use super::{hostprobe, install};
 use crate::backoff::Backoff;
@@ -126,6 +126,10 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         ipv6: cfg.ipv6,
         virtual_interfaces: Vec::new(),
         loopback_big_tcp: cfg.pod_loopback_big_tcp,
+        backend: match cfg.native_nftables {
+            true => Backend::Nftables,
+            false => Backend::Iptables,
+        },
     });
     let mesh = match &cfg.local_xds_path {
         Some(path) => {
