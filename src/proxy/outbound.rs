@@ -88,6 +88,8 @@ pub enum OutboundError {
     NoWaypoint(String),
     #[error("on-demand DNS: {0}")]
     Unresolved(String),
+    #[error("{0}; refused rather than dialled across networks")]
+    OtherNetwork(String),
     #[error("HBONE to {0}: not established within {HBONE_DEADLINE:?}")]
     Deadline(SocketAddr),
     #[error("refused: {}", .0.reason())]
@@ -246,6 +248,7 @@ impl Outbound {
             Route::Refused { .. } => "refused",
             Route::SelfCall => "self-call",
             Route::Unresolved { .. } => "unresolved",
+            Route::OtherNetwork { .. } => "other-network",
             Route::Hostname { .. } => "hostname",
         };
         let mut record = ConnectionRecord::open(
@@ -297,6 +300,7 @@ impl Outbound {
             }
             Route::SelfCall => Err(OutboundError::SelfCall(dst)),
             Route::Unresolved { reason, .. } => Err(OutboundError::Unresolved(reason)),
+            Route::OtherNetwork { reason, .. } => Err(OutboundError::OtherNetwork(reason)),
             Route::Hostname { workload, .. } => {
                 Err(OutboundError::Unresolved(workload.hostname.to_string()))
             }
@@ -620,7 +624,9 @@ impl Outbound {
             Route::Hostname {
                 workload, service, ..
             } => (Some(workload), Some(service)),
-            Route::Unresolved { workload, .. } => (Some(workload), None),
+            Route::Unresolved { workload, .. } | Route::OtherNetwork { workload, .. } => {
+                (Some(workload), None)
+            }
         };
         if let Some(w) = workload {
             l.set_destination(&WorkloadLabels::of(w));

@@ -59,6 +59,9 @@ pub struct State {
     workloads: Map<Arc<str>, Queue<Workload>>,
     /// Every served workload claiming an address.
     by_addr: Map<NetworkAddress, Queue<Workload>>,
+    /// How many served workloads with addresses each network holds: the
+    /// networks an address can be looked up on.
+    networks: Map<Arc<str>, usize>,
     /// Namespace → name → served workloads of that name: the latest is
     /// found. Nested so that a lookup (one per connection, for the pod's
     /// own labels) borrows the names instead of copying them.
@@ -311,6 +314,16 @@ impl State {
             .iter()
             .map(|(_, w)| w)
             .max_by_key(|w| rank(w))
+    }
+
+    /// A workload at `ip` on a network other than `network` (the first
+    /// found): an address a client on `network` must not be sent to
+    /// directly.
+    pub fn workload_elsewhere(&self, network: &str, ip: IpAddr) -> Option<&Arc<Workload>> {
+        self.networks
+            .keys()
+            .filter(|n| !same_text(n, network))
+            .find_map(|n| self.workload_by_addr(n, ip))
     }
 
     pub fn workload_by_name(&self, namespace: &str, name: &str) -> Option<&Arc<Workload>> {

@@ -78,6 +78,13 @@ pub enum Route {
         port: u16,
         service: Arc<Service>,
     },
+    /// A workload on another network, called by its address: refused,
+    /// never dialled across networks (another network is reached only
+    /// through its gateway, by a service's name).
+    OtherNetwork {
+        workload: Arc<Workload>,
+        reason: String,
+    },
     /// A hostname that did not resolve.
     Unresolved {
         workload: Arc<Workload>,
@@ -145,6 +152,19 @@ pub fn route(
             }
         }
         return to_workload(w.clone(), dst, None, trust_domain);
+    }
+    if let Some(w) = state.workload_elsewhere(network, dst.ip()) {
+        let reason = format!(
+            "{} is workload {}/{} on network {:?}: reached only through its gateway, by one of its services' names",
+            dst.ip(),
+            w.namespace,
+            w.name,
+            w.network
+        );
+        return Route::OtherNetwork {
+            workload: w.clone(),
+            reason,
+        };
     }
     match state.refused_at(network, dst.ip()) {
         Some(r) => Route::Refused {

@@ -829,10 +829,18 @@ fn on_a_network_with_a_gateway_the_local_endpoints_are_reached_directly_and_the_
             other => panic!("{vip}: {other:?}"),
         }
     }
-    // Another network's pod by its own address: not in this network's
-    // state, so never taken for a mesh workload.
+    // Another network's pod by its own address: refused, never dialled
+    // across networks (nor passed through in plaintext).
+    match routed_on_net1(&st, "10.3.0.5:6379") {
+        Route::OtherNetwork { workload, reason } => {
+            assert_eq!(workload.name.as_str(), "cache-1");
+            assert!(reason.contains("on network \"net3\""), "{reason}");
+        }
+        other => panic!("dialled another network's pod: {other:?}"),
+    }
+    // An address no network holds still passes through.
     assert!(matches!(
-        routed_on_net1(&st, "10.3.0.5:6379"),
+        routed_on_net1(&st, "10.9.9.9:80"),
         Route::Passthrough { .. }
     ));
     // A service whose waypoint is on another network (a global waypoint

@@ -451,6 +451,9 @@ impl State {
         for at in Self::found_at(w) {
             enqueue(&mut self.by_addr, &at, || at.clone(), arrival, w);
         }
+        if !w.workload_ips.is_empty() {
+            *slot(&mut self.networks, &w.network) += 1;
+        }
         for (svc, ports) in w.services.iter() {
             let endpoint = Endpoint {
                 workload: w.clone(),
@@ -474,6 +477,13 @@ impl State {
     fn unserve_workload(&mut self, arrival: u64, w: &Workload) {
         for at in Self::found_at(w) {
             dequeue(&mut self.by_addr, &at, arrival);
+        }
+        if !w.workload_ips.is_empty() {
+            let held = slot(&mut self.networks, &w.network);
+            *held = held.saturating_sub(1);
+            if *held == 0 {
+                self.networks.remove(w.network.as_str());
+            }
         }
         for svc in w.services.keys() {
             if let Some(endpoints) = self.endpoints.get_mut(svc.as_str()) {
