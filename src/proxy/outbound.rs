@@ -288,8 +288,7 @@ impl Outbound {
                 ..
             } => {
                 let through = (gateway, gateway_identities);
-                let target = Authority::Host(host, port);
-                self.through_gateway(peer, through, target, identities, own.baggage.clone())
+                self.through_gateway(peer, through, (host, port), identities, own.baggage.clone())
                     .await
             }
             Route::Tcp { target, .. } | Route::Passthrough { target } => self.plain(target).await,
@@ -410,7 +409,7 @@ impl Outbound {
         &self,
         src: SocketAddr,
         (gateway, gateway_ids): (SocketAddr, Vec<Identity>),
-        target: Authority,
+        (host, port): (String, u16),
         identities: Vec<Identity>,
         baggage: http::HeaderValue,
     ) -> Result<Upstream, OutboundError> {
@@ -419,9 +418,8 @@ impl Outbound {
         let reserved = BUDGET
             .reserve(STREAM_OPEN_COST + INNER_COST, None, Some(&self.pod.key))
             .map_err(OutboundError::Budget)?;
-        let Authority::Host(host, _) = &target else {
-            unreachable!("a gateway is asked for a service by name")
-        };
+        // A gateway is asked for a service by its name.
+        let target = Authority::Host(host.clone(), port);
         let req = |network| ConnectRequest {
             target: target.clone(),
             source: src,
