@@ -28,13 +28,24 @@
 //! (idle connections, 100000), `AMBIT_BENCH_IDLE_SECS` (each idle
 //! window, 10). `AMBIT_BENCH_HEAP=<file>`: where Ambit's memory per pod
 //! goes, a heap profile (pprof) of what the pods after the first hold.
+//!
+//! Rules back ends: `AMBIT_BENCH_RULES` (`iptables`, `nftables` or `both`;
+//! iptables) picks what Ambit's agent writes the rules with; with `both`
+//! the node runs twice, once in each mode (nftables on a `PATH` without
+//! iptables, as the tests run it). First, for each mode picked, the cost
+//! of one ADD's rules alone: `AMBIT_BENCH_RULES_PODS` (200) fresh netns,
+//! each given its rules the way the agent does (`RedirectRules::apply`),
+//! then each pod's entry added to the host's probe set in a scratch host
+//! netns; median and p99 of each.
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use ambit::lab::node::Node;
+use ambit::cni::hostprobe::HostProbes;
+use ambit::cni::redirect::{Backend, RedirectOptions, RedirectRules};
+use ambit::lab::node::{Node, RulesMode};
 use ambit::lab::{cpu_seconds, iperf3, rss_kb, EchoServer, LabPod};
 use ambit::netns::Netns;
 
@@ -71,6 +82,10 @@ struct Settings {
     cc: String,
     /// Where to write the heap profile of the pods after the first.
     heap: Option<PathBuf>,
+    /// The rules back ends Ambit's node runs with, one run each.
+    modes: Vec<RulesMode>,
+    /// Fresh netns for the rules-alone cost.
+    rules_pods: usize,
 }
 
 /// One proxy under test: Ambit's own, or a peer binary.
@@ -78,6 +93,7 @@ struct Proxy {
     name: String,
     binary: Option<PathBuf>,
     env: Vec<(String, String)>,
+    rules: RulesMode,
 }
 
 /// What one run measured.
@@ -127,6 +143,12 @@ fn main() {
         conns: env_or("AMBIT_BENCH_CONNS", 100_000),
         idle_secs: env_or("AMBIT_BENCH_IDLE_SECS", 10).max(1),
         heap: std::env::var_os("AMBIT_BENCH_HEAP").map(PathBuf::from),
+        modes: match std::env::var("AMBIT_BENCH_RULES").as_deref() {
+            Ok("nftables") => vec![RulesMode::Nftables],
+            Ok("both") => vec![RulesMode::Iptables, RulesMode::Nftables],
+            _ => vec![RulesMode::Iptables],
+        },
+        rules_pods: env_or("AMBIT_BENCH_RULES_PODS", 200).max(1),
         cc: std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
             .unwrap_or_default()
             .trim()
@@ -142,11 +164,22 @@ fn main() {
             "prof:true,prof_active:false,lg_prof_sample:12".into(),
         ));
     }
-    let mut proxies = vec![Proxy {
-        name: "Ambit".into(),
-        binary: None,
-        env: ambit_env,
-    }];
+    for &mode in &settings.modes {
+        rules_cost(mode, settings.rules_pods);
+    }
+    let mut proxies: Vec<Proxy> = settings
+        .modes
+        .iter()
+        .map(|&rules| Proxy {
+            name: match rules {
+                RulesMode::Iptables => "Ambit".into(),
+                RulesMode::Nftables => "Ambit (nftables)".into(),
+            },
+            binary: None,
+            env: ambit_env.clone(),
+            rules,
+        })
+        .collect();
     if let Ok(peer) = std::env::var("AMBIT_BENCH_PEER") {
         let peer = PathBuf::from(peer);
         let name = peer
@@ -163,6 +196,7 @@ fn main() {
             name,
             binary: Some(peer),
             env,
+            rules: RulesMode::Iptables,
         });
     }
     println!(
@@ -177,8 +211,15 @@ fn main() {
     for (name, r) in &reports {
         print_report(name, &settings, r);
     }
-    if let [(ours, a), (peer, b), ..] = reports.as_slice() {
-        print_ratios(ours, a, peer, b, &settings);
+    // Each of Ambit's runs against the peer's (the last run, when there is one).
+    if let Some(((peer, b), ours)) = proxies
+        .last()
+        .filter(|p| p.binary.is_some())
+        .and_then(|_| reports.split_last())
+    {
+        for (name, a) in ours {
+            print_ratios(name, a, peer, b, &settings);
+        }
     }
 }
 
@@ -267,6 +308,8 @@ fn run(s: &Settings, proxy: &Proxy) -> Report {
         None,
     );
     node.extra_env = proxy.env.clone();
+    node.extra_env
+        .extend(Node::rules_env(&node.dir, proxy.rules));
     node.lab.spawn("agent", node.command("agent")).unwrap();
     let proxy_cmd = match &proxy.binary {
         Some(binary) => node.command_of(binary, "proxy", &[]),
@@ -389,6 +432,69 @@ fn run(s: &Settings, proxy: &Proxy) -> Report {
     drop(listeners);
     drop(_echo);
     r
+}
+
+/// The cost of one ADD's rules alone under `mode`: `n` fresh netns, each
+/// given the rules as the agent gives them, then each pod's address added
+/// to the probe set of a scratch host netns. Prints the median and p99.
+fn rules_cost(mode: RulesMode, n: usize) {
+    let backend = match mode {
+        RulesMode::Iptables => Backend::Iptables,
+        RulesMode::Nftables => Backend::Nftables,
+    };
+    let name = |i: usize| format!("ambit-bench-rules-{}-{i}", std::process::id());
+    let netns = |n: &str| {
+        let ok = std::process::Command::new("ip")
+            .args(["netns", "add", n])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "ip netns add {n}");
+        Netns::named(n).unwrap()
+    };
+    let rules = RedirectRules::new(RedirectOptions {
+        backend,
+        ..RedirectOptions::default()
+    });
+    let mut apply_ms = Vec::with_capacity(n);
+    for i in 0..n {
+        let ns = netns(&name(i));
+        let t = Instant::now();
+        rules
+            .apply(&ns)
+            .unwrap_or_else(|e| panic!("{mode:?} rules: {e}"));
+        apply_ms.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let host = netns(&name(n));
+    let probes = HostProbes {
+        backend,
+        ipv6: true,
+    };
+    let probe_ms: Vec<f64> = host
+        .run(move || {
+            probes.install().unwrap();
+            (0..n)
+                .map(|i| {
+                    let t = Instant::now();
+                    probes
+                        .add_pod(&format!("uid-{i}"), &[pod_ip(i).into()])
+                        .unwrap();
+                    t.elapsed().as_secs_f64() * 1e3
+                })
+                .collect()
+        })
+        .unwrap();
+    for i in 0..=n {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &name(i)])
+            .status();
+    }
+    println!(
+        "rules: backend={mode:?} pods={n} apply_p50_ms={:.2} apply_p99_ms={:.2} probe_add_p50_ms={:.2} probe_add_p99_ms={:.2}",
+        percentile(&apply_ms, 0.5),
+        percentile(&apply_ms, 0.99),
+        percentile(&probe_ms, 0.5),
+        percentile(&probe_ms, 0.99)
+    );
 }
 
 /// A GET to the proxy's admin port (in the node's netns): the body, when

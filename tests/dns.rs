@@ -5,10 +5,10 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream, UdpSocket};
+use std::net::{SocketAddr, TcpStream, UdpSocket};
 use std::time::Duration;
 
-use ambit::lab::node::Node;
+use ambit::lab::node::{Node, RulesMode};
 use ambit::lab::{connect_from, echo_roundtrip, EchoServer, LabPod};
 use hickory_proto::op::{Message, Query};
 use hickory_proto::rr::{Name, RecordType};
@@ -68,31 +68,43 @@ fn ask_tcp(pod: &LabPod, server: SocketAddr, packet: Vec<u8>) -> std::io::Result
 
 #[test]
 fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
+    // A subnet no other test uses (10.78.0 is the demo's).
+    resolve_through_the_proxy(RulesMode::Iptables, "10.86.0");
+}
+
+/// The same with the agent's rules in nftables, on a node without iptables.
+#[test]
+fn with_the_rules_in_nftables_pods_resolve_through_the_proxy_and_upstream() {
+    resolve_through_the_proxy(RulesMode::Nftables, "10.79.0");
+}
+
+fn resolve_through_the_proxy(mode: RulesMode, subnet: &str) {
     // Beside the pods: a DNS ServiceEntry, service `api` whose endpoint is
     // the hostname api.external.example (no address: resolved on demand).
-    let mesh = "workloads:\n\
-        - {name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"10.86.0.2\"], protocol: HBONE}\n\
-        - {name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"10.86.0.3\"], protocol: HBONE, services: {\"default/echo.default.svc.cluster.local\": {80: 8080}}}\n\
-        - {uid: ext, name: ext, namespace: default, hostname: api.external.example, protocol: TCP, services: {\"default/api.external.example\": {80: 8080}}}\n\
-        - {uid: gone, name: gone, namespace: default, hostname: nowhere.invalid, protocol: TCP, services: {\"default/nowhere.invalid\": {80: 8080}}}\n\
+    let mesh = format!("workloads:\n\
+        - {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n\
+        - {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE, services: {{\"default/echo.default.svc.cluster.local\": {{80: 8080}}}}}}\n\
+        - {{uid: ext, name: ext, namespace: default, hostname: api.external.example, protocol: TCP, services: {{\"default/api.external.example\": {{80: 8080}}}}}}\n\
+        - {{uid: gone, name: gone, namespace: default, hostname: nowhere.invalid, protocol: TCP, services: {{\"default/nowhere.invalid\": {{80: 8080}}}}}}\n\
         services:\n\
-        - {name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {80: 8080}}\n\
-        - {name: api, namespace: default, hostname: api.external.example, vips: [\"/10.96.0.20\"], ports: {80: 8080}}\n\
-        - {name: gone, namespace: default, hostname: nowhere.invalid, vips: [\"/10.96.0.21\"], ports: {80: 8080}}\n\
-        - {name: wild, namespace: default, hostname: \"*.wild.example\", vips: [\"/10.96.0.30\"], ports: {80: 8080}}\n\
-        - {name: legacy, namespace: default, hostname: legacy.external.example, ports: {80: 80}}\n";
-    let mut node = Node::start_full(
-        env!("CARGO_BIN_EXE_ambit"),
-        "dns",
-        "all",
-        true,
-        // A subnet no other test uses (10.78.0 is the demo's).
-        "10.86.0",
-        mesh,
-        None,
-    );
+        - {{name: echo, namespace: default, hostname: echo.default.svc.cluster.local, vips: [\"/10.96.0.10\"], ports: {{80: 8080}}}}\n\
+        - {{name: api, namespace: default, hostname: api.external.example, vips: [\"/10.96.0.20\"], ports: {{80: 8080}}}}\n\
+        - {{name: gone, namespace: default, hostname: nowhere.invalid, vips: [\"/10.96.0.21\"], ports: {{80: 8080}}}}\n\
+        - {{name: wild, namespace: default, hostname: \"*.wild.example\", vips: [\"/10.96.0.30\"], ports: {{80: 8080}}}}\n\
+        - {{name: legacy, namespace: default, hostname: legacy.external.example, ports: {{80: 80}}}}\n");
+    let bin = env!("CARGO_BIN_EXE_ambit");
+    let tag = match mode {
+        RulesMode::Iptables => "dns",
+        RulesMode::Nftables => "dnsnft",
+    };
+    let mut node = Node::prepare(bin, tag, "all", subnet, &mesh, None);
+    node.extra_env = Node::rules_env(&node.dir, mode);
+    node.launch(true);
+    node.wait_ready("127.0.0.1:8000", "/readyz");
+    node.wait_ready("127.0.0.1:15021", "/healthz/ready");
     let client = node.add_pod("client", "default").unwrap();
     let server = node.add_pod("server", "default").unwrap();
+    common::node::assert_rules_in(&node, mode, &[&client, &server]);
     let _echo = EchoServer::start(&server, 8080).unwrap();
     // The node's resolver: dnsmasq on the bridge address, knowing one external name and no mesh names.
     let mut cmd = node.lab.node.command("dnsmasq");
@@ -101,13 +113,13 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
         "--no-resolv",
         "--no-hosts",
         "--bind-interfaces",
-        "--listen-address=10.86.0.1",
+        &format!("--listen-address={subnet}.1"),
         "--port=53",
     ])
     .arg("--address=/external.example/192.0.2.7")
     // The ServiceEntry's host is the server pod; answers live 30 s, and
     // every query dnsmasq gets is logged.
-    .arg("--address=/api.external.example/10.86.0.3")
+    .arg(format!("--address=/api.external.example/{subnet}.3"))
     .args(["--local-ttl=30", "--log-queries", "--log-facility=-"])
     .arg(format!(
         "--pid-file={}",
@@ -115,18 +127,18 @@ fn pods_resolve_mesh_services_through_the_proxy_and_other_names_upstream() {
     ));
     node.lab.spawn("dnsmasq", cmd).unwrap();
     common::wait_until(
-        "dnsmasq listening on 10.86.0.1:53",
+        &format!("dnsmasq listening on {subnet}.1:53"),
         Duration::from_secs(10),
         || {
             node.lab
                 .node
                 .command("ss")
-                .args(["-Hlun", "src", "10.86.0.1:53"])
+                .args(["-Hlun", "src", &format!("{subnet}.1:53")])
                 .output()
                 .is_ok_and(|o| !o.stdout.is_empty())
         },
     );
-    let resolver: SocketAddr = (Ipv4Addr::new(10, 86, 0, 1), 53).into();
+    let resolver: SocketAddr = format!("{subnet}.1:53").parse().unwrap();
 
     // A mesh service name is answered by the proxy (dnsmasq does not know it)...
     let resp = ask_udp(

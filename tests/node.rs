@@ -9,16 +9,17 @@ use std::io::{Read, Write};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use ambit::lab::node::Node;
+use ambit::lab::node::{Node, RulesMode};
 
 const BIN: &str = env!("CARGO_BIN_EXE_ambit");
 use std::net::SocketAddr;
 
 use ambit::lab::{
     close_first_echo, connect_from, echo_roundtrip, established, iptables_save, istio_rules,
-    pod_uid, set_default_congestion_control, short_connections, time_waits, EchoServer, Ends,
-    LabPod,
+    pod_uid, set_default_congestion_control, short_connections, stdout_in, time_waits, EchoServer,
+    Ends, LabPod,
 };
+use common::node::{assert_rules_in, probe_entries};
 use common::{admin_get, counter, wait_until};
 
 /// Long enough for a loaded machine; the waits end as soon as the state is there.
@@ -26,7 +27,21 @@ const SETTLE: Duration = Duration::from_secs(10);
 
 #[test]
 fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
-    let mut node = Node::start(BIN, "node", "namespaces:default");
+    meshed_through_the_cni_chain(RulesMode::Iptables);
+}
+
+/// The same node with its rules in nftables, on a `PATH` without iptables.
+#[test]
+fn with_the_rules_in_nftables_pods_created_through_the_cni_chain_are_meshed() {
+    meshed_through_the_cni_chain(RulesMode::Nftables);
+}
+
+fn meshed_through_the_cni_chain(mode: RulesMode) {
+    let tag = match mode {
+        RulesMode::Iptables => "node",
+        RulesMode::Nftables => "nodenft",
+    };
+    let mut node = Node::start_in(BIN, tag, "namespaces:default", true, mode);
     let conflist = node.conflist();
     assert_eq!(
         conflist["plugins"].as_array().unwrap().last().unwrap()["type"],
@@ -44,6 +59,7 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
         istio_rules(&client) > 0 && istio_rules(&server) > 0,
         "enrolled pods have the in-pod rules"
     );
+    assert_rules_in(&node, mode, &[&client, &server]);
     let echo = EchoServer::start(&server, 8080).unwrap();
     // A capture on the node's bridge proves the pods' traffic is HBONE on the wire.
     let pcap = node.dir.join("bridge.pcap");
@@ -186,18 +202,12 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
     );
 
     // Kubelet-style probe from the node: SNATed to 169.254.7.127 by the host
-    // rule (the pod's IP is in the probe ipset) and not captured in the pod.
-    let out = node
-        .lab
-        .node
-        .command("ipset")
-        .args(["list", "istio-inpod-probes-v4"])
-        .output()
-        .unwrap();
-    let sets = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        sets.contains(&format!("{} comment \"{}\"", server.ip, pod_uid("server"))),
-        "{sets}"
+    // rule (the pod's IP is in the probe set) and not captured in the pod.
+    let sets = probe_entries(&node, mode);
+    assert_eq!(
+        sets.get(&server.ip.to_string()),
+        Some(&pod_uid("server")),
+        "{sets:?}"
     );
     let probe = node
         .lab
@@ -219,6 +229,9 @@ fn pods_created_through_the_cni_chain_are_meshed_by_the_shared_proxy() {
 
     // A deleted pod (its sandbox and netns gone) is removed from the proxy.
     node.remove_pod(&server);
+    wait_until("the deleted pod's probe set entry removed", SETTLE, || {
+        !probe_entries(&node, mode).contains_key(&server.ip.to_string())
+    });
     let deadline = Instant::now() + Duration::from_secs(5);
     // Only a 200 answer counts: an error page lacks the pod too.
     while admin_get(&node.lab.node, "127.0.0.1:15000", "/config_dump").contains(&pod_uid("server"))
@@ -401,7 +414,20 @@ fn echo_roundtrip_keep(
 
 #[test]
 fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
-    let mut node = Node::start_with(BIN, "arestart", "all", false);
+    agent_restart(RulesMode::Iptables);
+}
+
+#[test]
+fn with_the_rules_in_nftables_agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
+    agent_restart(RulesMode::Nftables);
+}
+
+fn agent_restart(mode: RulesMode) {
+    let tag = match mode {
+        RulesMode::Iptables => "arestart",
+        RulesMode::Nftables => "arestartnft",
+    };
+    let mut node = Node::start_in(BIN, tag, "all", false, mode);
     let client = node.add_pod("client", "default").unwrap();
     let server = node.add_pod("server", "default").unwrap();
     let added = |n: &Node| n.log().matches("pod added").count();
@@ -432,6 +458,18 @@ fn agent_restart_re_adds_nothing_and_drops_pods_deleted_meanwhile() {
         2,
         "no pod may be re-added after an agent restart:\n{}",
         node.log()
+    );
+    // The held pod's rules written again, the gone pod's probe entry
+    // removed, each in the one back end.
+    wait_until("the held pod's rules written again", SETTLE, || {
+        node.log()
+            .contains("rules of the pods held before this start written again")
+    });
+    assert_rules_in(&node, mode, &[&client]);
+    let probes = probe_entries(&node, mode);
+    assert!(
+        probes.contains_key(&client.ip.to_string()) && !probes.contains_key(&server.ip.to_string()),
+        "{probes:?}"
     );
     // The surviving pod still has its traffic carried by the proxy. The
     // other end is an app on the node (its bridge address), outside the
@@ -624,4 +662,143 @@ fn short_connections_through_the_shared_proxy_never_stall_and_leave_no_time_wait
         "the proxy keeps no TIME_WAIT in the pod:\n{held}\n{}",
         node.log()
     );
+}
+
+/// An agent restarted with the other rules back end moves its pods over
+/// (their rules and the node's probe rule and set, the old back end's
+/// removed) while their connections flow on; and back again.
+#[test]
+fn an_agent_restarted_with_the_other_backend_moves_its_pods_and_keeps_their_connections() {
+    use common::node::{mtls_from, METRICS};
+    let mut node = Node::start_in(BIN, "switch", "all", false, RulesMode::Iptables);
+    let client = node.add_pod("client", "default").unwrap();
+    let server = node.add_pod("server", "default").unwrap();
+    assert_rules_in(&node, RulesMode::Iptables, &[&client, &server]);
+    let echo = EchoServer::start(&server, 8080).unwrap();
+    let mut held = connect_from(&client, echo.addr).unwrap();
+    assert_eq!(
+        echo_roundtrip_keep(&mut held, b"before", SETTLE).unwrap(),
+        b"before"
+    );
+    let rewritten = |n: &Node| {
+        n.log()
+            .matches("rules of the pods held before this start written again")
+            .count()
+    };
+    for mode in [RulesMode::Nftables, RulesMode::Iptables] {
+        node.lab.stop("agent");
+        // Both tools on PATH, as in the image: the old back end's rules
+        // are there to be removed with its own tool.
+        // (Each agent writes a log of its own.)
+        node.extra_env = match mode {
+            RulesMode::Nftables => vec![("NATIVE_NFTABLES".into(), "true".into())],
+            RulesMode::Iptables => Vec::new(),
+        };
+        node.lab.spawn("agent", node.command("agent")).unwrap();
+        node.wait_ready("127.0.0.1:8000", "/readyz");
+        common::wait_until_showing(
+            "the pods' rules written again",
+            SETTLE,
+            || rewritten(&node) > 0,
+            || node.log(),
+        );
+        assert!(node.log().contains("pods=2 failed=0"), "{}", node.log());
+        assert_rules_in(&node, mode, &[&client, &server]);
+        // The connection opened under iptables carries on.
+        let again = echo_roundtrip_keep(&mut held, b"still here", SETTLE);
+        assert!(
+            again.as_ref().is_ok_and(|b| b == b"still here"),
+            "{mode:?}: {again:?}\n{}",
+            node.log()
+        );
+        // A new one is captured and carried over mTLS.
+        let before = mtls_from(&node, METRICS, "client");
+        let mut fresh = connect_from(&client, echo.addr).unwrap();
+        assert_eq!(echo_roundtrip(&mut fresh, b"fresh").unwrap(), b"fresh");
+        wait_until("the new connection counted as mTLS", SETTLE, || {
+            mtls_from(&node, METRICS, "client") > before
+        });
+        // The node's probes are SNATed by this back end's rule.
+        assert_eq!(
+            probe_entries(&node, mode).get(&server.ip.to_string()),
+            Some(&pod_uid("server"))
+        );
+        let ip = server.ip;
+        let mut probe = node
+            .lab
+            .node
+            .run(move || std::net::TcpStream::connect((ip, 8080)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(echo_roundtrip(&mut probe, b"probe").unwrap(), b"probe");
+        assert_eq!(
+            echo.peers().last().unwrap().ip().to_string(),
+            "169.254.7.127",
+            "{mode:?}"
+        );
+    }
+}
+
+/// A node that cannot take the nftables rules stops the agent at its start
+/// with the reason, before any pod is touched (not a failure at each
+/// ADD): without `nft`, and with an `nft` whose kernel refuses the
+/// transaction (a stand-in that fails as nft does when `nf_tables` or one
+/// of its expressions is missing).
+#[test]
+fn an_agent_on_a_host_that_refuses_the_nftables_rules_stops_at_start_with_the_reason() {
+    use std::os::unix::fs::PermissionsExt;
+    let node = Node::prepare(BIN, "nonft", "all", "10.80.0", "workloads: []\n", None);
+    let env = Node::rules_env(&node.dir, RulesMode::Nftables);
+    let farm = std::path::PathBuf::from(&env.iter().find(|(k, _)| k == "PATH").unwrap().1);
+    std::fs::remove_file(farm.join("nft")).unwrap();
+    let refusing =
+        "#!/bin/sh\necho 'Error: Could not process rule: No such file or directory' >&2\nexit 1\n";
+    for nft in [None, Some(refusing)] {
+        if let Some(script) = nft {
+            let path = farm.join("nft");
+            std::fs::write(&path, script).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        let mut cmd = node.command("agent");
+        cmd.envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let deadline = Instant::now() + SETTLE;
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the agent kept running on a host without usable nftables");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        let mut err = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut err)
+            .unwrap();
+        assert!(!status.success(), "{err}");
+        assert!(
+            err.contains("the nftables rules back end (native_nftables / NATIVE_NFTABLES) cannot be used on this host")
+                && err.contains("nft -c -f -"),
+            "{err}"
+        );
+        match nft {
+            None => assert!(err.contains("No such file or directory"), "{err}"),
+            Some(_) => assert!(err.contains("Could not process rule"), "{err}"),
+        }
+        // Nothing was written on the node: no table, no set, no plugin.
+        assert!(!stdout_in(&node.lab.node, "nft", &["list", "tables"]).contains("istio"));
+        assert!(
+            !node.conf_dir.join("10-meshnet.conflist").exists()
+                || !std::fs::read_to_string(node.conf_dir.join("10-meshnet.conflist"))
+                    .unwrap()
+                    .contains("ambit-cni")
+        );
+    }
 }

@@ -539,3 +539,183 @@ fn nftables_takes_over_a_pod_from_iptables_and_a_refused_transaction_changes_not
         "a refused transaction changes nothing"
     );
 }
+
+/// The host's probe rule and sets in nftables (what the agent runs in the
+/// node's netns): a connection from the host to an enrolled pod arrives
+/// from 169.254.7.127, one to a pod not in the set from the host's own
+/// address; entries are added and removed one pod at a time, a reused
+/// address takes the new pod's uid (the old pod's removal leaves it), a
+/// restart keeps the entries, each back end's install removes what the
+/// other left, and uninstall leaves nothing.
+#[test]
+fn host_probe_rules_in_nftables_snat_the_nodes_connections_to_enrolled_pods() {
+    use ambit::cni::hostprobe::{HostProbes, NFT_TABLE};
+    use ambit::cni::redirect::Backend;
+    use std::io::{Read, Write};
+    use std::net::{IpAddr, TcpListener, TcpStream};
+    let (_h, host) = TempNetns::new("hp-host");
+    let (pod_guard, pod) = TempNetns::new("hp-pod");
+    run(
+        &host,
+        "ip",
+        &[
+            "link",
+            "add",
+            "hp0",
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &pod_guard.0,
+        ],
+    );
+    run(&host, "ip", &["addr", "add", "10.77.0.1/24", "dev", "hp0"]);
+    run(&host, "ip", &["link", "set", "hp0", "up"]);
+    run(&pod, "ip", &["addr", "add", "10.77.0.2/24", "dev", "eth0"]);
+    run(&pod, "ip", &["link", "set", "eth0", "up"]);
+    run(&pod, "ip", &["route", "add", "default", "via", "10.77.0.1"]);
+    let listener = pod
+        .run(|| TcpListener::bind("10.77.0.2:8080"))
+        .unwrap()
+        .unwrap();
+    // The address a connection from the host arrives from, at the pod.
+    let probe_source = || -> IpAddr {
+        let mut c = host
+            .run(|| TcpStream::connect("10.77.0.2:8080"))
+            .unwrap()
+            .unwrap();
+        let (mut s, peer) = listener.accept().unwrap();
+        c.write_all(b"p").unwrap();
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).unwrap();
+        peer.ip()
+    };
+    let set = |name: &str| run(&host, "nft", &["list", "set", "inet", NFT_TABLE, name]);
+    let pod_ip: IpAddr = "10.77.0.2".parse().unwrap();
+    let nft = HostProbes {
+        backend: Backend::Nftables,
+        ipv6: true,
+    };
+    let in_host = |f: Box<dyn FnOnce(HostProbes) + Send>| host.run(move || f(nft)).unwrap();
+
+    in_host(Box::new(|p| p.install().unwrap()));
+    assert_eq!(
+        probe_source().to_string(),
+        "10.77.0.1",
+        "not enrolled: not SNATed"
+    );
+    in_host(Box::new(move |p| {
+        p.add_pod("uid-a", &[pod_ip, "fd00::2".parse().unwrap()])
+            .unwrap()
+    }));
+    assert!(set("istio-inpod-probes-v4").contains("10.77.0.2 comment \"uid-a\""));
+    assert!(set("istio-inpod-probes-v6").contains("fd00::2 comment \"uid-a\""));
+    assert_eq!(
+        probe_source().to_string(),
+        "169.254.7.127",
+        "enrolled: SNATed"
+    );
+    // The address reused by another pod: it is that pod's now, and the
+    // first pod's removal leaves it.
+    in_host(Box::new(move |p| {
+        p.add_pod("uid-b", &[pod_ip]).unwrap();
+        p.remove_pod("uid-a", &[pod_ip]);
+    }));
+    let v4 = set("istio-inpod-probes-v4");
+    assert!(
+        v4.contains("10.77.0.2 comment \"uid-b\"") && !v4.contains("uid-a"),
+        "{v4}"
+    );
+    // A restart: the rule is written again, the entries stay (and the
+    // chain holds one rule per family, not two).
+    in_host(Box::new(|p| p.install().unwrap()));
+    let table = run(&host, "nft", &["list", "table", "inet", NFT_TABLE]);
+    assert!(table.contains("10.77.0.2 comment \"uid-b\""), "{table}");
+    assert_eq!(
+        table.matches("snat ip to 169.254.7.127").count(),
+        1,
+        "{table}"
+    );
+    assert_eq!(probe_source().to_string(), "169.254.7.127");
+    // Entries of pods no longer held go, one transaction per set.
+    let removed = host
+        .run(move || nft.keep_only(&[("uid-b".to_string(), vec![pod_ip])]))
+        .unwrap();
+    assert_eq!(removed, 1, "fd00::2 of uid-a");
+    assert!(!set("istio-inpod-probes-v6").contains("fd00::2"));
+    // The agent restarted with iptables: the nftables table goes, the
+    // ipset and chain come; and back.
+    let ipt = HostProbes {
+        backend: Backend::Iptables,
+        ipv6: true,
+    };
+    host.run(move || ipt.install().unwrap()).unwrap();
+    assert!(!run(&host, "nft", &["list", "tables"]).contains("inet istio-ambient-nat"));
+    assert!(run(&host, "iptables-save", &["-t", "nat"]).contains("ISTIO_POSTRT"));
+    in_host(Box::new(|p| p.install().unwrap()));
+    assert!(!run(&host, "iptables-save", &["-t", "nat"]).contains("ISTIO_POSTRT"));
+    assert!(!run(&host, "ipset", &["list", "-n"]).contains("istio-inpod-probes"));
+    // Uninstalled: nothing of ours on the host.
+    in_host(Box::new(|p| p.uninstall().unwrap()));
+    assert!(!run(&host, "nft", &["list", "tables"]).contains("istio-ambient"));
+    assert_eq!(probe_source().to_string(), "10.77.0.1");
+}
+
+/// Pods of one family: one with only an IPv6 address, one whose kernel has
+/// IPv6 turned off. Each back end applies its rules whole to both (the
+/// IPv6 rules in force on the IPv6-only pod; no IPv6 route where there is
+/// no IPv6: the kernel refuses it there, as istio-cni knows), and removes
+/// them leaving nothing.
+#[test]
+fn pods_of_one_family_get_their_rules_whole_in_either_back_end() {
+    use ambit::cni::redirect::Backend;
+    for backend in [Backend::Iptables, Backend::Nftables] {
+        let tag = format!("{backend:?}").to_lowercase();
+        let (_a, v6only) = TempNetns::new(&format!("v6only-{tag}"));
+        run(
+            &v6only,
+            "ip",
+            &[
+                "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+            ],
+        );
+        run(
+            &v6only,
+            "ip",
+            &["addr", "add", "fd00:10::5/64", "dev", "eth0", "nodad"],
+        );
+        run(&v6only, "ip", &["link", "set", "eth0", "up"]);
+        let (_b, nov6) = TempNetns::new(&format!("nov6-{tag}"));
+        run(
+            &nov6,
+            "sysctl",
+            &["-qw", "net.ipv6.conf.all.disable_ipv6=1"],
+        );
+        run(&nov6, "sysctl", &["-qw", "net.ipv6.conf.lo.disable_ipv6=1"]);
+        let r = RedirectRules::new(RedirectOptions {
+            backend,
+            ..Default::default()
+        });
+        for ns in [&v6only, &nov6] {
+            r.apply(ns).unwrap_or_else(|e| panic!("{backend:?}: {e}"));
+            let v6 = match backend {
+                Backend::Iptables => rules(ns, "ip6tables-save").join("\n"),
+                Backend::Nftables => nft_tables(ns).join("\n"),
+            };
+            assert!(
+                v6.contains("15001") && v6.contains("15006"),
+                "{backend:?}: {v6}"
+            );
+            assert!(run(ns, "ip", &["-6", "rule", "show"]).contains("lookup 100"));
+            let routes = run(ns, "ip", &["-6", "route", "show", "table", "100"]);
+            let has_v6 = std::ptr::eq(ns, &v6only);
+            assert_eq!(routes.contains("local"), has_v6, "{backend:?}: {routes}");
+            r.remove(ns).unwrap();
+            assert!(nft_tables(ns).iter().all(|l| !l.contains("istio")));
+            assert!(!rules(ns, "iptables-save").join("\n").contains("ISTIO"));
+            assert!(!run(ns, "ip", &["-6", "rule", "show"]).contains("lookup 100"));
+        }
+    }
+}

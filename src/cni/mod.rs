@@ -3,7 +3,7 @@
 //! them) and the agent's side of ZDS.
 
 pub mod agent;
-mod hostprobe;
+pub mod hostprobe;
 mod install;
 mod kube;
 pub mod loopback;

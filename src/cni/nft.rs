@@ -133,6 +133,19 @@ fn rule(rule: &Rule) -> String {
     }
 }
 
+/// Compares `text` with the golden file `src/cni/testdata/<name>.nft`
+/// (`AMBIT_BLESS=1` writes it instead).
+#[cfg(test)]
+pub(crate) fn check_golden(name: &str, text: &str) {
+    let path = format!("{}/src/cni/testdata/{name}.nft", env!("CARGO_MANIFEST_DIR"));
+    if std::env::var_os("AMBIT_BLESS").is_some() {
+        std::fs::write(&path, text).unwrap();
+        return;
+    }
+    let want = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    assert_eq!(text, want, "{name}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -339,6 +339,54 @@ impl RedirectRules {
     /// own interface is refused before anything is applied
     /// ([`virtual_interfaces::check`]).
     pub fn apply(&self, netns: &Netns) -> Result<(), RedirectError> {
+        let result = self.write(netns);
+        if result.is_err() {
+            let _ = self.remove(netns);
+        }
+        result
+    }
+
+    /// Applies the rules again to a pod that has them (the agent
+    /// restarted, perhaps with the other back end or other switches). On
+    /// failure the pod keeps what it had: removing it would let its
+    /// traffic out uncaptured. Each back end's write is atomic per table
+    /// (nftables: one transaction for all), so connections flow on.
+    pub fn reapply(&self, netns: &Netns) -> Result<(), RedirectError> {
+        self.write(netns)?;
+        if self.opts.backend == Backend::Iptables {
+            // Enrolled under nftables before: its tables go (a new pod's
+            // first apply spawns no `nft`; `write` does this for nftables).
+            self.remove_other_backend(netns);
+        }
+        Ok(())
+    }
+
+    /// Whether this host takes our rules, checked once at the agent's
+    /// start rather than failing each pod: under nftables, that `nft` is
+    /// there and that the kernel accepts a pod's whole transaction
+    /// (`nft -c` in the agent's netns: validated, never applied). Under
+    /// iptables, nothing is checked up front.
+    pub fn check_host(&self) -> Result<(), RedirectError> {
+        match self.opts.backend {
+            Backend::Iptables => Ok(()),
+            Backend::Nftables => {
+                let own = Netns::current().map_err(|e| RedirectError::Step {
+                    netns: "self".into(),
+                    step: "open /proc/thread-self/ns/net".into(),
+                    reason: e.to_string(),
+                })?;
+                run(
+                    &own,
+                    "nft",
+                    &["-c", "-f", "-"],
+                    Some(&nft::render(&self.opts)),
+                )
+                .map(drop)
+            }
+        }
+    }
+
+    fn write(&self, netns: &Netns) -> Result<(), RedirectError> {
         let vifs = &self.opts.virtual_interfaces;
         if !vifs.is_empty() {
             // The names first, before anything runs in the netns.
@@ -382,9 +430,6 @@ impl RedirectRules {
                 tracing::warn!(netns = %netns.path().display(), error = %e, "BIG TCP not enabled on the pod's loopback: traffic through the proxy works, with more per-packet work");
             }
         }
-        if result.is_err() {
-            let _ = self.remove(netns);
-        }
         result
     }
 
@@ -396,7 +441,7 @@ impl RedirectRules {
             Backend::Nftables => Self::remove_iptables(netns),
         };
         if let Err(e) = removed {
-            tracing::debug!(netns = %netns.path().display(), error = %e, "the other rules back end's rules not removed");
+            tracing::warn!(netns = %netns.path().display(), error = %e, "the other rules back end's rules not removed");
         }
     }
 
@@ -561,6 +606,11 @@ fn ensure_route(netns: &Netns, family: Family) -> Result<(), RedirectError> {
             None,
         )?;
     }
+    if family == Family::V6 && ipv6_disabled_on_lo(netns) {
+        // No IPv6 in this pod (the kernel refuses the route: "IPv6 is
+        // disabled on nexthop device"), so none to send back; as istio-cni.
+        return Ok(());
+    }
     run(
         netns,
         "ip",
@@ -580,12 +630,20 @@ fn ensure_route(netns: &Netns, family: Family) -> Result<(), RedirectError> {
     Ok(())
 }
 
-/// Runs a tool inside `netns`, feeding `stdin`, returning stdout.
+/// Whether the pod's loopback has IPv6 turned off (its
+/// `net.ipv6.conf.lo.disable_ipv6`, or no IPv6 at all in its kernel).
+fn ipv6_disabled_on_lo(netns: &Netns) -> bool {
+    netns
+        .run(|| std::fs::read_to_string("/proc/sys/net/ipv6/conf/lo/disable_ipv6"))
+        .is_ok_and(|r| r.map_or(true, |v| v.trim() == "1"))
+}
+
 /// Whether a step failed because its program is not installed.
 fn is_missing_tool(reason: &str) -> bool {
     reason.contains("No such file or directory") || reason.contains("not found")
 }
 
+/// Runs a tool inside `netns`, feeding `stdin`, returning stdout.
 fn run(
     netns: &Netns,
     prog: &str,

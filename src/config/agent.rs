@@ -76,7 +76,7 @@ pub static AGENT_KEYS: &[Key] = &[
         name: "native_nftables",
         env: &["NATIVE_NFTABLES"],
         default: "false",
-        help: "write the in-pod rules with nftables (istio-cni's inet istio-ambient-* tables, one nft transaction per pod; chart: global.nativeNftables) instead of iptables; the host's kubelet-probe rule stays iptables + ipset",
+        help: "write the pods' rules and the host's kubelet-probe rule and set with nftables (istio-cni's inet istio-ambient-* tables: one nft transaction per pod, probe-set entries added and removed per pod; chart: global.nativeNftables) instead of iptables and ipset; the host is checked at start (nft -c)",
     },
     Key {
         name: "ipv6",

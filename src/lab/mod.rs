@@ -33,8 +33,8 @@ pub mod waypoint;
 
 pub use cni_call::CniCall;
 pub use probes::{
-    aborts, anon_kb, cpu_seconds, established, iptables_save, istio_rules, passive_opens, rss_kb,
-    set_default_congestion_control, stdout_in, time_waits, Established,
+    aborts, anon_kb, cpu_seconds, established, iptables_save, istio_rules, nft_istio_rules,
+    passive_opens, rss_kb, set_default_congestion_control, stdout_in, time_waits, Established,
 };
 pub use sandbox::pod_uid;
 pub use topology::{

@@ -28,7 +28,73 @@ pub struct Node {
     pub extra_env: Vec<(String, String)>,
 }
 
+/// The rules back end a node's agent runs with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RulesMode {
+    Iptables,
+    /// `NATIVE_NFTABLES=true`, on a `PATH` without iptables (see
+    /// [`Node::rules_env`]).
+    Nftables,
+}
+
+/// Tools a node in nftables mode does not have: whatever runs iptables or
+/// ipset.
+const IPTABLES_TOOLS: [&str; 6] = [
+    "iptables",
+    "ip6tables",
+    "ipset",
+    "xtables",
+    "arptables",
+    "ebtables",
+];
+
 impl Node {
+    /// The environment that puts a node's agent in `mode`. For nftables:
+    /// `NATIVE_NFTABLES=true` and a `PATH` (a directory under `dir` linking
+    /// every program on this process's `PATH` but iptables', ip6tables',
+    /// ipset's and their kin) on which no iptables tool can be found, so
+    /// nothing falls back to them unseen.
+    pub fn rules_env(dir: &Path, mode: RulesMode) -> Vec<(String, String)> {
+        if mode == RulesMode::Iptables {
+            return Vec::new();
+        }
+        let farm = dir.join("path-without-iptables");
+        std::fs::create_dir_all(&farm).unwrap();
+        let path = std::env::var("PATH").unwrap_or_default();
+        for entry in path
+            .split(':')
+            .filter_map(|d| std::fs::read_dir(d).ok())
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name();
+            let hidden = IPTABLES_TOOLS
+                .iter()
+                .any(|t| name.to_string_lossy().starts_with(t));
+            let link = farm.join(&name);
+            if !hidden && !link.exists() {
+                let _ = std::os::unix::fs::symlink(entry.path(), link);
+            }
+        }
+        vec![
+            ("NATIVE_NFTABLES".into(), "true".into()),
+            ("PATH".into(), farm.to_string_lossy().into_owned()),
+        ]
+    }
+
+    /// [`Node::start_with`] with the agent in `mode`.
+    pub fn start_in(
+        binary: &str,
+        tag: &str,
+        enroll: &str,
+        combined: bool,
+        mode: RulesMode,
+    ) -> Node {
+        Self::start_two_pods(binary, tag, enroll, combined, |dir| {
+            Self::rules_env(dir, mode)
+        })
+    }
+
     pub fn start(binary: &str, tag: &str, enroll: &str) -> Node {
         Self::start_with(binary, tag, enroll, true)
     }
@@ -47,6 +113,22 @@ impl Node {
         combined: bool,
         env: &[(&str, &str)],
     ) -> Node {
+        Self::start_two_pods(binary, tag, enroll, combined, |_| {
+            env.iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        })
+    }
+
+    /// A node whose local config names the client and server pods, with
+    /// the environment `env` makes from the node's directory.
+    fn start_two_pods(
+        binary: &str,
+        tag: &str,
+        enroll: &str,
+        combined: bool,
+        env: impl FnOnce(&Path) -> Vec<(String, String)>,
+    ) -> Node {
         // A subnet of its own: nodes of parallel tests share the host, and an
         // agent enrolls pods it finds anywhere on it by their IP.
         static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -58,10 +140,7 @@ impl Node {
             "workloads:\n- {{name: client, namespace: default, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n- {{name: server, namespace: default, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
         );
         let mut node = Self::prepare(binary, tag, enroll, subnet, &mesh, None);
-        node.extra_env = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
+        node.extra_env = env(&node.dir);
         node.launch(combined);
         node.wait_ready("127.0.0.1:8000", "/readyz");
         node.wait_ready("127.0.0.1:15021", "/healthz/ready");

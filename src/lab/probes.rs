@@ -27,12 +27,43 @@ pub fn stdout_in(ns: &Netns, prog: &str, args: &[&str]) -> String {
     }
 }
 
-/// How many lines of the pod's IPv4 rules are Istio's (0: not captured).
+/// How many of the pod's rules are Istio's, in either back end: lines of
+/// its IPv4 iptables rules naming an `ISTIO` chain, plus rules in its
+/// nftables `istio-ambient-*` tables (0: not captured).
 pub fn istio_rules(pod: &LabPod) -> usize {
     iptables_save(&pod.ns)
         .lines()
         .filter(|l| l.contains("ISTIO"))
         .count()
+        + nft_istio_rules(&pod.ns).len()
+}
+
+/// The rules (statements, no headers) in `ns`'s nftables tables named
+/// `istio-ambient-*`, as `nft list ruleset` prints them. Panics if `nft`
+/// cannot run.
+pub fn nft_istio_rules(ns: &Netns) -> Vec<String> {
+    let mut ours = false;
+    let mut rules = Vec::new();
+    for line in stdout_in(ns, "nft", &["list", "ruleset"]).lines() {
+        let l = line.trim();
+        if let Some(t) = l.strip_prefix("table ") {
+            ours = t
+                .split_whitespace()
+                .nth(1)
+                .is_some_and(|n| n.starts_with("istio-ambient-"));
+            continue;
+        }
+        let header = l.is_empty()
+            || l == "}"
+            || l.starts_with("chain ")
+            || l.starts_with("type ")
+            || l.starts_with("set ")
+            || l.starts_with("elements ");
+        if ours && !header {
+            rules.push(l.to_string());
+        }
+    }
+    rules
 }
 
 /// Resets `pod`'s kernel sent to abort connections: closed with data unread

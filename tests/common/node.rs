@@ -7,8 +7,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::Path;
 
-use ambit::lab::node::Node;
-use ambit::lab::{connect_from, echo_roundtrip, http_get_in, stdout_in, LabPod};
+use ambit::lab::node::{Node, RulesMode};
+use ambit::lab::{
+    connect_from, echo_roundtrip, http_get_in, iptables_save, nft_istio_rules, stdout_in, LabPod,
+};
 
 use super::counter;
 
@@ -83,6 +85,92 @@ pub fn ipset_entries(node: &Node) -> BTreeMap<String, String> {
             Some((ip, uid))
         })
         .collect()
+}
+
+/// The node's nftables probe set `istio-inpod-probes-v4` (table `inet
+/// istio-ambient-nat`): (address, the pod UID in its comment). Empty when
+/// the set is not there.
+pub fn nft_probe_entries(node: &Node) -> BTreeMap<String, String> {
+    let out = node
+        .lab
+        .node
+        .command("nft")
+        .args([
+            "-j",
+            "list",
+            "set",
+            "inet",
+            "istio-ambient-nat",
+            "istio-inpod-probes-v4",
+        ])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    let mut entries = BTreeMap::new();
+    for o in v["nftables"].as_array().into_iter().flatten() {
+        for e in o["set"]["elem"].as_array().into_iter().flatten() {
+            match e.as_str() {
+                Some(ip) => entries.insert(ip.to_string(), String::new()),
+                None => entries.insert(
+                    e["elem"]["val"].as_str().unwrap_or_default().to_string(),
+                    e["elem"]["comment"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                ),
+            };
+        }
+    }
+    entries
+}
+
+/// The node's probe set in `mode`'s back end: (address, pod UID).
+pub fn probe_entries(node: &Node, mode: RulesMode) -> BTreeMap<String, String> {
+    match mode {
+        RulesMode::Iptables => ipset_entries(node),
+        RulesMode::Nftables => nft_probe_entries(node),
+    }
+}
+
+/// That the node and `pods` hold our rules in `mode`'s back end and none
+/// in the other's: nothing fell back, nothing was left behind.
+pub fn assert_rules_in(node: &Node, mode: RulesMode, pods: &[&LabPod]) {
+    let host_ipt = stdout_in(&node.lab.node, "iptables-save", &["-t", "nat"]);
+    let host_nft = nft_istio_rules(&node.lab.node);
+    let ipsets = stdout_in(&node.lab.node, "ipset", &["list", "-n"]);
+    for pod in pods {
+        let ipt = iptables_save(&pod.ns)
+            .lines()
+            .filter(|l| l.contains("ISTIO"))
+            .count();
+        let nft = nft_istio_rules(&pod.ns).len();
+        match mode {
+            RulesMode::Iptables => assert!(
+                ipt > 0 && nft == 0,
+                "{}: iptables {ipt}, nftables {nft}",
+                pod.name
+            ),
+            RulesMode::Nftables => assert!(
+                ipt == 0 && nft > 0,
+                "{}: iptables {ipt}, nftables {nft}",
+                pod.name
+            ),
+        }
+    }
+    match mode {
+        RulesMode::Iptables => assert!(
+            host_ipt.contains("ISTIO_POSTRT") && host_nft.is_empty(),
+            "host: {host_ipt}\n{host_nft:?}"
+        ),
+        RulesMode::Nftables => assert!(
+            !host_ipt.contains("ISTIO_POSTRT")
+                && !ipsets.contains("istio-inpod-probes")
+                && host_nft
+                    .iter()
+                    .any(|r| r.contains("snat ip to 169.254.7.127")),
+            "host: {host_ipt}\n{ipsets}\n{host_nft:?}"
+        ),
+    }
 }
 
 /// Addresses in the node's probe ipset.

@@ -8,11 +8,11 @@ use serde_json::json;
 
 use super::store::PodRecord;
 use super::Agent;
+use crate::cni::install;
 use crate::cni::kube;
 use crate::cni::plugin::{AddEvent, Enrollment};
 use crate::cni::redirect::RedirectRules;
 use crate::cni::zds_server::ZdsPod;
-use crate::cni::{hostprobe, install};
 use crate::config::agent::{AgentConfig, EnrollRule};
 use crate::netns::Netns;
 
@@ -221,7 +221,7 @@ impl Agent {
                 reason: e.to_string(),
             });
         }
-        if let Err(e) = hostprobe::add_pod(&uid, &record.ip_addrs()) {
+        if let Err(e) = self.probes.add_pod(&uid, &record.ip_addrs()) {
             tracing::warn!(pod = %pod, error = %e, "probe ipset not updated; kubelet probes to this pod may be captured");
         }
         if let Some((old, _)) = self.store.get(&uid) {
@@ -249,7 +249,7 @@ impl Agent {
             .into_iter()
             .filter(|ip| !kept.contains(ip))
             .collect();
-        hostprobe::remove_pod(&new.uid, &stale);
+        self.probes.remove_pod(&new.uid, &stale);
         if old.netns_id != new.netns_id {
             tracing::info!(pod, uid = %new.uid, old_netns = %old.netns_path.display(), netns = %new.netns_path.display(), "pod enrolled again in a new netns (sandbox recreated); the old one is let go");
         }
@@ -275,7 +275,7 @@ impl Agent {
                 return;
             }
         }
-        hostprobe::remove_pod(uid, &record.ip_addrs());
+        self.probes.remove_pod(uid, &record.ip_addrs());
         self.store.remove(uid);
         self.metrics.event("remove");
         if let Err(e) = self.zds.del(uid).await {
@@ -283,6 +283,35 @@ impl Agent {
         }
         tracing::info!(uid, pod = %pod, "pod removed");
         self.save();
+    }
+
+    /// Writes the rules of the pods `uids` again (those restored from the
+    /// state file at start) under this agent's back end and switches. A
+    /// pod whose write fails keeps the rules it had; one gone meanwhile is
+    /// left to [`Agent::reap`].
+    pub(super) async fn reapply(&self, uids: Vec<String>) {
+        let (mut done, mut failed) = (0usize, 0usize);
+        for uid in uids {
+            let _ops = self.ops.lock().await;
+            let Some((record, netns)) = self.store.get(&uid) else {
+                continue;
+            };
+            let rules = RedirectRules::new(record.overrides.apply(self.rules.opts.clone()));
+            match tokio::task::spawn_blocking(move || rules.reapply(&netns)).await {
+                Ok(Ok(())) => done += 1,
+                Ok(Err(e)) => {
+                    failed += 1;
+                    tracing::warn!(uid, error = %e, "rules of a pod held before this start not written again; it keeps the ones it had");
+                }
+                Err(e) => {
+                    failed += 1;
+                    tracing::warn!(uid, error = %e, "rules of a pod held before this start not written again");
+                }
+            }
+        }
+        if done + failed > 0 {
+            tracing::info!(pods = done, failed, backend = ?self.rules.opts.backend, "rules of the pods held before this start written again");
+        }
     }
 
     /// Saves the held pods to the state file (a failed write is retried on its own).

@@ -24,11 +24,12 @@ use std::time::Duration;
 use anyhow::Context;
 use http::StatusCode;
 
+use super::hostprobe::HostProbes;
+use super::install;
 use super::kube::{self, Cluster, Wanted};
 use super::plugin::Enrollment;
 use super::redirect::{Backend, RedirectOptions, RedirectRules};
 use super::zds_server::ZdsServer;
-use super::{hostprobe, install};
 use crate::backoff::Backoff;
 use crate::config::agent::{AgentConfig, EnrollRule};
 use crate::sideport::{self, TEXT};
@@ -59,6 +60,8 @@ pub struct Agent {
     state: Arc<StateFile>,
     zds: Arc<ZdsServer>,
     rules: RedirectRules,
+    /// The host's probe SNAT rule and set of enrolled pods' addresses.
+    probes: HostProbes,
     enroll: Enrollment,
     /// The local config (workloads' service accounts), loaded once and watched.
     mesh: Option<StateHandle>,
@@ -109,9 +112,32 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
     )
     .await
     .with_context(|| format!("readiness server on {}", cfg.readiness_addr))?;
+    let backend = match cfg.native_nftables {
+        true => Backend::Nftables,
+        false => Backend::Iptables,
+    };
+    let rules = RedirectRules::new(RedirectOptions {
+        dns_capture: cfg.dns_capture,
+        bypass_inbound: false,
+        ipv6: cfg.ipv6,
+        virtual_interfaces: Vec::new(),
+        loopback_big_tcp: cfg.pod_loopback_big_tcp,
+        backend,
+    });
+    // A host that cannot take the rules fails here, once, with the reason,
+    // rather than at each pod's ADD.
+    rules.check_host().context(
+        "the nftables rules back end (native_nftables / NATIVE_NFTABLES) cannot be used on this host",
+    )?;
+    let probes = HostProbes {
+        backend,
+        ipv6: cfg.ipv6,
+    };
     let store = Arc::new(PodStore::default());
+    let mut restored = Vec::new();
     for (record, netns) in load_state(&cfg.state_file) {
         tracing::info!(uid = %record.uid, "pod restored from agent state");
+        restored.push(record.uid.clone());
         store.insert(record, netns);
     }
     // Pods that predate the agent: put them under redirection before the proxy gets the snapshot.
@@ -120,17 +146,6 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         EnrollRule::Kubernetes => Some(Cluster::start(&cfg.node_name).await?),
         _ => None,
     };
-    let rules = RedirectRules::new(RedirectOptions {
-        dns_capture: cfg.dns_capture,
-        bypass_inbound: false,
-        ipv6: cfg.ipv6,
-        virtual_interfaces: Vec::new(),
-        loopback_big_tcp: cfg.pod_loopback_big_tcp,
-        backend: match cfg.native_nftables {
-            true => Backend::Nftables,
-            false => Backend::Iptables,
-        },
-    });
     let mesh = match &cfg.local_xds_path {
         Some(path) => {
             let handle = StateHandle::new(crate::xds::local::load(path)?);
@@ -165,9 +180,13 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
             }
         }
     }
-    hostprobe::install(cfg.ipv6).context("host probe SNAT rule and ipsets")?;
+    probes
+        .install()
+        .context("host probe SNAT rule and probe sets")?;
     for p in store.records() {
-        let _ = hostprobe::add_pod(&p.uid, &p.ip_addrs());
+        if let Err(e) = probes.add_pod(&p.uid, &p.ip_addrs()) {
+            tracing::warn!(uid = %p.uid, error = %e, "probe set not updated; kubelet probes to this pod may be captured");
+        }
     }
     // Entries of pods that went while the agent was away (or as it was killed).
     let held: Vec<(String, Vec<std::net::IpAddr>)> = store
@@ -175,11 +194,11 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         .iter()
         .map(|p| (p.uid.clone(), p.ip_addrs()))
         .collect();
-    let stale = hostprobe::keep_only(&held);
+    let stale = probes.keep_only(&held);
     if stale > 0 {
         tracing::info!(
             entries = stale,
-            "probe ipset entries of pods no longer held removed"
+            "probe set entries of pods no longer held removed"
         );
     }
     let zds = ZdsServer::start(&cfg.zds_path, store.clone())
@@ -202,6 +221,7 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         state,
         zds,
         rules,
+        probes,
         ops: Default::default(),
         stopping: tokio::sync::watch::Sender::new(false),
         plugin_token: Default::default(),
@@ -228,6 +248,15 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         }));
     }
 
+    // The pods held before this start get their rules again, as this
+    // agent writes them: one enrolled under the other back end (or other
+    // switches) moves over, one already right is rewritten the same.
+    // Alongside serving: each pod's rules stay in force throughout.
+    {
+        let agent = agent.clone();
+        let restored: Vec<String> = restored.into_iter().collect();
+        tokio::spawn(async move { agent.reapply(restored).await });
+    }
     events::spawn(agent.clone(), &cfg.run_dir)?;
 
     let mut registry = metrics.registry();
@@ -312,6 +341,13 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         }
     }
     if !upgrade {
+        // Uninstalled: the host's probe rule and sets go too (the pods'
+        // own rules stay with their netns: traffic is never let out
+        // uncaptured).
+        match agent.probes.uninstall() {
+            Ok(()) => tracing::info!("host probe rule and sets removed"),
+            Err(e) => tracing::warn!(error = %e, "host probe rule and sets not removed"),
+        }
         // The plugin's kubeconfig holds the agent's token: it goes with the
         // agent (kept only across an upgrade, for the plugin to use meanwhile).
         for (path, e) in reconcile::remove_plugin_files(&cfg.run_dir) {
