@@ -430,6 +430,27 @@ fn every_nftables_variant_is_taken_by_the_kernel() {
         seen += 1;
     }
     assert_eq!(seen, 5, "every golden checked");
+    // The host's transactions (src/cni/testdata/nft-host): the install
+    // without and with IPv6, then a pod's entries on top.
+    let host = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cni/testdata/nft-host");
+    let (_guard, ns) = TempNetns::new("nft-host");
+    for name in ["hostprobe", "hostprobe_ipv6", "add_pod"] {
+        let file = host
+            .join(format!("{name}.nft"))
+            .to_string_lossy()
+            .to_string();
+        run(&ns, "nft", &["-c", "-f", &file]);
+        run(&ns, "nft", &["-f", &file]);
+    }
+    let table = run(&ns, "nft", &["list", "table", "inet", "istio-ambient-nat"]);
+    assert_eq!(
+        table
+            .matches("comment \"9f3c2a1e-0b7d-4c55-8e21-5a6b7c8d9e0f\"")
+            .count(),
+        2,
+        "{table}"
+    );
+    assert_eq!(table.matches(" snat ip").count(), 2, "{table}");
 }
 
 /// The nftables back end through `RedirectRules`: one transaction, no
