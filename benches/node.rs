@@ -449,6 +449,11 @@ fn rules_cost(mode: RulesMode, n: usize) {
             .status()
             .is_ok_and(|s| s.success());
         assert!(ok, "ip netns add {n}");
+        let ok = std::process::Command::new("ip")
+            .args(["-n", n, "link", "set", "lo", "up"])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "lo up in {n}");
         Netns::named(n).unwrap()
     };
     let rules = RedirectRules::new(RedirectOptions {

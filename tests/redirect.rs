@@ -434,7 +434,7 @@ fn every_nftables_variant_is_taken_by_the_kernel() {
     // without and with IPv6, then a pod's entries on top.
     let host = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/cni/testdata/nft-host");
     let (_guard, ns) = TempNetns::new("nft-host");
-    for name in ["hostprobe", "hostprobe_ipv6", "add_pod"] {
+    for name in ["hostprobe", "hostprobe_ipv6", "add_pod", "create_pod"] {
         let file = host
             .join(format!("{name}.nft"))
             .to_string_lossy()
@@ -447,7 +447,7 @@ fn every_nftables_variant_is_taken_by_the_kernel() {
         table
             .matches("comment \"9f3c2a1e-0b7d-4c55-8e21-5a6b7c8d9e0f\"")
             .count(),
-        2,
+        4,
         "{table}"
     );
     assert_eq!(table.matches(" snat ip").count(), 2, "{table}");
@@ -532,7 +532,8 @@ fn nftables_takes_over_a_pod_from_iptables_and_a_refused_transaction_changes_not
         backend: Backend::Nftables,
         ..Default::default()
     });
-    nft.apply(&ns).unwrap();
+    // As the agent restarted with nftables writes a held pod's rules again.
+    nft.reapply(&ns).unwrap();
     assert!(!rules(&ns, "iptables-save")
         .iter()
         .any(|l| l.contains("ISTIO")));

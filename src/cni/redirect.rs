@@ -334,7 +334,8 @@ impl RedirectRules {
     }
 
     /// Applies the rules, the `ip rule` and the table-100 route inside `netns`.
-    /// On any failure, what this call applied is removed again. A virtual
+    /// On any failure, what this call applied is removed again (so are
+    /// both back ends' rules). A virtual
     /// interface that is not a plain name, is the loopback or is the pod's
     /// own interface is refused before anything is applied
     /// ([`virtual_interfaces::check`]).
@@ -353,12 +354,17 @@ impl RedirectRules {
     /// (nftables: one transaction for all), so connections flow on.
     pub fn reapply(&self, netns: &Netns) -> Result<(), RedirectError> {
         self.write(netns)?;
-        if self.opts.backend == Backend::Iptables {
-            // Enrolled under nftables before: its tables go (a new pod's
-            // first apply spawns no `nft`; `write` does this for nftables).
-            self.remove_other_backend(netns);
-        }
+        self.take_over(netns);
         Ok(())
+    }
+
+    /// Removes what the other back end than ours left in `netns` (a pod
+    /// enrolled before under the other back end), after ours are in
+    /// force; a back end whose tool this host lacks has left nothing. Not
+    /// part of [`RedirectRules::apply`]: a new pod's fresh netns holds
+    /// none, and looking costs two `iptables-save`s (or an `nft`) per ADD.
+    pub fn take_over(&self, netns: &Netns) {
+        self.remove_other_backend(netns);
     }
 
     /// Whether this host takes our rules, checked once at the agent's
@@ -412,13 +418,6 @@ impl RedirectRules {
                         .try_for_each(|family| ensure_route(netns, family))
                 }),
         };
-        if result.is_ok() && self.opts.backend == Backend::Nftables {
-            // A pod enrolled under iptables (the agent restarted with
-            // nftables on): its iptables rules go. (The other way round,
-            // the nftables tables are removed with the pod's rules; a
-            // first apply under iptables spawns no `nft`.)
-            self.remove_other_backend(netns);
-        }
         if result.is_ok() {
             migrate_queued_connections(netns);
             if !self.opts.loopback_big_tcp {
@@ -663,8 +662,14 @@ fn run(
     let mut child = cmd.spawn().map_err(|e| err(e.to_string()))?;
     if let Some(mut pipe) = child.stdin.take() {
         if let Some(text) = stdin {
-            pipe.write_all(text.as_bytes())
-                .map_err(|e| err(e.to_string()))?;
+            // A tool that exits before reading all of it says why on
+            // stderr, below: that is the error worth reporting.
+            match pipe.write_all(text.as_bytes()) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    return Err(err(e.to_string()))
+                }
+                _ => {}
+            }
         }
     }
     let out = child.wait_with_output().map_err(|e| err(e.to_string()))?;

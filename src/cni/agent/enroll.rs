@@ -196,16 +196,25 @@ impl Agent {
         let uid = record.uid.clone();
         let rules = RedirectRules::new(record.overrides.apply(self.rules.opts.clone()));
         let (ns, r) = (netns.clone(), rules.clone());
-        tokio::task::spawn_blocking(move || r.apply(&ns))
-            .await
-            .map_err(|e| EnrollError::Rules {
-                pod: pod.clone(),
-                reason: e.to_string(),
-            })?
-            .map_err(|e| EnrollError::Rules {
-                pod: pod.clone(),
-                reason: e.to_string(),
-            })?;
+        // A pod held already (enrolled again) may carry the other back
+        // end's rules, from before a restart that switched back ends.
+        let held = self.store.get(&uid).is_some();
+        tokio::task::spawn_blocking(move || {
+            r.apply(&ns)?;
+            if held {
+                r.take_over(&ns);
+            }
+            Ok::<(), crate::cni::redirect::RedirectError>(())
+        })
+        .await
+        .map_err(|e| EnrollError::Rules {
+            pod: pod.clone(),
+            reason: e.to_string(),
+        })?
+        .map_err(|e| EnrollError::Rules {
+            pod: pod.clone(),
+            reason: e.to_string(),
+        })?;
         let zpod = ZdsPod {
             uid: uid.clone(),
             name: record.name.clone(),
@@ -221,8 +230,16 @@ impl Agent {
                 reason: e.to_string(),
             });
         }
-        if let Err(e) = self.probes.add_pod(&uid, &record.ip_addrs()) {
-            tracing::warn!(pod = %pod, error = %e, "probe ipset not updated; kubelet probes to this pod may be captured");
+        // The tools run on the blocking pool, not on a worker thread.
+        let (probes, u, ips) = (self.probes, uid.clone(), record.ip_addrs());
+        match tokio::task::spawn_blocking(move || probes.add_pod(&u, &ips)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(pod = %pod, error = %e, "probe set not updated; kubelet probes to this pod may be captured")
+            }
+            Err(e) => {
+                tracing::warn!(pod = %pod, error = %e, "probe set not updated; kubelet probes to this pod may be captured")
+            }
         }
         if let Some((old, _)) = self.store.get(&uid) {
             self.let_go_of_old_sandbox(&pod, &old, &record);
@@ -238,7 +255,7 @@ impl Agent {
     /// a new sandbox with a new netns after kubelet recreated it: the proxy
     /// has already replaced the old netns's listeners, and the record (with
     /// the old netns fd) is about to be replaced. Here the old addresses
-    /// leave the probe ipset, or they would stay there, the pod's uid on
+    /// leave the probe set, or they would stay there, the pod's uid on
     /// them, after the pod is gone. The old netns keeps its rules until it
     /// goes: whatever still runs there stays captured, and with no proxy
     /// listening there it is cut off rather than let out in plaintext.
@@ -275,7 +292,8 @@ impl Agent {
                 return;
             }
         }
-        self.probes.remove_pod(uid, &record.ip_addrs());
+        let (probes, u, ips) = (self.probes, uid.to_string(), record.ip_addrs());
+        let _ = tokio::task::spawn_blocking(move || probes.remove_pod(&u, &ips)).await;
         self.store.remove(uid);
         self.metrics.event("remove");
         if let Err(e) = self.zds.del(uid).await {

@@ -170,8 +170,12 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
         None => discover(&cfg, &known, &enroll, &store.records()),
     };
     for (record, netns) in existing {
-        match RedirectRules::new(record.overrides.apply(rules.opts.clone())).apply(&netns) {
+        let pod_rules = RedirectRules::new(record.overrides.apply(rules.opts.clone()));
+        match pod_rules.apply(&netns) {
             Ok(()) => {
+                // Found running: it may hold the other back end's rules
+                // (a state file lost across a switch of back ends).
+                pod_rules.take_over(&netns);
                 tracing::info!(uid = %record.uid, netns = %record.netns_path.display(), "existing pod found and enrolled");
                 store.insert(record, netns);
             }
