@@ -27,13 +27,28 @@ pub const TABLES: [(Table, &str); 3] = [
 
 /// The transaction that leaves exactly `opts`' rules in a netns.
 pub fn render(opts: &RedirectOptions) -> String {
+    render_as(opts, false)
+}
+
+/// The transaction for a netns with none of our tables (a new pod's): the
+/// same tables, each made with `create`, so the whole transaction fails
+/// (and changes nothing) if one is there already, for [`render`] to
+/// replace it. A table's `delete` costs the kernel a grace period (about
+/// 10 ms here, most of an apply), which a fresh netns does not need.
+pub fn render_fresh(opts: &RedirectOptions) -> String {
+    render_as(opts, true)
+}
+
+fn render_as(opts: &RedirectOptions, fresh: bool) -> String {
     let rules = pod_rules(opts);
     let mut s = String::new();
     for (table, name) in TABLES {
-        // `add` first, so that `delete` never fails on a table not there.
-        s.push_str(&format!(
-            "add table inet {name}\ndelete table inet {name}\n"
-        ));
+        if !fresh {
+            // `add` first, so that `delete` never fails on a table not there.
+            s.push_str(&format!(
+                "add table inet {name}\ndelete table inet {name}\n"
+            ));
+        }
         let mine: Vec<&Rule> = rules.iter().filter(|r| r.table() == table).collect();
         if mine.is_empty() {
             continue;
@@ -47,7 +62,8 @@ pub fn render(opts: &RedirectOptions) -> String {
             Table::Mangle => ("filter", "route", -150),
             Table::Raw => ("filter", "filter", -300),
         };
-        s.push_str(&format!("add table inet {name}\n"));
+        let make = if fresh { "create" } else { "add" };
+        s.push_str(&format!("{make} table inet {name}\n"));
         s.push_str(&format!(
             "add chain inet {name} prerouting {{ type {pre} hook prerouting priority {priority} ; }}\n"
         ));
@@ -206,6 +222,39 @@ mod tests {
                 continue;
             }
             assert_eq!(text, golden(name), "{name}");
+        }
+    }
+
+    /// The fresh form is the same transaction but for how each table is
+    /// made: no delete, `create` in `add`'s place.
+    #[test]
+    fn the_fresh_transaction_differs_only_in_making_the_tables() {
+        for (name, opts) in variants() {
+            let full = render(&opts);
+            let fresh = render_fresh(&opts);
+            let kept: Vec<&str> = full
+                .lines()
+                .filter(|l| !l.starts_with("delete table"))
+                .collect();
+            // Of each table's leading `add`, `delete`, `add`: the second add.
+            let mut expect = Vec::new();
+            let mut i = 0;
+            while i < kept.len() {
+                let l = kept[i];
+                if l.starts_with("add table") {
+                    if kept.get(i + 1) == Some(&l) {
+                        expect.push(l.replacen("add", "create", 1));
+                        i += 2;
+                    } else {
+                        i += 1; // a table this variant does not want
+                    }
+                    continue;
+                }
+                expect.push(l.to_string());
+                i += 1;
+            }
+            assert_eq!(fresh.lines().collect::<Vec<_>>(), expect, "{name}");
+            assert!(!fresh.contains("delete"), "{name}");
         }
     }
 

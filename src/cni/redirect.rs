@@ -410,13 +410,25 @@ impl RedirectRules {
                 run(netns, family.restore(), &["--noflush"], Some(&text))?;
                 ensure_route(netns, family)
             }),
-            // One transaction for every table and both families.
-            Backend::Nftables => run(netns, "nft", &["-f", "-"], Some(&nft::render(&self.opts)))
-                .and_then(|_| {
-                    self.families()
-                        .into_iter()
-                        .try_for_each(|family| ensure_route(netns, family))
-                }),
+            // One transaction for every table and both families: first as
+            // for a netns without our tables (a new pod's), and if one is
+            // there, the one that replaces them.
+            Backend::Nftables => match run(
+                netns,
+                "nft",
+                &["-f", "-"],
+                Some(&nft::render_fresh(&self.opts)),
+            ) {
+                Err(RedirectError::Step { reason, .. }) if reason.contains("File exists") => {
+                    run(netns, "nft", &["-f", "-"], Some(&nft::render(&self.opts)))
+                }
+                r => r,
+            }
+            .and_then(|_| {
+                self.families()
+                    .into_iter()
+                    .try_for_each(|family| ensure_route(netns, family))
+            }),
         };
         if result.is_ok() {
             migrate_queued_connections(netns);
