@@ -8,12 +8,15 @@ mod common;
 use std::time::{Duration, Instant};
 
 use ambit::lab::kubeapi::{FakeApi, Kind};
-use ambit::lab::node::Node;
-use ambit::lab::{connect_from, echo_roundtrip, iptables_save, istio_rules, EchoServer};
+use ambit::lab::node::{Node, RulesMode};
+use ambit::lab::{
+    connect_from, echo_roundtrip, iptables_save, istio_rules, nft_istio_rules, EchoServer, LabPod,
+};
 use common::kube::{
     annotated, kube_node, pod, served_objects_pass_the_schemas, set_running, wait_for, MODE,
     REDIRECTION,
 };
+use common::node::assert_rules_in;
 use serde_json::json;
 
 fn has_plugin(node: &Node) -> bool {
@@ -27,11 +30,35 @@ fn has_plugin(node: &Node) -> bool {
 
 #[test]
 fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
-    let subnet = "10.119.0";
+    labels_enroll_and_remove(RulesMode::Iptables, "10.119.0");
+}
+
+/// The same with the agent's rules in nftables, on a `PATH` without
+/// iptables: the annotations' overrides too.
+#[test]
+fn with_the_rules_in_nftables_labels_enroll_and_remove_pods_live() {
+    labels_enroll_and_remove(RulesMode::Nftables, "10.113.0");
+}
+
+/// What redirects `pod`'s rules hold, in either back end: lines naming
+/// the proxy's ports.
+fn redirects(pod: &LabPod) -> String {
+    let mut text = iptables_save(&pod.ns);
+    text.push_str(&nft_istio_rules(&pod.ns).join("\n"));
+    text.replace("--to-ports ", "redirect to :")
+}
+
+fn labels_enroll_and_remove(mode: RulesMode, subnet: &str) {
     let mesh = format!(
         "workloads:\n- {{name: a1, namespace: mesh, serviceAccount: client-sa, workloadIps: [\"{subnet}.2\"], protocol: HBONE}}\n- {{name: s1, namespace: shop, serviceAccount: server-sa, workloadIps: [\"{subnet}.3\"], protocol: HBONE}}\n"
     );
-    let (mut node, api) = kube_node("kube", subnet, &mesh);
+    let tag = match mode {
+        RulesMode::Iptables => "kube",
+        RulesMode::Nftables => "kubenft",
+    };
+    let (mut node, api) = kube_node(tag, subnet, &mesh);
+    let rules_env = Node::rules_env(&node.dir, mode);
+    node.extra_env.extend(rules_env);
     api.put(Kind::Pod, pod("mesh", "a1", "node-a", "client-sa"));
     api.put(Kind::Pod, pod("shop", "s1", "node-a", "server-sa"));
     // Another node's pod in an ambient namespace: never this agent's business.
@@ -72,12 +99,13 @@ fn labels_enroll_and_remove_pods_live_and_watches_survive_410() {
     quiet["metadata"]["annotations"] = json!({"ambient.istio.io/dns-capture": "false"});
     api.put(Kind::Pod, quiet);
     let d1 = node.add_pod("d1", "mesh").unwrap();
-    let (plain, quiet) = (iptables_save(&a1.ns), iptables_save(&d1.ns));
-    assert!(plain.contains("--to-ports 15053"), "{plain}");
+    let (plain, quiet) = (redirects(&a1), redirects(&d1));
+    assert!(plain.contains("redirect to :15053"), "{plain}");
     assert!(
-        quiet.contains("--to-ports 15001") && !quiet.contains("--to-ports 15053"),
+        quiet.contains("redirect to :15001") && !quiet.contains("redirect to :15053"),
         "{quiet}"
     );
+    assert_rules_in(&node, mode, &[&a1, &d1]);
     assert_eq!(
         istio_rules(&s1),
         0,

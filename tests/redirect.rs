@@ -667,6 +667,31 @@ fn host_probe_rules_in_nftables_snat_the_nodes_connections_to_enrolled_pods() {
         .unwrap();
     assert_eq!(removed, 1, "fd00::2 of uid-a");
     assert!(!set("istio-inpod-probes-v6").contains("fd00::2"));
+    // The agent's start: one sync adds the held pods' missing entries,
+    // gives a reused address its holder's uid and removes the rest.
+    let synced = host
+        .run(move || {
+            nft.add_pod("uid-gone", &["10.77.0.8".parse().unwrap()])
+                .unwrap();
+            nft.sync(&[
+                ("uid-c".to_string(), vec![pod_ip]),
+                ("uid-d".to_string(), vec!["10.77.0.9".parse().unwrap()]),
+            ])
+        })
+        .unwrap();
+    assert_eq!(
+        synced,
+        (2, 2),
+        "10.77.0.2 to uid-c and 10.77.0.9 in; uid-b's and 10.77.0.8 out"
+    );
+    let v4 = set("istio-inpod-probes-v4");
+    assert!(
+        v4.contains("10.77.0.2 comment \"uid-c\"")
+            && v4.contains("10.77.0.9 comment \"uid-d\"")
+            && !v4.contains("10.77.0.8"),
+        "{v4}"
+    );
+    assert_eq!(probe_source().to_string(), "169.254.7.127");
     // The agent restarted with iptables: the nftables table goes, the
     // ipset and chain come; and back.
     let ipt = HostProbes {

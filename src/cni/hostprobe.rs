@@ -162,6 +162,35 @@ impl HostProbes {
         removed
     }
 
+    /// Makes the sets hold exactly the `held` pods' addresses, each with
+    /// its pod's uid (the agent's start): what is missing is added, what
+    /// belongs to no held pod (one deleted while the agent was away, or
+    /// killed between its removals) or carries another uid is removed.
+    /// Returns how many entries were added and removed. Under nftables one
+    /// listing per set and one transaction, whatever the number of pods
+    /// (an entry at a time would cost a `delete` each, each loading the
+    /// whole set); under iptables an `ipset` call per entry.
+    pub fn sync(&self, held: &[(String, Vec<IpAddr>)]) -> (usize, usize) {
+        if self.backend == Backend::Nftables {
+            match nftb::sync(held) {
+                Ok(counts) => return counts,
+                Err(e) => {
+                    tracing::warn!(error = %e, "probe sets not synced in one transaction; one pod at a time")
+                }
+            }
+        }
+        let mut added = 0;
+        for (uid, ips) in held {
+            match self.add_pod(uid, ips) {
+                Ok(()) => added += ips.len(),
+                Err(e) => {
+                    tracing::warn!(uid, error = %e, "probe set not updated; kubelet probes to this pod may be captured")
+                }
+            }
+        }
+        (added, self.keep_only(held))
+    }
+
     /// Removes the rule and the sets (the agent uninstalled, not upgraded):
     /// the node is left as before the agent came.
     pub fn uninstall(&self) -> Result<(), HostProbeError> {
@@ -455,6 +484,63 @@ mod nftb {
         parse_members(&json)
     }
 
+    /// The transaction that turns the sets' `present` entries (by set)
+    /// into exactly `held`'s, and how many it adds and removes.
+    pub fn render_sync(
+        held: &[(String, Vec<IpAddr>)],
+        present: &[(&str, Vec<(String, String)>)],
+    ) -> (String, usize, usize) {
+        let t = NFT_TABLE;
+        let mut wanted: std::collections::BTreeMap<String, &str> = Default::default();
+        for (uid, ips) in held {
+            match comment(uid) {
+                Ok(uid) => {
+                    for ip in ips {
+                        wanted.insert(ip.to_string(), uid);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "probe set entry refused"),
+            }
+        }
+        let (mut s, mut added, mut removed) = (String::new(), 0, 0);
+        let mut kept = std::collections::BTreeSet::new();
+        for (set, entries) in present {
+            for (ip, uid) in entries {
+                if wanted.get(ip) == Some(&uid.as_str()) {
+                    kept.insert(ip.clone());
+                } else {
+                    s.push_str(&format!("delete element inet {t} {set} {{ {ip} }}\n"));
+                    removed += 1;
+                }
+            }
+        }
+        for (ip, uid) in &wanted {
+            if !kept.contains(ip) {
+                let set = if ip.contains(':') { SET_V6 } else { SET_V4 };
+                s.push_str(&format!(
+                    "add element inet {t} {set} {{ {ip} comment \"{uid}\" }}\n"
+                ));
+                added += 1;
+            }
+        }
+        (s, added, removed)
+    }
+
+    pub fn sync(held: &[(String, Vec<IpAddr>)]) -> Result<(usize, usize), HostProbeError> {
+        let mut present = Vec::new();
+        for set in [SET_V4, SET_V6] {
+            // A set not there (IPv6 off) holds nothing to keep or remove.
+            if let Some(entries) = members(set) {
+                present.push((set, entries));
+            }
+        }
+        let (text, added, removed) = render_sync(held, &present);
+        if !text.is_empty() {
+            run("nft", &["-f", "-"], Some(&text))?;
+        }
+        Ok((added, removed))
+    }
+
     /// The entries of `nft -j list set` output: an element with a comment
     /// is an object, one without is its bare address.
     pub fn parse_members(json: &str) -> Option<Vec<(String, String)>> {
@@ -545,6 +631,46 @@ mod tests {
         )
         .unwrap();
         crate::cni::nft::check_golden("nft-host/create_pod", &create);
+    }
+
+    #[test]
+    fn a_sync_adds_what_is_missing_and_removes_what_no_held_pod_owns() {
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let held = vec![
+            ("uid-a".to_string(), vec![ip("10.0.0.2"), ip("fd00::2")]),
+            ("uid-b".to_string(), vec![ip("10.0.0.3")]),
+            ("bad\"uid".to_string(), vec![ip("10.0.0.9")]),
+        ];
+        let e = |ip: &str, uid: &str| (ip.to_string(), uid.to_string());
+        let present = vec![
+            (
+                SET_V4,
+                vec![
+                    e("10.0.0.2", "uid-a"),
+                    e("10.0.0.3", "uid-old"),
+                    e("10.0.0.4", "uid-gone"),
+                ],
+            ),
+            (SET_V6, vec![]),
+        ];
+        let (text, added, removed) = nftb::render_sync(&held, &present);
+        assert_eq!((added, removed), (2, 2), "{text}");
+        assert_eq!(
+            text,
+            "delete element inet istio-ambient-nat istio-inpod-probes-v4 { 10.0.0.3 }\n\
+             delete element inet istio-ambient-nat istio-inpod-probes-v4 { 10.0.0.4 }\n\
+             add element inet istio-ambient-nat istio-inpod-probes-v4 { 10.0.0.3 comment \"uid-b\" }\n\
+             add element inet istio-ambient-nat istio-inpod-probes-v6 { fd00::2 comment \"uid-a\" }\n"
+        );
+        // In sync already: nothing to do.
+        let present = vec![
+            (SET_V4, vec![e("10.0.0.2", "uid-a"), e("10.0.0.3", "uid-b")]),
+            (SET_V6, vec![e("fd00::2", "uid-a")]),
+        ];
+        assert_eq!(
+            nftb::render_sync(&held[..2], &present),
+            (String::new(), 0, 0)
+        );
     }
 
     #[test]

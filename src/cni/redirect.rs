@@ -340,7 +340,7 @@ impl RedirectRules {
     /// own interface is refused before anything is applied
     /// ([`virtual_interfaces::check`]).
     pub fn apply(&self, netns: &Netns) -> Result<(), RedirectError> {
-        let result = self.write(netns);
+        let result = self.write(netns, true);
         if result.is_err() {
             let _ = self.remove(netns);
         }
@@ -353,9 +353,28 @@ impl RedirectRules {
     /// traffic out uncaptured. Each back end's write is atomic per table
     /// (nftables: one transaction for all), so connections flow on.
     pub fn reapply(&self, netns: &Netns) -> Result<(), RedirectError> {
-        self.write(netns)?;
+        self.write(netns, false)?;
         self.take_over(netns);
         Ok(())
+    }
+
+    /// One transaction for every table and both families: with `fresh`,
+    /// first as for a netns without our tables (a new pod's); if one is
+    /// there (the kernel refuses that whole transaction), or without
+    /// `fresh`, the one that replaces them.
+    fn write_nft(&self, netns: &Netns, fresh: bool) -> Result<(), RedirectError> {
+        if fresh {
+            match run(
+                netns,
+                "nft",
+                &["-f", "-"],
+                Some(&nft::render_fresh(&self.opts)),
+            ) {
+                Err(RedirectError::Step { reason, .. }) if reason.contains("File exists") => {}
+                r => return r.map(drop),
+            }
+        }
+        run(netns, "nft", &["-f", "-"], Some(&nft::render(&self.opts))).map(drop)
     }
 
     /// Removes what the other back end than ours left in `netns` (a pod
@@ -392,7 +411,9 @@ impl RedirectRules {
         }
     }
 
-    fn write(&self, netns: &Netns) -> Result<(), RedirectError> {
+    /// Writes the rules; `fresh`: try first as for a netns without our
+    /// nftables tables (a new pod's), else go straight to replacing them.
+    fn write(&self, netns: &Netns, fresh: bool) -> Result<(), RedirectError> {
         let vifs = &self.opts.virtual_interfaces;
         if !vifs.is_empty() {
             // The names first, before anything runs in the netns.
@@ -410,21 +431,7 @@ impl RedirectRules {
                 run(netns, family.restore(), &["--noflush"], Some(&text))?;
                 ensure_route(netns, family)
             }),
-            // One transaction for every table and both families: first as
-            // for a netns without our tables (a new pod's), and if one is
-            // there, the one that replaces them.
-            Backend::Nftables => match run(
-                netns,
-                "nft",
-                &["-f", "-"],
-                Some(&nft::render_fresh(&self.opts)),
-            ) {
-                Err(RedirectError::Step { reason, .. }) if reason.contains("File exists") => {
-                    run(netns, "nft", &["-f", "-"], Some(&nft::render(&self.opts)))
-                }
-                r => r,
-            }
-            .and_then(|_| {
+            Backend::Nftables => self.write_nft(netns, fresh).and_then(|_| {
                 self.families()
                     .into_iter()
                     .try_for_each(|family| ensure_route(netns, family))

@@ -187,24 +187,19 @@ async fn serve(cfg: AgentConfig) -> anyhow::Result<()> {
     probes
         .install()
         .context("host probe SNAT rule and probe sets")?;
-    for p in store.records() {
-        if let Err(e) = probes.add_pod(&p.uid, &p.ip_addrs()) {
-            tracing::warn!(uid = %p.uid, error = %e, "probe set not updated; kubelet probes to this pod may be captured");
-        }
-    }
-    // Entries of pods that went while the agent was away (or as it was killed).
+    // The held pods' entries, and none of pods that went while the agent
+    // was away (or as it was killed).
     let held: Vec<(String, Vec<std::net::IpAddr>)> = store
         .records()
         .iter()
         .map(|p| (p.uid.clone(), p.ip_addrs()))
         .collect();
-    let stale = probes.keep_only(&held);
-    if stale > 0 {
-        tracing::info!(
-            entries = stale,
-            "probe set entries of pods no longer held removed"
-        );
-    }
+    let (added, stale) = probes.sync(&held);
+    tracing::info!(
+        added,
+        removed = stale,
+        "probe set entries synced with the pods held"
+    );
     let zds = ZdsServer::start(&cfg.zds_path, store.clone())
         .with_context(|| format!("ZDS socket {}", cfg.zds_path.display()))?;
     let metrics = Arc::new(AgentMetrics::default());
