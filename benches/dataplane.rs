@@ -178,7 +178,7 @@ fn iperf_counted(lab: &Lab, path: &Path, secs: u64) -> Option<(f64, f64)> {
             .unwrap_or_else(|e| panic!("iperf3 on {}: {e}", path.name))
     });
     let mb = run.gbit.max(1e-9) * 125.0;
-    counts.map(|(sys, cs)| (sys / mb, cs / mb))
+    counts.map(|c| (c.syscalls / mb, c.switches / mb))
 }
 
 /// The pids of a path's proxies.
@@ -413,19 +413,83 @@ fn under_perf<T>(args: &[&str], pids: &[u32], f: impl FnOnce() -> T) -> (T, Opti
     (value, text)
 }
 
-/// Runs `f` while `perf stat` counts the system calls and context switches
-/// of `pids`; returns `f`'s value and the two counts, or none when there
-/// is no proxy or no perf.
-fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<(f64, f64)>) {
-    let events = "raw_syscalls:sys_enter,context-switches";
+/// What `perf stat` counted for a path's proxies over a run.
+struct Counts {
+    syscalls: f64,
+    switches: f64,
+    migrations: f64,
+    /// Context switches by thread (`name-tid`), the busiest first: which
+    /// threads a round trip wakes.
+    by_thread: Vec<(String, f64)>,
+}
+
+/// Runs `f` while `perf stat` counts the system calls, context switches
+/// and CPU migrations of `pids`, and (a second `perf stat`, per thread)
+/// the context switches of each of their threads; returns `f`'s value and
+/// the counts, or none when there is no proxy or no perf.
+fn counted<T>(pids: &[u32], f: impl FnOnce() -> T) -> (T, Option<Counts>) {
+    let events = "raw_syscalls:sys_enter,context-switches,cpu-migrations";
+    let list: Vec<String> = pids.iter().map(|p| p.to_string()).collect();
+    // The per-thread count runs beside the totals, on the same pids.
+    let per_thread = (!pids.is_empty())
+        .then(|| {
+            std::process::Command::new("perf")
+                .args([
+                    "stat",
+                    "--per-thread",
+                    "-x",
+                    ",",
+                    "-e",
+                    "context-switches",
+                    "-p",
+                ])
+                .arg(list.join(","))
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .ok()
+        })
+        .flatten();
     let (value, text) = under_perf(&["stat", "-x", ",", "-e", events], pids, f);
+    let threads = per_thread.map(|p| {
+        // SAFETY: kill(2) on the child we spawned and have not reaped.
+        unsafe { libc::kill(p.id() as libc::pid_t, libc::SIGINT) };
+        p.wait_with_output()
+            .map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+            .unwrap_or_default()
+    });
     let text = text.unwrap_or_default();
     let count = |event: &str| {
         text.lines()
             .find(|l| l.contains(event))
             .and_then(|l| l.split(',').next()?.parse::<f64>().ok())
     };
-    let counts = count("raw_syscalls:sys_enter").zip(count("context-switches"));
+    let mut by_thread: std::collections::BTreeMap<String, f64> = Default::default();
+    // Lines "name-tid,count,,context-switches,...": kept by thread (tid),
+    // so that each process's threads are told apart.
+    for l in threads.unwrap_or_default().lines() {
+        let f: Vec<&str> = l.split(',').collect();
+        if let [thread, n, ..] = f.as_slice() {
+            if let Ok(n) = n.parse::<f64>() {
+                *by_thread.entry(thread.trim().to_string()).or_default() += n;
+            }
+        }
+    }
+    let mut by_thread: Vec<(String, f64)> = by_thread.into_iter().filter(|t| t.1 > 0.0).collect();
+    by_thread.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let counts = match (
+        count("raw_syscalls:sys_enter"),
+        count("context-switches"),
+        count("cpu-migrations"),
+    ) {
+        (Some(syscalls), Some(switches), Some(migrations)) => Some(Counts {
+            syscalls,
+            switches,
+            migrations,
+            by_thread,
+        }),
+        _ => None,
+    };
     if counts.is_none() && !pids.is_empty() {
         panic!("perf stat counted nothing for {pids:?} (a proxy gone, or perf not allowed to count): {text}");
     }
@@ -983,16 +1047,37 @@ fn phase(
                 traced(&proxy_pids(p), || ping_pong(p, per_round, message));
             }
         }
-        let costs: Vec<Option<(f64, f64)>> = paths
+        let costs: Vec<Option<Counts>> = paths
             .iter()
             .map(|p| counted(&proxy_pids(p), || ping_pong(p, per_round, message)).1)
             .collect();
-        let per = |f: fn((f64, f64)) -> f64| -> Vec<f64> {
+        let per = |f: fn(&Counts) -> f64| -> Vec<f64> {
             costs
                 .iter()
-                .map(|c| c.map(|c| f(c) / (per_round + 500) as f64).unwrap_or(0.0))
+                .map(|c| {
+                    c.as_ref()
+                        .map(|c| f(c) / (per_round + 500) as f64)
+                        .unwrap_or(0.0)
+                })
                 .collect()
         };
+        // Which threads each round trip wakes (context switches per round
+        // trip, by thread, the path's proxies together).
+        for (p, c) in paths.iter().zip(&costs) {
+            if let Some(c) = c {
+                let threads: Vec<String> = c
+                    .by_thread
+                    .iter()
+                    .take(6)
+                    .map(|(name, n)| format!("{name} {:.2}", n / (per_round + 500) as f64))
+                    .collect();
+                println!(
+                    "{cc}: {} context switches per round trip by thread: {}",
+                    p.name,
+                    threads.join(", ")
+                );
+            }
+        }
         measures.push(Measure {
             title: format!("latency ({message}-byte ping-pong, p50)"),
             unit: "µs",
@@ -1019,14 +1104,21 @@ fn phase(
             unit: "",
             decimals: 1,
             higher_is_better: false,
-            values: per(|c| c.0),
+            values: per(|c| c.syscalls),
         });
         measures.push(Measure {
             title: "  proxies' context switches per round trip".into(),
             unit: "",
             decimals: 2,
             higher_is_better: false,
-            values: per(|c| c.1),
+            values: per(|c| c.switches),
+        });
+        measures.push(Measure {
+            title: "  proxies' CPU migrations per round trip".into(),
+            unit: "",
+            decimals: 2,
+            higher_is_better: false,
+            values: per(|c| c.migrations),
         });
     }
     if wanted("connections") {
@@ -1043,7 +1135,7 @@ fn phase(
             .iter()
             .map(|p| {
                 let ((_, made, _), c) = counted(&proxy_pids(p), || connect_rate(p, 2.0));
-                c.map(|(sys, cs)| (sys / made, cs / made))
+                c.map(|c| (c.syscalls / made, c.switches / made))
             })
             .collect();
         let pooling = if pool_off() { " (pool off)" } else { "" };

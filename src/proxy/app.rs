@@ -29,7 +29,13 @@ use crate::xds::{self, StateHandle};
 pub fn run(cfg: ProxyConfig) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(cfg.worker_threads)
-        .thread_name("ambit-proxy")
+        // Numbered, as ztunnel's: per-thread tools (`top -H`, `perf stat
+        // --per-thread`) tell the workers apart (the blocking pool's
+        // threads follow them).
+        .thread_name_fn(|| {
+            static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            format!("ambit-proxy-{}", NEXT.fetch_add(1, Ordering::Relaxed))
+        })
         .enable_all()
         .build()?;
     rt.block_on(async move { start(cfg).await?.wait().await })
