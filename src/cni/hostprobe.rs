@@ -424,15 +424,7 @@ mod nftb {
     /// The usual case, one transaction per pod: its addresses made, with
     /// its uid. It fails whole if one is there already (`create`).
     pub fn render_create(uid: &str, ips: &[IpAddr]) -> Result<String, HostProbeError> {
-        let uid = comment(uid)?;
-        let t = NFT_TABLE;
-        Ok(ips
-            .iter()
-            .map(|ip| {
-                let set = set_of_ip(ip);
-                format!("create element inet {t} {set} {{ {ip} comment \"{uid}\" }}\n")
-            })
-            .collect())
+        render_elements(uid, ips, false)
     }
 
     /// An address there already (reused, or the pod enrolled again), one
@@ -440,15 +432,23 @@ mod nftb {
     /// one not there), deleted and added with the uid, so it takes this
     /// pod's uid (`add` alone would keep the old comment).
     pub fn render_add(uid: &str, ips: &[IpAddr]) -> Result<String, HostProbeError> {
+        render_elements(uid, ips, true)
+    }
+
+    fn render_elements(uid: &str, ips: &[IpAddr], upsert: bool) -> Result<String, HostProbeError> {
         let uid = comment(uid)?;
         let t = NFT_TABLE;
         Ok(ips
             .iter()
             .map(|ip| {
                 let set = set_of_ip(ip);
-                format!(
-                    "add element inet {t} {set} {{ {ip} }}\ndelete element inet {t} {set} {{ {ip} }}\nadd element inet {t} {set} {{ {ip} comment \"{uid}\" }}\n"
-                )
+                let element = format!("{set} {{ {ip} comment \"{uid}\" }}");
+                match upsert {
+                    false => format!("create element inet {t} {element}\n"),
+                    true => format!(
+                        "add element inet {t} {set} {{ {ip} }}\ndelete element inet {t} {set} {{ {ip} }}\nadd element inet {t} {element}\n"
+                    ),
+                }
             })
             .collect())
     }
