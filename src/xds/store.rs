@@ -6,8 +6,9 @@
 //! writer changes its own copy and swaps it in one step, so a reader sees
 //! either the old state or the new one, never a mix. The copy costs nothing
 //! and a change costs what it touches, not what the state holds: every map
-//! is persistent (`imbl`: a copy shares all its nodes, a change copies only
-//! the path to what changed). The changes themselves are in `change.rs`.
+//! is persistent (a copy shares all its nodes, a change copies only the
+//! path to what changed: `cow_map.rs` for the hash maps, imbl's `OrdMap`
+//! for a service's endpoints). The changes themselves are in `change.rs`.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -22,13 +23,13 @@ use super::types::{
 };
 
 mod change;
+mod cow_map;
 
 use change::{AddressEntry, PolicyEntry, Queue, Ranges, Refusals};
 
-/// The state's maps: persistent, hashed with foldhash (seeded per process;
-/// SipHash was the largest single cost of a full push).
-type Map<K, V> =
-    imbl::GenericHashMap<K, V, foldhash::fast::RandomState, imbl::shared_ptr::DefaultSharedPtr>;
+/// The state's maps: persistent (`cow_map.rs`), hashed with foldhash
+/// (seeded per process; SipHash was the largest single cost of a full push).
+type Map<K, V> = cow_map::CowMap<K, V>;
 
 /// A workload backing a service, with its own port overrides.
 #[derive(Debug, Clone)]
