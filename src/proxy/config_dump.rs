@@ -189,11 +189,11 @@ fn workload(w: &Workload, trust_domain: &str) -> Value {
         id => id,
     };
     m.insert("clusterId".into(), json!(cluster));
-    put(&mut m, "waypoint", w.waypoint.as_ref().map(gateway));
+    put(&mut m, "waypoint", w.waypoint.as_deref().map(gateway));
     put(
         &mut m,
         "networkGateway",
-        w.network_gateway.as_ref().map(gateway),
+        w.network_gateway.as_deref().map(gateway),
     );
     if w.native_tunnel {
         m.insert("nativeTunnel".into(), json!(true));

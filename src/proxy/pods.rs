@@ -123,7 +123,7 @@ impl ProxyShared {
         }
         let workload = snapshot.workload_by_name(&info.namespace, &info.name);
         let ips = match workload {
-            Some(w) => w.workload_ips.clone(),
+            Some(w) => w.workload_ips.to_vec(),
             None => interfaces()?,
         };
         // What the pod says of itself follows its workload (`Pod::own`);

@@ -378,7 +378,7 @@ mod tests {
         let web = Workload {
             name: "web".into(),
             namespace: "shop".into(),
-            workload_ips: vec!["10.0.0.3".parse().unwrap()],
+            workload_ips: ["10.0.0.3".parse().unwrap()].into(),
             ..Workload::default()
         };
         let allow_front: Authorization = serde_yaml::from_str(

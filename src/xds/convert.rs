@@ -151,8 +151,16 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
         services: BackedServices::new(services),
         authorization_policies: w.authorization_policies.into_iter().map(intern).collect(),
         hostname: w.hostname.into(),
-        waypoint: w.waypoint.map(gateway_from_proto).transpose()?,
-        network_gateway: w.network_gateway.map(gateway_from_proto).transpose()?,
+        waypoint: w
+            .waypoint
+            .map(gateway_from_proto)
+            .transpose()?
+            .map(Box::new),
+        network_gateway: w
+            .network_gateway
+            .map(gateway_from_proto)
+            .transpose()?
+            .map(Box::new),
         workload_type: Name::intern(workload_type),
         native_tunnel: w.native_tunnel,
         application_tunnel,
@@ -382,8 +390,8 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
             cluster_id: w.cluster_id.to_string(),
             services,
             hostname: w.hostname.to_string(),
-            waypoint: w.waypoint.as_ref().map(gateway_to_proto),
-            network_gateway: w.network_gateway.as_ref().map(gateway_to_proto),
+            waypoint: w.waypoint.as_deref().map(gateway_to_proto),
+            network_gateway: w.network_gateway.as_deref().map(gateway_to_proto),
             workload_type: match w.workload_type.as_str() {
                 "cronjob" => pb::WorkloadType::Cronjob,
                 "pod" => pb::WorkloadType::Pod,

@@ -106,7 +106,7 @@ pub struct Workload {
     #[serde(default)]
     pub trust_domain: Name,
     #[serde(default)]
-    pub workload_ips: Vec<IpAddr>,
+    pub workload_ips: Box<[IpAddr]>,
     #[serde(default)]
     pub protocol: Protocol,
     #[serde(default)]
@@ -130,17 +130,18 @@ pub struct Workload {
     #[serde(default)]
     pub services: BackedServices,
     #[serde(default)]
-    pub authorization_policies: Vec<Name>,
+    pub authorization_policies: Box<[Name]>,
     /// Set for a workload reached by name instead of by address.
     #[serde(default)]
     pub hostname: Name,
-    /// Traffic to this workload goes through this waypoint.
+    /// Traffic to this workload goes through this waypoint. (Boxed, as
+    /// the gateway below: a workload is held once per pod of the mesh,
+    /// and these are the largest of its fields.)
     #[serde(default)]
-    pub waypoint: Option<GatewayAddress>,
-    /// Reached from other networks through this gateway (not supported:
-    /// a workload that names one is refused).
+    pub waypoint: Option<Box<GatewayAddress>>,
+    /// Reached from other networks through this gateway.
     #[serde(default)]
-    pub network_gateway: Option<GatewayAddress>,
+    pub network_gateway: Option<Box<GatewayAddress>>,
     /// The workload terminates HBONE itself.
     #[serde(default)]
     pub native_tunnel: bool,
@@ -155,7 +156,7 @@ pub struct Workload {
     pub capacity: Option<u32>,
     /// Names of extensions istiod attached (from xDS only).
     #[serde(skip)]
-    pub extensions: Vec<String>,
+    pub extensions: Box<[String]>,
 }
 
 /// Where a waypoint or gateway is: one address, or a service by name.
@@ -309,7 +310,7 @@ impl Workload {
         if let Some(GatewayAddress {
             destination: GatewayDestination::Address(a),
             ..
-        }) = &self.waypoint
+        }) = self.waypoint.as_deref()
         {
             if a.network == self.network && self.workload_ips.contains(&a.address) {
                 return Some(format!("its waypoint {a} is the workload itself"));

@@ -85,7 +85,7 @@ pub(super) fn discover(
             name: w.name.to_string(),
             namespace: w.namespace.to_string(),
             service_account: w.service_account.to_string(),
-            ips: w.workload_ips.clone(),
+            ips: w.workload_ips.to_vec(),
             overrides: Default::default(),
         })
         .collect();

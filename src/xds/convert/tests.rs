@@ -133,7 +133,7 @@ fn every_workload_field_decodes_from_istios_field_numbers() {
         ("uid-1", "api-0", "api-0.shop")
     );
     assert_eq!(
-        w.waypoint,
+        w.waypoint.as_deref().cloned(),
         Some(GatewayAddress {
             destination: GatewayDestination::Address(NetworkAddress {
                 network: "net1".into(),

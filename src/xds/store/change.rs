@@ -19,8 +19,47 @@ use super::{
 };
 
 /// Holders of one key in arrival order, each with its arrival number.
-/// Almost always one: a slice of its exact size, made anew on a change.
-pub(super) type Queue<T> = Arc<[(u64, Arc<T>)]>;
+/// Almost always one, held in place (an allocation fewer in each index a
+/// workload is in); more are a slice of its exact size, made anew on a
+/// change.
+#[derive(Debug)]
+pub(super) enum Queue<T> {
+    One([(u64, Arc<T>); 1]),
+    Many(Arc<[(u64, Arc<T>)]>),
+}
+
+impl<T> Clone for Queue<T> {
+    fn clone(&self) -> Self {
+        match self {
+            Queue::One([(a, v)]) => Queue::One([(*a, v.clone())]),
+            Queue::Many(m) => Queue::Many(m.clone()),
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Queue<T> {
+    type Target = [(u64, Arc<T>)];
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Queue::One(one) => one,
+            Queue::Many(many) => many,
+        }
+    }
+}
+
+impl<T> From<Vec<(u64, Arc<T>)>> for Queue<T> {
+    fn from(mut v: Vec<(u64, Arc<T>)>) -> Self {
+        match v.pop() {
+            Some(one) if v.is_empty() => Queue::One([one]),
+            Some(last) => {
+                v.push(last);
+                Queue::Many(v.into())
+            }
+            None => Queue::Many(Arc::new([])),
+        }
+    }
+}
 
 /// Adds `value` to `key`'s queue, in arrival order; `make` makes the key
 /// (an allocation, for a string) only when the map lacks it. True if the
@@ -45,7 +84,7 @@ where
             false
         }
         None => {
-            map.insert(make(), Arc::new([(arrival, value.clone())]));
+            map.insert(make(), Queue::One([(arrival, value.clone())]));
             true
         }
     }

@@ -53,7 +53,7 @@ fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason()
     let wl = |name: &str, addr: &str| Workload {
         name: name.into(),
         namespace: "ns".into(),
-        workload_ips: vec![ip(addr)],
+        workload_ips: [ip(addr)].into(),
         ..Workload::default()
     };
     let svc = |name: &str, vip: &str| Service {
@@ -67,31 +67,31 @@ fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason()
         ..Service::default()
     };
     let mut ext = wl("ext", "10.0.0.1");
-    ext.extensions = vec!["istio.io/x".into()];
+    ext.extensions = ["istio.io/x".into()].into();
     let mut gated = wl("gated", "10.0.0.2");
-    gated.network_gateway = Some(GatewayAddress {
+    gated.network_gateway = Some(Box::new(GatewayAddress {
         destination: GatewayDestination::Address(NetworkAddress {
             network: "n2".into(),
             address: ip("192.0.2.1"),
         }),
         hbone_mtls_port: 15008,
-    });
+    }));
     let mut proxied = wl("proxied", "10.0.0.3");
     proxied.application_tunnel = Some(ApplicationTunnel {
         protocol: TunnelToApp::Proxy,
         port: None,
     });
     let mut own_wp = wl("own-wp", "10.0.0.4");
-    own_wp.waypoint = Some(GatewayAddress {
+    own_wp.waypoint = Some(Box::new(GatewayAddress {
         destination: GatewayDestination::Address(NetworkAddress {
             network: String::new(),
             address: ip("10.0.0.4"),
         }),
         hbone_mtls_port: 15008,
-    });
+    }));
     let nameless = Workload {
         namespace: "ns".into(),
-        workload_ips: vec![ip("10.0.0.5")],
+        workload_ips: [ip("10.0.0.5")].into(),
         ..Workload::default()
     };
     let mut twice = wl("twice", "10.0.0.6");
@@ -230,7 +230,7 @@ fn random_workload(rng: &mut fastrand::Rng) -> Workload {
         )),
         name: Name::from(*pick(rng, &["w0", "w1", "w2", ""])),
         namespace: Name::intern(pick::<&str>(rng, &["a", "b"])),
-        workload_ips: ips,
+        workload_ips: ips.into(),
         protocol: if rng.bool() {
             Protocol::Hbone
         } else {
