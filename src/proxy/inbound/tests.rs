@@ -1,6 +1,6 @@
 //! Inbound decisions: which service a connection names.
 
-use super::*;
+use super::decide::inbound_service;
 
 #[test]
 fn the_inbound_service_is_the_one_named_else_the_one_on_the_port() {
