@@ -183,7 +183,7 @@ fn gateway_from_proto(g: pb::GatewayAddress) -> Result<GatewayAddress, String> {
     let destination = match g.destination {
         Some(pb::gateway_address::Destination::Address(a)) => {
             GatewayDestination::Address(NetworkAddress {
-                network: a.network,
+                network: Name::intern(&a.network),
                 address: ip_from(&a.address)?,
             })
         }
@@ -269,11 +269,11 @@ pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
         let full = if address.is_ipv4() { 32 } else { 128 };
         match a.length {
             None => vips.push(NetworkAddress {
-                network: a.network,
+                network: Name::intern(&a.network),
                 address,
             }),
             Some(l) if l == full => vips.push(NetworkAddress {
-                network: a.network,
+                network: Name::intern(&a.network),
                 address,
             }),
             Some(l) if l < full => cidr_vips.push(NetworkCidr {
@@ -426,7 +426,7 @@ fn gateway_to_proto(g: &GatewayAddress) -> pb::GatewayAddress {
     pb::GatewayAddress {
         destination: Some(match &g.destination {
             GatewayDestination::Address(a) => Destination::Address(pb::NetworkAddress {
-                network: a.network.clone(),
+                network: a.network.to_string(),
                 address: ip_bytes(a.address),
                 length: None,
             }),
@@ -452,7 +452,7 @@ pub fn service_to_proto(s: &Service) -> pb::Address {
                 .vips
                 .iter()
                 .map(|v| pb::NetworkAddress {
-                    network: v.network.clone(),
+                    network: v.network.to_string(),
                     address: ip_bytes(v.address),
                     length: None,
                 })

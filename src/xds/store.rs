@@ -18,8 +18,8 @@ use imbl::OrdMap;
 
 use super::convert::AddressResource;
 use super::types::{
-    same_text, Authorization, HealthStatus, Name, NetworkAddress, NetworkCidr, NetworkMode,
-    PolicyScope, Protocol, Service, Workload,
+    same_text, Authorization, HealthStatus, Name, NetworkAddress, NetworkAddressRef, NetworkCidr,
+    NetworkMode, PolicyScope, Protocol, Service, Workload,
 };
 
 mod change;
@@ -143,7 +143,7 @@ impl Claims {
                 .workload_ips
                 .iter()
                 .map(|ip| NetworkAddress {
-                    network: w.network.to_string(),
+                    network: w.network.clone(),
                     address: *ip,
                 })
                 .collect(),
@@ -245,8 +245,8 @@ impl State {
     /// The refused resource that claimed an address (exactly, or in a
     /// range), if one did. Consulted only when nothing served holds it.
     pub fn refused_at(&self, network: &str, ip: IpAddr) -> Option<&Refused> {
-        let key = NetworkAddress {
-            network: network.to_string(),
+        let key = NetworkAddressRef {
+            network,
             address: ip,
         };
         if let Some((_, r)) = self.refused.by_addr.get(&key).and_then(|q| q.first()) {
@@ -305,8 +305,8 @@ impl State {
     /// any pod, then any workload in the mesh, then the rest; the latest to
     /// arrive among equals.
     pub fn workload_by_addr(&self, network: &str, ip: IpAddr) -> Option<&Arc<Workload>> {
-        let key = NetworkAddress {
-            network: network.to_string(),
+        let key = NetworkAddressRef {
+            network,
             address: ip,
         };
         let rank = |w: &Arc<Workload>| (w.uid.contains("//Pod/"), w.protocol == Protocol::Hbone);
@@ -342,8 +342,8 @@ impl State {
         ip: IpAddr,
         client: Option<&str>,
     ) -> Option<&Arc<Service>> {
-        let key = NetworkAddress {
-            network: network.to_string(),
+        let key = NetworkAddressRef {
+            network,
             address: ip,
         };
         if let Some(s) = self

@@ -53,8 +53,32 @@ pub fn same_text(a: &str, b: &str) -> bool {
 #[derive(Debug, Clone, Eq, PartialOrd, Ord, Deserialize)]
 #[serde(try_from = "String")]
 pub struct NetworkAddress {
-    pub network: String,
+    /// Interned when read from the control plane: a mesh names a few
+    /// networks, and every workload's address key holds one.
+    pub network: Name,
     pub address: IpAddr,
+}
+
+/// A [`NetworkAddress`] to look up, borrowing its network: the data path's
+/// lookups by address then copy nothing.
+#[derive(Debug, Clone, Copy)]
+pub struct NetworkAddressRef<'a> {
+    pub network: &'a str,
+    pub address: IpAddr,
+}
+
+/// Hashes as [`NetworkAddress`] does (a `Name` hashes as its text).
+impl std::hash::Hash for NetworkAddressRef<'_> {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.network.hash(state);
+        self.address.hash(state);
+    }
+}
+
+impl hashbrown::Equivalent<NetworkAddress> for NetworkAddressRef<'_> {
+    fn equivalent(&self, key: &NetworkAddress) -> bool {
+        self.address == key.address && same_text(self.network, &key.network)
+    }
 }
 
 /// Equal as the derived comparison would be, but see [`same_text`]: the
@@ -81,7 +105,7 @@ impl TryFrom<String> for NetworkAddress {
             .parse()
             .map_err(|_| format!("{s:?} is not an address of the form network/IP"))?;
         Ok(NetworkAddress {
-            network: network.to_string(),
+            network: Name::intern(network),
             address,
         })
     }

@@ -20,7 +20,7 @@ pub fn claims_of(a: &pb::Address) -> Claims {
                     .iter()
                     .filter_map(|b| ip(b))
                     .map(|address| NetworkAddress {
-                        network: w.network.clone(),
+                        network: Name::intern(&w.network),
                         address,
                     })
                     .collect()
@@ -50,7 +50,7 @@ pub fn claims_of(a: &pb::Address) -> Claims {
                         },
                     }),
                     _ => claims.addresses.push(NetworkAddress {
-                        network: a.network.clone(),
+                        network: Name::intern(&a.network),
                         address,
                     }),
                 }

@@ -477,7 +477,7 @@ impl State {
             NetworkMode::Standard => &w.workload_ips[..],
         };
         ips.iter().map(|ip| NetworkAddress {
-            network: w.network.to_string(),
+            network: w.network.clone(),
             address: *ip,
         })
     }

@@ -20,12 +20,11 @@
 //! The trie's bits start at bit 8 of the hash: the tables' bucket index
 //! uses the low bits and their control byte the top seven.
 
-use std::borrow::Borrow;
 use std::fmt;
 use std::hash::{BuildHasher, Hash};
 use std::sync::Arc;
 
-use hashbrown::HashTable;
+use hashbrown::{Equivalent, HashTable};
 
 type Hasher = foldhash::fast::RandomState;
 
@@ -112,8 +111,7 @@ impl<K, V> CowMap<K, V> {
 impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
     pub fn get<Q>(&self, key: &Q) -> Option<&V>
     where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
+        Q: Hash + Equivalent<K> + ?Sized,
     {
         let hash = self.hasher.hash_one(key);
         let mut node = self.root.as_deref()?;
@@ -121,7 +119,7 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
         loop {
             match node {
                 Node::Leaf(table) => {
-                    return table.find(hash, |(k, _)| k.borrow() == key).map(|(_, v)| v)
+                    return table.find(hash, |(k, _)| key.equivalent(k)).map(|(_, v)| v)
                 }
                 Node::Branch(children) => node = children[child(hash, depth)].as_deref()?,
             }
@@ -131,8 +129,7 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
 
     pub fn contains_key<Q>(&self, key: &Q) -> bool
     where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
+        Q: Hash + Equivalent<K> + ?Sized,
     {
         self.get(key).is_some()
     }
@@ -141,8 +138,7 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
     /// copied when the key is absent).
     pub fn get_mut<Q>(&mut self, key: &Q) -> Option<&mut V>
     where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
+        Q: Hash + Equivalent<K> + ?Sized,
     {
         if !self.contains_key(key) {
             return None;
@@ -154,7 +150,7 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
             match node {
                 Node::Leaf(table) => {
                     return table
-                        .find_mut(hash, |(k, _)| k.borrow() == key)
+                        .find_mut(hash, |(k, _)| key.equivalent(k))
                         .map(|(_, v)| v)
                 }
                 Node::Branch(children) => {
@@ -180,8 +176,7 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
 
     pub fn remove<Q>(&mut self, key: &Q) -> Option<V>
     where
-        K: Borrow<Q>,
-        Q: Hash + Eq + ?Sized,
+        Q: Hash + Equivalent<K> + ?Sized,
     {
         if !self.contains_key(key) {
             return None;
@@ -250,8 +245,8 @@ fn remove<K, V: Clone, Q>(
     key: &Q,
 ) -> Option<V>
 where
-    K: Hash + Eq + Clone + Borrow<Q>,
-    Q: Hash + Eq + ?Sized,
+    K: Hash + Eq + Clone,
+    Q: Hash + Equivalent<K> + ?Sized,
 {
     let node = Arc::make_mut(slot.as_mut()?);
     let (removed, empty) = match node {
@@ -261,7 +256,7 @@ where
         }
         Node::Leaf(table) => {
             let removed = table
-                .find_entry(hash, |(k, _)| k.borrow() == key)
+                .find_entry(hash, |(k, _)| key.equivalent(k))
                 .ok()
                 .map(|e| e.remove().0 .1);
             (removed, table.is_empty())

@@ -61,7 +61,7 @@ fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason()
         namespace: "ns".into(),
         hostname: format!("{name}.ns"),
         vips: vec![NetworkAddress {
-            network: String::new(),
+            network: Name::default(),
             address: ip(vip),
         }],
         ..Service::default()
@@ -84,7 +84,7 @@ fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason()
     let mut own_wp = wl("own-wp", "10.0.0.4");
     own_wp.waypoint = Some(Box::new(GatewayAddress {
         destination: GatewayDestination::Address(NetworkAddress {
-            network: String::new(),
+            network: Name::default(),
             address: ip("10.0.0.4"),
         }),
         hbone_mtls_port: 15008,
@@ -103,7 +103,7 @@ fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason()
     let mut weightless = svc("weightless", "10.96.0.2");
     weightless.weighted_waypoints = vec![WeightedWaypoint {
         destination: GatewayDestination::Address(NetworkAddress {
-            network: String::new(),
+            network: Name::default(),
             address: ip("10.0.0.9"),
         }),
         hbone_mtls_port: 15008,
@@ -142,6 +142,24 @@ fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason()
     assert!(st.refused_at("", ip("10.0.0.6")).is_none());
     assert!(st.service_by_vip("", ip("10.96.0.3"), None).is_some());
     assert!(st.refused_host("ns/weightless.ns").is_some());
+}
+
+#[test]
+fn addresses_are_found_on_their_own_network_only() {
+    // The lookups borrow the network's text (no copy per connection);
+    // the keys hold it interned, as read from the control plane.
+    let st = state(
+        "workloads:\n- {name: a, namespace: n, network: net1, workloadIps: [10.0.0.1]}\n- {name: b, namespace: n, workloadIps: [10.0.0.1]}\nservices:\n- {name: s, namespace: n, hostname: s.n, vips: [\"net1/10.96.0.1\"]}\n",
+    )
+    .unwrap();
+    let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+    let name = |w: Option<&Arc<Workload>>| w.map(|w| w.name.to_string());
+    assert_eq!(name(st.workload_by_addr("net1", ip("10.0.0.1"))), Some("a".into()));
+    assert_eq!(name(st.workload_by_addr("", ip("10.0.0.1"))), Some("b".into()));
+    assert_eq!(name(st.workload_by_addr("net2", ip("10.0.0.1"))), None);
+    assert!(st.service_by_vip("net1", ip("10.96.0.1"), None).is_some());
+    assert!(st.service_by_vip("", ip("10.96.0.1"), None).is_none());
+    assert!(st.service_by_vip("net10", ip("10.96.0.1"), None).is_none());
 }
 
 #[test]
@@ -261,7 +279,7 @@ fn random_service(rng: &mut fastrand::Rng) -> Service {
         namespace: namespace.into(),
         hostname: hostname.into(),
         vips: vec![NetworkAddress {
-            network: String::new(),
+            network: Name::default(),
             address: IpAddr::from(*pick(rng, &VIPS)),
         }],
         canonical: rng.bool(),

@@ -6,6 +6,8 @@ use std::collections::{HashMap, HashSet};
 use std::net::IpAddr;
 use std::sync::Arc;
 
+use crate::xds::types::Name;
+
 use super::{Claims, NetworkAddress, NetworkMode, PolicyScope, Service, Workload};
 use crate::xds::types::Authorization;
 
@@ -62,7 +64,7 @@ impl Reference {
             if w.network_mode == NetworkMode::Standard {
                 for ip in &w.workload_ips {
                     let at = NetworkAddress {
-                        network: w.network.to_string(),
+                        network: w.network.clone(),
                         address: *ip,
                     };
                     r.by_addr.entry(at).or_default().push(w.clone());
@@ -128,7 +130,7 @@ impl Reference {
 
     pub fn workload_by_addr(&self, ip: IpAddr) -> Option<&Arc<Workload>> {
         let at = NetworkAddress {
-            network: String::new(),
+            network: Name::default(),
             address: ip,
         };
         let rank = |w: &Arc<Workload>| {
@@ -146,7 +148,7 @@ impl Reference {
 
     pub fn service_by_vip(&self, ip: IpAddr, client: Option<&str>) -> Option<&Arc<Service>> {
         let at = NetworkAddress {
-            network: String::new(),
+            network: Name::default(),
             address: ip,
         };
         super::best_service(self.services_by_vip.get(&at)?.iter(), client)
@@ -155,7 +157,7 @@ impl Reference {
     /// Some refused resource claims `ip`.
     pub fn refused_at(&self, ip: IpAddr) -> bool {
         let at = NetworkAddress {
-            network: String::new(),
+            network: Name::default(),
             address: ip,
         };
         self.refused_addrs.contains(&at)
