@@ -154,8 +154,14 @@ fn addresses_are_found_on_their_own_network_only() {
     .unwrap();
     let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
     let name = |w: Option<&Arc<Workload>>| w.map(|w| w.name.to_string());
-    assert_eq!(name(st.workload_by_addr("net1", ip("10.0.0.1"))), Some("a".into()));
-    assert_eq!(name(st.workload_by_addr("", ip("10.0.0.1"))), Some("b".into()));
+    assert_eq!(
+        name(st.workload_by_addr("net1", ip("10.0.0.1"))),
+        Some("a".into())
+    );
+    assert_eq!(
+        name(st.workload_by_addr("", ip("10.0.0.1"))),
+        Some("b".into())
+    );
     assert_eq!(name(st.workload_by_addr("net2", ip("10.0.0.1"))), None);
     assert!(st.service_by_vip("net1", ip("10.96.0.1"), None).is_some());
     assert!(st.service_by_vip("", ip("10.96.0.1"), None).is_none());
