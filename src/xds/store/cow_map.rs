@@ -189,13 +189,6 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
         }
         removed
     }
-
-    /// Keeps the entries `keep` holds to; only the paths to leaves that
-    /// lose one are copied.
-    pub fn retain(&mut self, mut keep: impl FnMut(&K, &V) -> bool) {
-        let removed = retain(&mut self.root, &mut keep);
-        self.len -= removed;
-    }
 }
 
 fn insert<K: Hash + Eq + Clone, V: Clone>(
@@ -260,37 +253,6 @@ where
                 .ok()
                 .map(|e| e.remove().0 .1);
             (removed, table.is_empty())
-        }
-    };
-    if empty {
-        *slot = None;
-    }
-    removed
-}
-
-/// Removes below `slot` what `keep` does not keep; how many went.
-fn retain<K: Clone, V: Clone>(
-    slot: &mut Option<Arc<Node<K, V>>>,
-    keep: &mut impl FnMut(&K, &V) -> bool,
-) -> usize {
-    let Some(shared) = slot.as_ref() else {
-        return 0;
-    };
-    if let Node::Leaf(table) = &**shared {
-        if table.iter().all(|(k, v)| keep(k, v)) {
-            return 0;
-        }
-    }
-    let node = Arc::make_mut(slot.as_mut().expect("checked above"));
-    let (removed, empty) = match node {
-        Node::Branch(children) => {
-            let removed = children.iter_mut().map(|c| retain(c, keep)).sum();
-            (removed, children.iter().all(Option::is_none))
-        }
-        Node::Leaf(table) => {
-            let before = table.len();
-            table.retain(|(k, v)| keep(k, v));
-            (before - table.len(), table.is_empty())
         }
     };
     if empty {
@@ -379,8 +341,6 @@ mod tests {
             matches!(map.root.as_deref(), Some(Node::Branch(_))),
             "the map split its leaves"
         );
-        map.retain(|_, v| v % 3 != 0);
-        model.retain(|_, v| *v % 3 != 0);
         copies.push((map.clone(), model.clone()));
         for (copy, model) in &copies {
             assert_eq!(copy.len(), model.len());
