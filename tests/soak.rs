@@ -31,8 +31,8 @@ use ambit::lab::node::Node;
 use ambit::lab::{connect_from, echo_roundtrip, pod_uid, EchoServer, LabPod};
 use common::kube::{enrolled_as, kube_node, pod, set_running, MODE};
 use common::node::{
-    fd_kinds, ipset_members, mtls_from, proxy_uids, round_trip, served, state_uids, veth_count,
-    METRICS,
+    fd_kinds, ipset_members, mtls_from, proxy_uids, round_trip, served, sockets_held, state_uids,
+    veth_count, METRICS,
 };
 use common::wait_until;
 use serde_json::json;
@@ -140,7 +140,17 @@ struct Sample {
     pipes: usize,
     threads: usize,
     rss_kb: u64,
+    /// Of `fds`, the connections to the API server (Kubernetes mode): its
+    /// two watches and the client's pool of idle connections, one for each
+    /// request that ran beside another, closed after 90 s idle. They
+    /// follow how many requests ran at once, not how many pods came and
+    /// went, so they are bounded by [`API_CONNECTIONS`] apart from the rest.
+    api_conns: usize,
 }
+
+/// The agent's connections to the API server at most: two watches and
+/// six pooled (the short soak has seen up to three).
+const API_CONNECTIONS: usize = 2 + 6;
 
 /// Pipe descriptors the proxy may keep for reuse: up to 4 spare pipes
 /// (2 descriptors each) on each of its 2 worker threads.
@@ -168,15 +178,23 @@ fn kill9(pid: u32) {
     unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
 }
 
-fn sample(pid: u32) -> Option<Sample> {
+fn sample(pid: u32, api: Option<SocketAddr>) -> Option<Sample> {
     let all = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count();
     let pipes = fd_kinds(pid).get("pipe").copied().unwrap_or(0);
     let threads = std::fs::read_dir(format!("/proc/{pid}/task")).ok()?.count();
+    let api_conns = api.map_or(0, |addr| {
+        let peer = format!(" {addr}");
+        sockets_held(pid)
+            .iter()
+            .filter(|s| s.starts_with("tcp ESTAB") && s.ends_with(&peer))
+            .count()
+    });
     Some(Sample {
         fds: all.saturating_sub(pipes),
         pipes,
         threads,
         rss_kb: ambit::lab::rss_kb(pid),
+        api_conns,
     })
 }
 
@@ -538,7 +556,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
                 counts.deletes += 1;
             }
             flips.released.clear();
-            baseline = Some(settled_sample(&node, &[&client, &server]));
+            baseline = Some(settled_sample(&node, &[&client, &server], api.as_ref()));
             steady_churn = counts.adds + counts.deletes;
         }
         let roll = match rng.u32(0..100) {
@@ -766,7 +784,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
     for pod in std::mem::take(&mut live) {
         pods.delete(&mut node, &pod.name);
     }
-    let end = settled_sample(&node, &[&client, &server]);
+    let end = settled_sample(&node, &[&client, &server], api.as_ref());
 
     let baseline = baseline.expect("a phase without faults");
 
@@ -844,8 +862,8 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
     );
     for (label, (b, e)) in ["agent", "proxy"].iter().zip(baseline.iter().zip(&end)) {
         println!(
-            "| {label} before and after {steady_churn} pod adds and deletes without faults: fds besides pipes / pipes / threads / RSS | {} → {} / {} → {} / {} → {} / {} → {} kB |",
-            b.1.fds, e.1.fds, b.1.pipes, e.1.pipes, b.1.threads, e.1.threads, b.1.rss_kb, e.1.rss_kb
+            "| {label} before and after {steady_churn} pod adds and deletes without faults: fds besides pipes (to the API server) / pipes / threads / RSS | {} → {} ({} → {}) / {} → {} / {} → {} / {} → {} kB |",
+            b.1.fds, e.1.fds, b.1.api_conns, e.1.api_conns, b.1.pipes, e.1.pipes, b.1.threads, e.1.threads, b.1.rss_kb, e.1.rss_kb
         );
     }
     println!(
@@ -930,15 +948,24 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
         let end_pid = e.0;
         let (b, e) = (b.1, e.1);
         assert!(
-            e.fds <= b.fds + 2 && e.threads <= b.threads + 2 && e.pipes <= b.pipes + SPARE_PIPE_FDS,
-            "{label}: descriptors or threads grew over the churn: fds {} → {}, pipes {} → {}, threads {} → {}; open now: {:?}",
+            e.api_conns <= API_CONNECTIONS,
+            "{label}: {} connections to the API server (at most {API_CONNECTIONS}): {:#?}",
+            e.api_conns,
+            sockets_held(end_pid)
+        );
+        assert!(
+            e.fds - e.api_conns <= b.fds - b.api_conns + 2 && e.threads <= b.threads + 2 && e.pipes <= b.pipes + SPARE_PIPE_FDS,
+            "{label}: descriptors or threads grew over the churn: fds {} → {} (of them to the API server {} → {}), pipes {} → {}, threads {} → {}; open now: {:?}; sockets: {:#?}",
             b.fds,
             e.fds,
+            b.api_conns,
+            e.api_conns,
             b.pipes,
             e.pipes,
             b.threads,
             e.threads,
-            fd_kinds(end_pid)
+            fd_kinds(end_pid),
+            sockets_held(end_pid)
         );
         assert!(
             e.rss_kb <= b.rss_kb + 8 * 1024,
@@ -951,7 +978,7 @@ fn soak(tag: &str, length: Duration, seed: u64, source: Source) {
 
 /// Waits until the agent and the proxy hold just `pods`, lets them rest a
 /// second, and samples both: (pid, sample) for the agent, then the proxy.
-fn settled_sample(node: &Node, pods: &[&LabPod]) -> Vec<(u32, Sample)> {
+fn settled_sample(node: &Node, pods: &[&LabPod], api: Option<&FakeApi>) -> Vec<(u32, Sample)> {
     let want: BTreeSet<String> = pods.iter().map(|p| pod_uid(&p.name)).collect();
     wait_until("the node back to its pods", Duration::from_secs(20), || {
         state_uids(node) == want && proxy_uids(node).is_some_and(|p| p == want)
@@ -961,7 +988,7 @@ fn settled_sample(node: &Node, pods: &[&LabPod]) -> Vec<(u32, Sample)> {
         .iter()
         .map(|l| {
             let pid = node.lab.pid(l).unwrap();
-            (pid, sample(pid).unwrap())
+            (pid, sample(pid, api.map(|a| a.addr)).unwrap())
         })
         .collect()
 }

@@ -225,6 +225,25 @@ pub fn fd_kinds(pid: u32) -> BTreeMap<String, usize> {
     kinds
 }
 
+/// The sockets a process holds in its network namespace, one line
+/// of `ss -anp` each (state, addresses), for a failure message to name them.
+pub fn sockets_held(pid: u32) -> Vec<String> {
+    let net = format!("--net=/proc/{pid}/ns/net");
+    let out = std::process::Command::new("nsenter")
+        .args([net.as_str(), "ss", "-anp"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    let me = format!("pid={pid},");
+    out.lines()
+        .filter(|l| l.contains(&me))
+        .map(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            cols.iter().take(6).copied().collect::<Vec<_>>().join(" ")
+        })
+        .collect()
+}
+
 /// The network namespaces (by inode) a process holds descriptors of.
 pub fn netns_held(pid: u32) -> BTreeSet<u64> {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
