@@ -220,10 +220,6 @@ impl Held {
             // The type is one of the two (checked above).
             let outcome = if resp.type_url == ADDRESS_TYPE {
                 let decoded = crate::proto::workload::Address::decode(any.value.as_slice());
-                let claims = match &decoded {
-                    Ok(a) => convert::claims_of(a),
-                    Err(_) => convert::claims_of_name(&r.name),
-                };
                 // Refused before it is held: a version Ambit cannot serve
                 // never replaces the one serving (the NACK leaves it).
                 let held = decoded
@@ -240,16 +236,25 @@ impl Held {
                         Ok(())
                     }
                     Err(reason) => {
+                        // What it claims, read again from its body (the
+                        // conversion took the decoded one): refusals are
+                        // rare, a push is mostly valid resources.
+                        let claims =
+                            match crate::proto::workload::Address::decode(any.value.as_slice()) {
+                                Ok(a) => convert::claims_of(&a),
+                                Err(_) => convert::claims_of_name(&r.name),
+                            };
                         self.state.refuse_address(&r.name, claims, reason.clone());
                         Err(reason)
                     }
                 }
             } else {
-                let decoded = crate::proto::security::Authorization::decode(any.value.as_slice());
+                let decode = || crate::proto::security::Authorization::decode(any.value.as_slice());
+                // Read again for a refusal (rare): the conversion takes the
+                // decoded one.
                 let stand_in =
-                    |reason: &str| convert::refused_policy(decoded.as_ref().ok(), &r.name, reason);
-                match decoded
-                    .clone()
+                    |reason: &str| convert::refused_policy(decode().as_ref().ok(), &r.name, reason);
+                match decode()
                     .map_err(|e| e.to_string())
                     .and_then(convert::authorization_from_proto)
                 {

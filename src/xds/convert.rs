@@ -111,6 +111,11 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
             },
         }),
     };
+    let waypoint = w.waypoint.map(gateway_from_proto).transpose()?;
+    let network_gateway = w.network_gateway.map(gateway_from_proto).transpose()?;
+    // One lock of the intern table for all the workload's texts (nothing
+    // below interns otherwise).
+    let mut table = Name::interner();
     let mut services = Vec::with_capacity(w.services.len());
     for (svc, list) in w.services {
         let ports = list
@@ -118,58 +123,50 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
             .iter()
             .map(|p| Ok((port(p.service_port)?, port(p.target_port)?)))
             .collect::<Result<Ports, String>>()?;
-        services.push((Name::intern(&svc), ports));
+        services.push((table.intern(&svc), ports));
     }
-    let intern = |s: String| Name::intern(&s);
+    let mut intern = |s: &str| table.intern(s);
     Ok(Workload {
         uid: w.uid.into(),
         name: w.name.into(),
-        namespace: intern(w.namespace),
+        namespace: intern(&w.namespace),
         service_account: if w.service_account.is_empty() {
-            Name::intern("default")
+            intern("default")
         } else {
-            intern(w.service_account)
+            intern(&w.service_account)
         },
-        trust_domain: intern(w.trust_domain),
+        trust_domain: intern(&w.trust_domain),
         workload_ips: w
             .addresses
             .iter()
             .map(|b| ip_from(b))
             .collect::<Result<_, _>>()?,
         protocol,
-        node: intern(w.node),
-        network: intern(w.network),
-        cluster_id: intern(w.cluster_id),
-        canonical_name: intern(w.canonical_name),
-        canonical_revision: intern(w.canonical_revision),
-        workload_name: intern(w.workload_name),
+        node: intern(&w.node),
+        network: intern(&w.network),
+        cluster_id: intern(&w.cluster_id),
+        canonical_name: intern(&w.canonical_name),
+        canonical_revision: intern(&w.canonical_revision),
+        workload_name: intern(&w.workload_name),
         status: if w.status == pb::WorkloadStatus::Unhealthy as i32 {
             HealthStatus::Unhealthy
         } else {
             HealthStatus::Healthy
         },
         services: BackedServices::new(services),
-        authorization_policies: w.authorization_policies.into_iter().map(intern).collect(),
+        authorization_policies: w.authorization_policies.iter().map(|p| intern(p)).collect(),
         hostname: w.hostname.into(),
-        waypoint: w
-            .waypoint
-            .map(gateway_from_proto)
-            .transpose()?
-            .map(Box::new),
-        network_gateway: w
-            .network_gateway
-            .map(gateway_from_proto)
-            .transpose()?
-            .map(Box::new),
-        workload_type: Name::intern(workload_type),
+        waypoint: waypoint.map(Box::new),
+        network_gateway: network_gateway.map(Box::new),
+        workload_type: intern(workload_type),
         native_tunnel: w.native_tunnel,
         application_tunnel,
         locality: w
             .locality
             .map(|l| Locality {
-                region: intern(l.region),
-                zone: intern(l.zone),
-                subzone: intern(l.subzone),
+                region: intern(&l.region),
+                zone: intern(&l.zone),
+                subzone: intern(&l.subzone),
             })
             .unwrap_or_default(),
         network_mode,

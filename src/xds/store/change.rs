@@ -75,27 +75,21 @@ where
     K: Hash + Eq + Clone + Borrow<Q>,
     Q: Hash + Eq + ?Sized,
 {
-    match map.get_mut(key) {
-        Some(queue) => {
-            let mut more = queue.to_vec();
-            let at = more.partition_point(|(a, _)| *a < arrival);
-            more.insert(at, (arrival, value.clone()));
-            *queue = more.into();
-            false
-        }
-        None => {
-            map.insert(make(), Queue::One([(arrival, value.clone())]));
-            true
-        }
+    let (queue, new) =
+        map.get_or_insert_with(key, || (make(), Queue::One([(arrival, value.clone())])));
+    if !new {
+        let mut more = queue.to_vec();
+        let at = more.partition_point(|(a, _)| *a < arrival);
+        more.insert(at, (arrival, value.clone()));
+        *queue = more.into();
     }
+    new
 }
 
 /// `key`'s value, made (with the key's allocation) only when missing.
 fn slot<'m, V: Clone + Default>(map: &'m mut Map<Arc<str>, V>, key: &Name) -> &'m mut V {
-    if !map.contains_key(key.as_str()) {
-        map.insert(key.shared().clone(), V::default());
-    }
-    map.get_mut(key.as_str()).expect("inserted above")
+    map.get_or_insert_with(key.as_str(), || (key.shared().clone(), V::default()))
+        .0
 }
 
 /// Takes arrival `arrival` out of `key`'s queue; the key goes with its
@@ -271,7 +265,6 @@ impl State {
         version: &str,
         resource: AddressResource,
     ) -> Option<String> {
-        self.drop_address(name);
         let arrival = self.next_arrival();
         let name: Arc<str> = name.into();
         let held = match resource {
@@ -283,13 +276,16 @@ impl State {
             }
             AddressResource::Service(s) => Address::Service(Arc::new(*s)),
         };
-        let left_out = self.hold(&name, arrival, &held);
+        // In place of what the name held, in one walk of the map (nothing
+        // below reads this map): the old one is let go, then the new held.
         let entry = AddressEntry {
-            held: Some((arrival, held, version.into())),
+            held: Some((arrival, held.clone(), version.into())),
             refusal: None,
         };
-        self.addresses.insert(name, entry);
-        left_out
+        if let Some(old) = self.addresses.insert(name.clone(), entry) {
+            self.release(old);
+        }
+        self.hold(&name, arrival, &held)
     }
 
     /// The version of each valid address resource held (what serves, or
@@ -334,9 +330,13 @@ impl State {
     }
 
     fn drop_address(&mut self, name: &str) {
-        let Some(entry) = self.addresses.remove(name) else {
-            return;
-        };
+        if let Some(entry) = self.addresses.remove(name) {
+            self.release(entry);
+        }
+    }
+
+    /// Undoes what an address entry held and refused.
+    fn release(&mut self, entry: AddressEntry) {
         if let Some((arrival, held, _)) = entry.held {
             self.unhold(arrival, &held);
         }

@@ -113,7 +113,13 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
     where
         Q: Hash + Equivalent<K> + ?Sized,
     {
-        let hash = self.hasher.hash_one(key);
+        self.get_hashed(self.hasher.hash_one(key), key)
+    }
+
+    fn get_hashed<Q>(&self, hash: u64, key: &Q) -> Option<&V>
+    where
+        Q: Equivalent<K> + ?Sized,
+    {
         let mut node = self.root.as_deref()?;
         let mut depth = 0;
         loop {
@@ -140,10 +146,37 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
     where
         Q: Hash + Equivalent<K> + ?Sized,
     {
-        if !self.contains_key(key) {
-            return None;
-        }
         let hash = self.hasher.hash_one(key);
+        self.get_hashed(hash, key)?;
+        self.get_mut_hashed(hash, key)
+    }
+
+    /// The value of `key`, with `make`'s key and value put there first if
+    /// it has none; and whether they were. Its path is copied where shared.
+    /// `make`'s key must be `key`'s text (the same hash).
+    pub fn get_or_insert_with<Q>(
+        &mut self,
+        key: &Q,
+        make: impl FnOnce() -> (K, V),
+    ) -> (&mut V, bool)
+    where
+        Q: Hash + Equivalent<K> + ?Sized,
+    {
+        let hash = self.hasher.hash_one(key);
+        let inserted = self.get_hashed(hash, key).is_none();
+        if inserted {
+            let (k, v) = make();
+            self.insert_hashed(hash, k, v);
+        }
+        let value = self.get_mut_hashed(hash, key).expect("held or just put");
+        (value, inserted)
+    }
+
+    /// Walks to `key`'s leaf copying the path where shared.
+    fn get_mut_hashed<Q>(&mut self, hash: u64, key: &Q) -> Option<&mut V>
+    where
+        Q: Equivalent<K> + ?Sized,
+    {
         let mut node = Arc::make_mut(self.root.as_mut()?);
         let mut depth = 0;
         loop {
@@ -164,6 +197,10 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
     /// Puts `value` at `key`; the value it replaces, if any.
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
         let hash = self.hasher.hash_one(&key);
+        self.insert_hashed(hash, key, value)
+    }
+
+    fn insert_hashed(&mut self, hash: u64, key: K, value: V) -> Option<V> {
         let root = self
             .root
             .get_or_insert_with(|| Arc::new(Node::Leaf(HashTable::new())));
@@ -178,10 +215,8 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
     where
         Q: Hash + Equivalent<K> + ?Sized,
     {
-        if !self.contains_key(key) {
-            return None;
-        }
         let hash = self.hasher.hash_one(key);
+        self.get_hashed(hash, key)?;
         let slot = &mut self.root;
         let removed = remove(slot, 0, hash, key);
         if removed.is_some() {
@@ -329,6 +364,14 @@ mod tests {
                     if let Some(v) = model.get_mut(&key) {
                         *v += 1;
                     }
+                }
+                9 if step % 2 == 0 => {
+                    let (v, new) =
+                        map.get_or_insert_with(key.as_str(), || (Arc::from(key.as_str()), step));
+                    *v += 1;
+                    let absent = !model.contains_key(&key);
+                    *model.entry(key).or_insert(step) += 1;
+                    assert_eq!(new, absent);
                 }
                 _ => assert_eq!(map.get(key.as_str()), model.get(&key)),
             }

@@ -19,7 +19,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::ops::Deref;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 
 use serde::Deserialize;
 
@@ -44,29 +44,70 @@ static TABLE: LazyLock<Mutex<Table>> = LazyLock::new(|| {
     })
 });
 
-static EMPTY: LazyLock<Name> = LazyLock::new(|| Name(Arc::from("")));
+/// The intern table, locked: see [`Name::interner`].
+pub struct Interner<'a> {
+    table: MutexGuard<'a, Table>,
+    /// The last few texts interned through this guard: a resource repeats
+    /// some (a workload's name, canonical name and service account are
+    /// often one text), and these are found without a probe of the table.
+    recent: [Option<Name>; RECENT],
+    next: usize,
+}
 
-impl Name {
+const RECENT: usize = 8;
+
+impl Interner<'_> {
     /// `text`, sharing the copy any other interned `Name` of it holds.
-    pub fn intern(text: &str) -> Name {
+    pub fn intern(&mut self, text: &str) -> Name {
         if text.is_empty() {
             return Name::default();
         }
-        // A poisoned lock only means a panic elsewhere while it was held;
-        // the set itself is always whole.
-        let mut table = TABLE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(seen) = self.recent.iter().flatten().find(|n| n.as_str() == text) {
+            return seen.clone();
+        }
+        let name = self.in_table(text);
+        self.recent[self.next] = Some(name.clone());
+        self.next = (self.next + 1) % RECENT;
+        name
+    }
+
+    fn in_table(&mut self, text: &str) -> Name {
+        let table = &mut *self.table;
         if let Some(shared) = table.texts.get(text) {
             return Name(shared.clone());
         }
         if table.texts.len() >= table.sweep_at {
             // Only the table holds a text whose count is 1, and nobody can
             // take it from the table without this lock: safe to let go.
+            // (The recent texts are held here too, so they stay.)
             table.texts.retain(|t| Arc::strong_count(t) > 1);
             table.sweep_at = (table.texts.len() * 2).max(SWEEP_FLOOR);
         }
         let shared: Arc<str> = Arc::from(text);
         table.texts.insert(shared.clone());
         Name(shared)
+    }
+}
+
+static EMPTY: LazyLock<Name> = LazyLock::new(|| Name(Arc::from("")));
+
+impl Name {
+    /// `text`, sharing the copy any other interned `Name` of it holds.
+    pub fn intern(text: &str) -> Name {
+        Name::interner().intern(text)
+    }
+
+    /// The table, held for several texts in a row (one resource's): one
+    /// lock for all of them, not one each. Nothing else may intern while
+    /// it is held on the same thread.
+    pub fn interner() -> Interner<'static> {
+        Interner {
+            // A poisoned lock only means a panic elsewhere while it was
+            // held; the set itself is always whole.
+            table: TABLE.lock().unwrap_or_else(|e| e.into_inner()),
+            recent: Default::default(),
+            next: 0,
+        }
     }
 
     pub fn as_str(&self) -> &str {
@@ -216,6 +257,22 @@ mod tests {
         assert_eq!(a, c);
         assert_eq!(Name::intern(""), Name::default());
         assert!(Name::default().is_empty());
+    }
+
+    #[test]
+    fn one_lock_for_many_texts_shares_them_as_one_call_each_would() {
+        let texts: Vec<String> = (0..3 * RECENT)
+            .map(|i| format!("held-together-{}", i % (RECENT + 3)))
+            .collect();
+        let names: Vec<Name> = {
+            let mut table = Name::interner();
+            texts.iter().map(|t| table.intern(t)).collect()
+        };
+        for (text, name) in texts.iter().zip(&names) {
+            assert_eq!(name, text);
+            assert!(Arc::ptr_eq(name.shared(), Name::intern(text).shared()));
+        }
+        assert_eq!(Name::interner().intern(""), Name::default());
     }
 
     #[test]
