@@ -19,13 +19,14 @@ use std::time::Duration;
 use prost::Message;
 use tokio::sync::mpsc;
 
+use super::ahead::convert_in_order;
 use super::convert::{self, ADDRESS_TYPE, AUTHORIZATION_TYPE};
 pub use super::metrics::XdsMetrics;
 use super::store::{State, StateHandle};
 use crate::backoff::Backoff;
 use crate::proto::core::Node;
 use crate::proto::discovery::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse};
+use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
 use crate::proto::rpc;
 
 /// Where and how to reach the control plane.
@@ -212,65 +213,68 @@ impl Held {
                 self.state.remove_policy(name);
             }
         }
+        if resp.type_url == ADDRESS_TYPE {
+            // Decoded and converted (on a second thread for a large
+            // response), then applied in the response's order.
+            let convert = |r: &Resource| {
+                let any = r.resource.as_ref()?;
+                let decoded = crate::proto::workload::Address::decode(any.value.as_slice());
+                // Refused before it is held: a version Ambit cannot serve
+                // never replaces the one serving (the NACK leaves it).
+                Some(
+                    decoded
+                        .map_err(|e| e.to_string())
+                        .and_then(convert::address_from_proto)
+                        .and_then(|a| match a.unsupported() {
+                            Some(reason) => Err(reason),
+                            None => Ok(a),
+                        }),
+                )
+            };
+            convert_in_order(&resp.resources, XDS_NICE, convert, |r, held| match held {
+                None => rejected.push((r.name.clone(), "resource has no body".into())),
+                Some(Ok(a)) => {
+                    let served = self.state.put_address(&r.name, &r.version, a).is_none();
+                    note_left_out(left_out, &r.name, served);
+                }
+                Some(Err(reason)) => {
+                    // What it claims, read again from its body (the
+                    // conversion took the decoded one): refusals are rare,
+                    // a push is mostly valid resources.
+                    let body = r.resource.as_ref().map(|any| any.value.as_slice());
+                    let claims = match body.map(crate::proto::workload::Address::decode) {
+                        Some(Ok(a)) => convert::claims_of(&a),
+                        _ => convert::claims_of_name(&r.name),
+                    };
+                    self.state.refuse_address(&r.name, claims, reason.clone());
+                    rejected.push((r.name.clone(), reason));
+                }
+            });
+            return rejected;
+        }
         for r in &resp.resources {
             let Some(any) = &r.resource else {
                 rejected.push((r.name.clone(), "resource has no body".into()));
                 continue;
             };
-            // The type is one of the two (checked above).
-            let outcome = if resp.type_url == ADDRESS_TYPE {
-                let decoded = crate::proto::workload::Address::decode(any.value.as_slice());
-                // Refused before it is held: a version Ambit cannot serve
-                // never replaces the one serving (the NACK leaves it).
-                let held = decoded
-                    .map_err(|e| e.to_string())
-                    .and_then(convert::address_from_proto)
-                    .and_then(|a| match a.unsupported() {
-                        Some(reason) => Err(reason),
-                        None => Ok(a),
-                    });
-                match held {
-                    Ok(a) => {
-                        let served = self.state.put_address(&r.name, &r.version, a).is_none();
-                        note_left_out(left_out, &r.name, served);
-                        Ok(())
-                    }
-                    Err(reason) => {
-                        // What it claims, read again from its body (the
-                        // conversion took the decoded one): refusals are
-                        // rare, a push is mostly valid resources.
-                        let claims =
-                            match crate::proto::workload::Address::decode(any.value.as_slice()) {
-                                Ok(a) => convert::claims_of(&a),
-                                Err(_) => convert::claims_of_name(&r.name),
-                            };
-                        self.state.refuse_address(&r.name, claims, reason.clone());
-                        Err(reason)
-                    }
+            // The type is Authorization (checked above).
+            let decode = || crate::proto::security::Authorization::decode(any.value.as_slice());
+            // Read again for a refusal (rare): the conversion takes the
+            // decoded one.
+            let stand_in =
+                |reason: &str| convert::refused_policy(decode().as_ref().ok(), &r.name, reason);
+            match decode()
+                .map_err(|e| e.to_string())
+                .and_then(convert::authorization_from_proto)
+            {
+                Ok(p) => {
+                    let served = self.state.put_policy(&r.name, &r.version, p).is_none();
+                    note_left_out(left_out, &r.name, served);
                 }
-            } else {
-                let decode = || crate::proto::security::Authorization::decode(any.value.as_slice());
-                // Read again for a refusal (rare): the conversion takes the
-                // decoded one.
-                let stand_in =
-                    |reason: &str| convert::refused_policy(decode().as_ref().ok(), &r.name, reason);
-                match decode()
-                    .map_err(|e| e.to_string())
-                    .and_then(convert::authorization_from_proto)
-                {
-                    Ok(p) => {
-                        let served = self.state.put_policy(&r.name, &r.version, p).is_none();
-                        note_left_out(left_out, &r.name, served);
-                        Ok(())
-                    }
-                    Err(reason) => {
-                        self.state.refuse_policy(&r.name, stand_in(&reason));
-                        Err(reason)
-                    }
+                Err(reason) => {
+                    self.state.refuse_policy(&r.name, stand_in(&reason));
+                    rejected.push((r.name.clone(), reason));
                 }
-            };
-            if let Err(reason) = outcome {
-                rejected.push((r.name.clone(), reason));
             }
         }
         rejected

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use crate::proto::security as pb_sec;
 use crate::proto::workload as pb;
@@ -45,8 +46,8 @@ fn port(p: u32) -> Result<u16, String> {
 /// A decoded `istio.workload.Address`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum AddressResource {
-    Workload(Box<Workload>),
-    Service(Box<Service>),
+    Workload(Arc<Workload>),
+    Service(Arc<Service>),
 }
 
 impl AddressResource {
@@ -62,10 +63,10 @@ impl AddressResource {
 pub fn address_from_proto(a: pb::Address) -> Result<AddressResource, String> {
     match a.r#type {
         Some(pb::address::Type::Workload(w)) => {
-            workload_from_proto(w).map(|w| AddressResource::Workload(Box::new(w)))
+            workload_from_proto(w).map(|w| AddressResource::Workload(Arc::new(w)))
         }
         Some(pb::address::Type::Service(s)) => {
-            service_from_proto(s).map(|s| AddressResource::Service(Box::new(s)))
+            service_from_proto(s).map(|s| AddressResource::Service(Arc::new(s)))
         }
         None => Err("Address without a workload or a service".into()),
     }

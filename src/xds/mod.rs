@@ -1,6 +1,7 @@
 //! Mesh state: resource types, the snapshot store the data path reads, and
 //! the sources that fill it: the delta xDS client and the local config file.
 
+mod ahead;
 pub mod client;
 pub mod convert;
 pub mod local;

@@ -226,12 +226,12 @@ impl State {
         };
         for (i, w) in workloads.into_iter().enumerate() {
             let name = format!("workloads[{i}] ({}/{})", w.namespace, w.name);
-            st.put_address(&name, "", AddressResource::Workload(Box::new(w)));
+            st.put_address(&name, "", AddressResource::Workload(Arc::new(w)));
             check(&st, name, ListEntry::Workload(i));
         }
         for (i, s) in services.into_iter().enumerate() {
             let name = format!("services[{i}] ({}/{})", s.namespace, s.hostname);
-            st.put_address(&name, "", AddressResource::Service(Box::new(s)));
+            st.put_address(&name, "", AddressResource::Service(Arc::new(s)));
             check(&st, name, ListEntry::Service(i));
         }
         for (i, p) in policies.into_iter().enumerate() {

@@ -34,7 +34,7 @@ policies:
     for s in st.services() {
         assert_eq!(
             address_from_proto(service_to_proto(s)).unwrap(),
-            AddressResource::Service(Box::new(s.as_ref().clone()))
+            AddressResource::Service(Arc::new(s.as_ref().clone()))
         );
     }
     for p in st.policies() {

@@ -270,11 +270,11 @@ impl State {
         let held = match resource {
             AddressResource::Workload(mut w) => {
                 if w.uid.is_empty() {
-                    w.uid = format!("{}/{}", w.namespace, w.name).into();
+                    Arc::make_mut(&mut w).uid = format!("{}/{}", w.namespace, w.name).into();
                 }
-                Address::Workload(Arc::new(*w))
+                Address::Workload(w)
             }
-            AddressResource::Service(s) => Address::Service(Arc::new(*s)),
+            AddressResource::Service(s) => Address::Service(s),
         };
         // In place of what the name held, in one walk of the map (nothing
         // below reads this map): the old one is let go, then the new held.

@@ -162,6 +162,10 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
     where
         Q: Hash + Equivalent<K> + ?Sized,
     {
+        // A walk that only reads, then the walks that copy: one walk that
+        // copied as it went (`make_mut`, an atomic change of each node's
+        // count, on nodes not yet in the cache) measured slower
+        // (docs/perf-log.md, 2026-12-06).
         let hash = self.hasher.hash_one(key);
         let inserted = self.get_hashed(hash, key).is_none();
         if inserted {

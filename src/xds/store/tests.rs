@@ -495,8 +495,8 @@ fn a_state_changed_resource_by_resource_equals_one_built_from_scratch() {
                     };
                     log.push(format!("put {name} {a:?}"));
                     let resource = match a.clone() {
-                        Ok(w) => AddressResource::Workload(Box::new(w)),
-                        Err(s) => AddressResource::Service(Box::new(s)),
+                        Ok(w) => AddressResource::Workload(Arc::new(w)),
+                        Err(s) => AddressResource::Service(Arc::new(s)),
                     };
                     st.put_address(&name, "v", resource);
                     addresses.retain(|(n, _)| *n != name);
