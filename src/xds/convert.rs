@@ -288,19 +288,19 @@ pub fn service_from_proto(s: pb::Service) -> Result<Service, String> {
         name: s.name,
         namespace: s.namespace,
         hostname: s.hostname,
-        vips,
-        cidr_vips,
+        vips: exact(vips),
+        cidr_vips: exact(cidr_vips),
         ports,
-        subject_alt_names: s.subject_alt_names,
+        subject_alt_names: exact(s.subject_alt_names),
         waypoint: s.waypoint.map(gateway_from_proto).transpose()?,
-        weighted_waypoints,
+        weighted_waypoints: exact(weighted_waypoints),
         load_balancing,
         ip_families,
         canonical: s.canonical,
         ingress_use_waypoint: s.ingress_use_waypoint,
         visibility,
         app_protocols,
-        extensions: s.extensions.into_iter().map(|e| e.name).collect(),
+        extensions: exact(s.extensions.into_iter().map(|e| e.name).collect()),
     })
 }
 
@@ -591,22 +591,42 @@ fn sa_to(s: &ServiceAccountMatch) -> pb_sec::ServiceAccountMatch {
     }
 }
 
+/// `v` holding no more than it has. A decoded list grows by doubling, and
+/// a list collected from it in place keeps its allocation, sized for the
+/// decoded type: a policy held that way cost three times its size.
+fn exact<T>(mut v: Vec<T>) -> Vec<T> {
+    v.shrink_to_fit();
+    v
+}
+
 fn match_from(m: pb_sec::Match) -> Result<RbacMatch, String> {
     let strings = |v: Vec<pb_sec::StringMatch>| {
         v.into_iter()
             .map(string_match_from)
             .collect::<Result<Vec<_>, _>>()
+            .map(exact)
     };
-    let cidrs =
-        |v: Vec<pb_sec::Address>| v.into_iter().map(cidr_from).collect::<Result<Vec<_>, _>>();
-    let ports = |v: Vec<u32>| v.into_iter().map(port).collect::<Result<Vec<_>, _>>();
+    let cidrs = |v: Vec<pb_sec::Address>| {
+        v.into_iter()
+            .map(cidr_from)
+            .collect::<Result<Vec<_>, _>>()
+            .map(exact)
+    };
+    let ports = |v: Vec<u32>| {
+        v.into_iter()
+            .map(port)
+            .collect::<Result<Vec<_>, _>>()
+            .map(exact)
+    };
+    let accounts =
+        |v: Vec<pb_sec::ServiceAccountMatch>| exact(v.into_iter().map(sa_from).collect());
     Ok(RbacMatch {
         namespaces: strings(m.namespaces)?,
         not_namespaces: strings(m.not_namespaces)?,
         principals: strings(m.principals)?,
         not_principals: strings(m.not_principals)?,
-        service_accounts: m.service_accounts.into_iter().map(sa_from).collect(),
-        not_service_accounts: m.not_service_accounts.into_iter().map(sa_from).collect(),
+        service_accounts: accounts(m.service_accounts),
+        not_service_accounts: accounts(m.not_service_accounts),
         source_ips: cidrs(m.source_ips)?,
         not_source_ips: cidrs(m.not_source_ips)?,
         destination_ips: cidrs(m.destination_ips)?,
@@ -671,10 +691,13 @@ pub fn authorization_from_proto(a: pb_sec::Authorization) -> Result<Authorizatio
                         .into_iter()
                         .map(match_from)
                         .collect::<Result<Vec<_>, _>>()
+                        .map(exact)
                 })
                 .collect::<Result<Vec<_>, _>>()
+                .map(exact)
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()
+        .map(exact)?;
     Ok(Authorization {
         name: a.name,
         namespace: a.namespace,

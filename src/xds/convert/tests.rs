@@ -315,3 +315,51 @@ fn unknown_enums_and_behaviour_ambit_lacks_are_refused_with_a_reason() {
         .unwrap_err()
         .contains("istio.io/l7"));
 }
+
+#[test]
+fn a_policy_held_keeps_no_room_from_its_decoding() {
+    // Decoded lists grow by doubling; converted in place they kept the
+    // decoded type's room (a policy held cost three times its size).
+    let principal = |k: usize| pb_sec::StringMatch {
+        match_type: Some(pb_sec::string_match::MatchType::Exact(format!(
+            "cluster.local/ns/a/sa/app-{k}"
+        ))),
+    };
+    let sent = pb_sec::Authorization {
+        name: "allow".into(),
+        namespace: "a".into(),
+        scope: pb_sec::Scope::Namespace as i32,
+        action: pb_sec::Action::Allow as i32,
+        rules: (0..3)
+            .map(|_| pb_sec::Rule {
+                clauses: (0..3)
+                    .map(|_| pb_sec::Clause {
+                        matches: (0..3)
+                            .map(|_| pb_sec::Match {
+                                principals: (0..3).map(principal).collect(),
+                                destination_ports: vec![8080, 8081, 8082],
+                                ..Default::default()
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+        ..Default::default()
+    };
+    use prost::Message;
+    let decoded = pb_sec::Authorization::decode(sent.encode_to_vec().as_slice()).unwrap();
+    let held = authorization_from_proto(decoded).unwrap();
+    assert_eq!(held.rules.len(), 3);
+    assert_eq!(held.rules.capacity(), 3);
+    for clauses in &held.rules {
+        assert_eq!(clauses.capacity(), clauses.len());
+        for matches in clauses {
+            assert_eq!((matches.len(), matches.capacity()), (3, 3));
+            for m in matches {
+                assert_eq!((m.principals.len(), m.principals.capacity()), (3, 3));
+                assert_eq!(m.destination_ports.capacity(), 3);
+            }
+        }
+    }
+}
