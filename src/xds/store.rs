@@ -52,30 +52,30 @@ pub struct Endpoint {
 pub struct State {
     arrivals: u64,
     /// What each address resource holds, by resource name.
-    addresses: Map<Arc<str>, AddressEntry>,
+    addresses: Map<Name, AddressEntry>,
     /// What each policy resource holds, by resource name.
-    policy_entries: Map<Arc<str>, PolicyEntry>,
+    policy_entries: Map<Name, PolicyEntry>,
     /// The valid workloads claiming each uid: the first serves. (istiod
     /// names a workload by its uid: the key is the name's, shared.)
-    workloads: Map<Arc<str>, Queue<Workload>>,
+    workloads: Map<Name, Queue<Workload>>,
     /// Every served workload claiming an address.
     by_addr: Map<NetworkAddress, Queue<Workload>>,
     /// How many served workloads with addresses each network holds: the
     /// networks an address can be looked up on.
-    networks: Map<Arc<str>, usize>,
+    networks: Map<Name, usize>,
     /// Namespace → name → served workloads of that name: the latest is
     /// found. Nested so that a lookup (one per connection, for the pod's
     /// own labels) borrows the names instead of copying them.
-    by_name: Map<Arc<str>, Map<Arc<str>, Queue<Workload>>>,
+    by_name: Map<Name, Map<Name, Queue<Workload>>>,
     /// Services may share a VIP (across namespaces).
     services_by_vip: Map<NetworkAddress, Queue<Service>>,
     /// VIP ranges, matched when no VIP matches exactly; in arrival order.
     services_by_cidr: Ranges<Service>,
     /// The valid services claiming each `namespace/hostname`: the first serves.
-    services_by_host: Map<Arc<str>, Queue<Service>>,
+    services_by_host: Map<Name, Queue<Service>>,
     /// Each service's endpoints (by `namespace/hostname`), keyed by their
     /// workload's arrival.
-    endpoints: Map<Arc<str>, OrdMap<u64, Endpoint>>,
+    endpoints: Map<Name, OrdMap<u64, Endpoint>>,
     /// Addresses and names of resources that were refused: a connection to
     /// one is refused with the reason, never passed through (when no
     /// served resource holds the address).
@@ -85,14 +85,14 @@ pub struct State {
     refused_workloads: OrdMap<u64, Arc<Workload>>,
     refused_services: OrdMap<u64, Arc<Service>>,
     /// The policies claiming each key (`namespace/name`): the first decides.
-    policies: Map<Arc<str>, Queue<Authorization>>,
+    policies: Map<Name, Queue<Authorization>>,
     /// How many times served workloads name each policy key.
-    named_policies: Map<Arc<str>, usize>,
+    named_policies: Map<Name, usize>,
     /// Policies a workload names that are not held: denying stand-ins
     /// until they arrive (never "no ALLOW policy, so allow").
-    missing_policies: Map<Arc<str>, Arc<Authorization>>,
+    missing_policies: Map<Name, Arc<Authorization>>,
     /// Namespace-scoped policies by namespace, and the global ones.
-    policies_by_ns: Map<Arc<str>, Queue<Authorization>>,
+    policies_by_ns: Map<Name, Queue<Authorization>>,
     global_policies: Arc<Vec<(u64, Arc<Authorization>)>>,
 }
 

@@ -87,8 +87,8 @@ where
 }
 
 /// `key`'s value, made (with the key's allocation) only when missing.
-fn slot<'m, V: Clone + Default>(map: &'m mut Map<Arc<str>, V>, key: &Name) -> &'m mut V {
-    map.get_or_insert_with(key.as_str(), || (key.shared().clone(), V::default()))
+fn slot<'m, V: Clone + Default>(map: &'m mut Map<Name, V>, key: &Name) -> &'m mut V {
+    map.get_or_insert_with(key.as_str(), || (key.clone(), V::default()))
         .0
 }
 
@@ -150,7 +150,7 @@ fn remove_ordered<T: Clone>(list: &mut Arc<Vec<(u64, T)>>, arrival: u64) {
 pub(super) struct Refusals {
     pub by_addr: Map<NetworkAddress, Queue<Refused>>,
     pub by_range: Ranges<Refused>,
-    pub by_host: Map<Arc<str>, Queue<Refused>>,
+    pub by_host: Map<Name, Queue<Refused>>,
 }
 
 impl Refusals {
@@ -266,7 +266,7 @@ impl State {
         resource: AddressResource,
     ) -> Option<String> {
         let arrival = self.next_arrival();
-        let name: Arc<str> = name.into();
+        let name = Name::from(name);
         let held = match resource {
             AddressResource::Workload(mut w) => {
                 if w.uid.is_empty() {
@@ -363,7 +363,7 @@ impl State {
     }
 
     /// Returns why it is left out, if it is.
-    fn hold(&mut self, name: &Arc<str>, arrival: u64, held: &Address) -> Option<String> {
+    fn hold(&mut self, name: &Name, arrival: u64, held: &Address) -> Option<String> {
         match held {
             Address::Workload(w) => {
                 if let Some(reason) = invalid_workload(w) {
@@ -373,7 +373,7 @@ impl State {
                 let uid = w.uid.as_str();
                 let key = || match **name == *uid {
                     true => name.clone(),
-                    false => w.uid.shared().clone(),
+                    false => w.uid.clone(),
                 };
                 if enqueue(&mut self.workloads, uid, key, arrival, w) {
                     self.serve_workload(arrival, w);
@@ -501,13 +501,7 @@ impl State {
             slot(&mut self.endpoints, svc).insert(arrival, endpoint);
         }
         let names = slot(&mut self.by_name, &w.namespace);
-        enqueue(
-            names,
-            w.name.as_str(),
-            || w.name.shared().clone(),
-            arrival,
-            w,
-        );
+        enqueue(names, w.name.as_str(), || w.name.clone(), arrival, w);
         for key in &w.authorization_policies {
             self.name_policy(key);
         }
@@ -570,7 +564,7 @@ impl State {
         *count += 1;
         if *count == 1 && !self.policies.contains_key(key.as_str()) {
             self.missing_policies
-                .insert(key.shared().clone(), Self::missing(key));
+                .insert(key.clone(), Self::missing(key));
         }
     }
 

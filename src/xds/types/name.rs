@@ -19,18 +19,22 @@ use std::collections::HashSet;
 use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::ops::Deref;
-use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
+use std::sync::{LazyLock, Mutex, MutexGuard};
+
+use arcstr::ArcStr;
 
 use serde::Deserialize;
 
 /// Immutable shared text. Clones share it; equality, order and hash are
-/// the text's.
+/// the text's. One pointer wide (the text's length is kept with it on the
+/// heap, not beside the pointer as an `Arc<str>` keeps it): a workload
+/// holds about fifteen, and every index is keyed by one.
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Name(Arc<str>);
+pub struct Name(ArcStr);
 
 /// The texts that may be shared, and when to sweep next.
 struct Table {
-    texts: HashSet<Arc<str>, foldhash::fast::RandomState>,
+    texts: HashSet<ArcStr, foldhash::fast::RandomState>,
     sweep_at: usize,
 }
 
@@ -80,16 +84,16 @@ impl Interner<'_> {
             // Only the table holds a text whose count is 1, and nobody can
             // take it from the table without this lock: safe to let go.
             // (The recent texts are held here too, so they stay.)
-            table.texts.retain(|t| Arc::strong_count(t) > 1);
+            table
+                .texts
+                .retain(|t| ArcStr::strong_count(t).is_none_or(|n| n > 1));
             table.sweep_at = (table.texts.len() * 2).max(SWEEP_FLOOR);
         }
-        let shared: Arc<str> = Arc::from(text);
+        let shared = ArcStr::from(text);
         table.texts.insert(shared.clone());
         Name(shared)
     }
 }
-
-static EMPTY: LazyLock<Name> = LazyLock::new(|| Name(Arc::from("")));
 
 impl Name {
     /// `text`, sharing the copy any other interned `Name` of it holds.
@@ -111,12 +115,12 @@ impl Name {
     }
 
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 
-    /// The shared text itself, for maps keyed by `Arc<str>`.
-    pub fn shared(&self) -> &Arc<str> {
-        &self.0
+    /// Whether the two share one copy of their text.
+    pub fn ptr_eq(&self, other: &Name) -> bool {
+        ArcStr::ptr_eq(&self.0, &other.0)
     }
 
     /// How many texts the table holds now (swept or not).
@@ -127,35 +131,35 @@ impl Name {
 }
 
 impl Default for Name {
-    /// The empty text (one shared copy).
+    /// The empty text (no allocation).
     fn default() -> Name {
-        EMPTY.clone()
+        Name(ArcStr::new())
     }
 }
 
 impl Deref for Name {
     type Target = str;
     fn deref(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 }
 
 impl AsRef<str> for Name {
     fn as_ref(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 }
 
 impl Borrow<str> for Name {
     fn borrow(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 }
 
 /// As `str`'s, so that a `Name` key is found by a `&str`.
 impl Hash for Name {
     fn hash<H: Hasher>(&self, state: &mut H) {
-        self.0.hash(state)
+        self.as_str().hash(state)
     }
 }
 
@@ -165,7 +169,7 @@ impl From<String> for Name {
         if s.is_empty() {
             return Name::default();
         }
-        Name(Arc::from(s))
+        Name(ArcStr::from(s))
     }
 }
 
@@ -175,61 +179,61 @@ impl From<&str> for Name {
         if s.is_empty() {
             return Name::default();
         }
-        Name(Arc::from(s))
+        Name(ArcStr::from(s))
     }
 }
 
 impl PartialEq<str> for Name {
     fn eq(&self, other: &str) -> bool {
-        super::same_text(&self.0, other)
+        super::same_text(self.as_str(), other)
     }
 }
 
 impl PartialEq<&str> for Name {
     fn eq(&self, other: &&str) -> bool {
-        super::same_text(&self.0, other)
+        super::same_text(self.as_str(), other)
     }
 }
 
 impl PartialEq<String> for Name {
     fn eq(&self, other: &String) -> bool {
-        super::same_text(&self.0, other)
+        super::same_text(self.as_str(), other)
     }
 }
 
 impl PartialEq<Name> for str {
     fn eq(&self, other: &Name) -> bool {
-        super::same_text(self, &other.0)
+        super::same_text(self, other.as_str())
     }
 }
 
 impl PartialEq<Name> for &str {
     fn eq(&self, other: &Name) -> bool {
-        super::same_text(self, &other.0)
+        super::same_text(self, other.as_str())
     }
 }
 
 impl PartialEq<Name> for String {
     fn eq(&self, other: &Name) -> bool {
-        super::same_text(self, &other.0)
+        super::same_text(self, other.as_str())
     }
 }
 
 impl fmt::Display for Name {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
 impl fmt::Debug for Name {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
 impl serde::Serialize for Name {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.0)
+        s.serialize_str(self.as_str())
     }
 }
 
@@ -249,11 +253,11 @@ mod tests {
     fn interned_names_share_one_copy_and_compare_as_text() {
         let a = Name::intern("istio-system-interned-test");
         let b = Name::intern(&String::from("istio-system-interned-test"));
-        assert!(Arc::ptr_eq(a.shared(), b.shared()));
+        assert!(a.ptr_eq(&b));
         assert_eq!(a, "istio-system-interned-test");
         assert_eq!(a, b);
         let c = Name::from("istio-system-interned-test");
-        assert!(!Arc::ptr_eq(a.shared(), c.shared()), "From does not intern");
+        assert!(!a.ptr_eq(&c), "From does not intern");
         assert_eq!(a, c);
         assert_eq!(Name::intern(""), Name::default());
         assert!(Name::default().is_empty());
@@ -270,9 +274,18 @@ mod tests {
         };
         for (text, name) in texts.iter().zip(&names) {
             assert_eq!(name, text);
-            assert!(Arc::ptr_eq(name.shared(), Name::intern(text).shared()));
+            assert!(name.ptr_eq(&Name::intern(text)));
         }
         assert_eq!(Name::interner().intern(""), Name::default());
+    }
+
+    #[test]
+    fn a_name_is_one_pointer_wide() {
+        assert_eq!(std::mem::size_of::<Name>(), std::mem::size_of::<usize>());
+        assert_eq!(
+            std::mem::size_of::<Option<Name>>(),
+            std::mem::size_of::<usize>()
+        );
     }
 
     #[test]
@@ -291,9 +304,6 @@ mod tests {
             Name::interned()
         );
         // What is still held is still shared.
-        assert!(Arc::ptr_eq(
-            kept[7].shared(),
-            Name::intern("kept-7").shared()
-        ));
+        assert!(kept[7].ptr_eq(&Name::intern("kept-7")));
     }
 }
