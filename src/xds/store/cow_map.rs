@@ -198,7 +198,8 @@ impl<K: Hash + Eq + Clone, V: Clone> CowMap<K, V> {
         }
     }
 
-    /// Puts `value` at `key`; the value it replaces, if any.
+    /// Puts `value` at `key` (this `key`, in place of an equal one held);
+    /// the value it replaces, if any.
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
         let hash = self.hasher.hash_one(&key);
         self.insert_hashed(hash, key, value)
@@ -245,8 +246,10 @@ fn insert<K: Hash + Eq + Clone, V: Clone>(
             insert(slot, depth + 1, hash, key, value, hasher)
         }
         Node::Leaf(table) => {
-            if let Some((_, v)) = table.find_mut(hash, |(k, _)| *k == key) {
-                return Some(std::mem::replace(v, value));
+            if let Some(entry) = table.find_mut(hash, |(k, _)| *k == key) {
+                // The key too: an equal text, but the caller may share
+                // this copy with another map (one allocation for both).
+                return Some(std::mem::replace(entry, (key, value)).1);
             }
             table.insert_unique(hash, (key, value), |(k, _)| hasher.hash_one(k));
             if table.len() > LEAF_MAX && depth < MAX_DEPTH {

@@ -169,6 +169,38 @@ fn addresses_are_found_on_their_own_network_only() {
 }
 
 #[test]
+fn a_workload_updated_keeps_one_copy_of_its_name_for_both_its_maps() {
+    // istiod names a workload's resource by its uid: the resource's entry
+    // and the uid's queue share the one text, after an update too.
+    let uid = "Kubernetes//Pod/n/a";
+    let workload = |revision: &str| Workload {
+        uid: uid.into(),
+        name: "a".into(),
+        namespace: "n".into(),
+        canonical_revision: revision.into(),
+        workload_ips: Box::new(["10.0.0.1".parse().unwrap()]),
+        ..Default::default()
+    };
+    let mut st = State::default();
+    for revision in ["v1", "v2", "v3"] {
+        let w = AddressResource::Workload(Arc::new(workload(revision)));
+        assert_eq!(st.put_address(uid, revision, w), None);
+        let key_of = |keys: Vec<&Name>| keys.into_iter().find(|k| k.as_str() == uid).cloned();
+        let entry = key_of(st.addresses.keys().collect()).expect("held");
+        let queue = key_of(st.workloads.keys().collect()).expect("served");
+        assert!(
+            entry.ptr_eq(&queue),
+            "two copies of the name after {revision}"
+        );
+    }
+    assert_eq!(
+        st.workload_by_addr("", "10.0.0.1".parse().unwrap())
+            .map(|w| w.canonical_revision.to_string()),
+        Some("v3".into())
+    );
+}
+
+#[test]
 fn host_network_workloads_share_the_node_ip_and_are_not_found_by_it() {
     let st = state(
         r#"
