@@ -33,13 +33,34 @@ where
     C: Fn(&I) -> T + Sync,
     A: FnMut(&I, T),
 {
-    if items.len() < MIN_RESOURCES {
-        return items.iter().for_each(|i| apply(i, convert(i)));
+    if items.len() >= MIN_RESOURCES {
+        match ahead(items, nice, &convert, &mut apply) {
+            Ok(()) => return,
+            Err(e) => {
+                tracing::debug!(error = %e, "no thread to convert ahead; converting in one pass")
+            }
+        }
     }
+    items.iter().for_each(|i| apply(i, convert(i)));
+}
+
+/// [`convert_in_order`] with the helper; an error (nothing applied) if
+/// the helper cannot start.
+fn ahead<I, T, C, A>(
+    items: &[I],
+    nice: libc::c_int,
+    convert: &C,
+    apply: &mut A,
+) -> std::io::Result<()>
+where
+    I: Sync,
+    T: Send,
+    C: Fn(&I) -> T + Sync,
+    A: FnMut(&I, T),
+{
     std::thread::scope(|scope| {
         let (tx, rx) = sync_channel::<Vec<T>>(CHUNKS_AHEAD);
-        let convert = &convert;
-        let helper = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("ambit-xds-convert".into())
             .spawn_scoped(scope, move || {
                 // SAFETY: setpriority on this thread's own id; no memory
@@ -52,20 +73,13 @@ where
                         return; // the applier stopped
                     }
                 }
-            });
-        if let Err(e) = helper {
-            tracing::debug!(error = %e, "no thread to convert ahead; converting in one pass");
-            return items.iter().for_each(|i| apply(i, convert(i)));
-        }
-        let mut chunks = items.chunks(CHUNK);
-        for converted in rx {
-            let chunk = chunks
-                .next()
-                .expect("one chunk of items per chunk converted");
+            })?;
+        for (chunk, converted) in items.chunks(CHUNK).zip(rx) {
             for (item, t) in chunk.iter().zip(converted) {
                 apply(item, t);
             }
         }
+        Ok(())
     })
 }
 
