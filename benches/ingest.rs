@@ -264,7 +264,7 @@ fn full_push(
 
 /// Applies `resp` as the xDS client does: the held resources change and
 /// the state the data path reads is built; the old state goes.
-fn apply(held: &mut Held, resp: &DeltaDiscoveryResponse) {
+fn apply(held: &mut Held, resp: DeltaDiscoveryResponse) {
     let (state, rejected) = held.answer(resp);
     assert!(rejected.is_empty(), "rejected: {rejected:?}");
     drop(state);
@@ -302,6 +302,10 @@ fn percentile(sorted: &[Duration], p: usize) -> Duration {
 fn size(workloads: usize, updates: usize) {
     let (services, policies) = (workloads / 10, workloads / 100);
     println!("\n== {workloads} workloads, {services} services, {policies} policies ==");
+    // Counted from before the push is made: the client takes it and
+    // frees each resource once converted, so what is left after is the
+    // state alone.
+    let heap_before = live();
     let (addresses, authorizations) = full_push(workloads, services, policies);
     let encoded: usize = addresses
         .resources
@@ -310,25 +314,45 @@ fn size(workloads: usize, updates: usize) {
         .filter_map(|r| r.resource.as_ref())
         .map(|a| a.value.len())
         .sum();
+    let pushed = live() - heap_before;
     println!(
-        "push encoded: {:.1} MB in {} resources",
+        "push encoded: {:.1} MB in {} resources ({:.1} MB decoded, as the client holds it)",
         mb(encoded),
-        addresses.resources.len() + authorizations.resources.len()
+        addresses.resources.len() + authorizations.resources.len(),
+        mb(pushed)
     );
 
     let mut held = Held::default();
-    let heap_before = live();
     let rss_before = rss_mb();
     reset_peak_rss();
+    PEAK.store(live(), Ordering::Relaxed);
     let t = Instant::now();
-    apply(&mut held, &authorizations);
-    let (state, rejected) = held.answer(&addresses);
+    apply(&mut held, authorizations);
+    let (state, rejected) = held.answer(addresses);
     let full = t.elapsed();
     assert!(rejected.is_empty(), "rejected: {rejected:?}");
     let peak_rss = peak_rss_mb();
+    let peak_heap = PEAK.load(Ordering::Relaxed).saturating_sub(heap_before);
     let heap = live().saturating_sub(heap_before);
+    let probe = state
+        .workload_by_addr("", std::net::IpAddr::from([10, 0, 0, 42]))
+        .expect("indexed");
+    assert_eq!(probe.canonical_revision, "v1");
+    println!(
+        "full push: {:.0} ms; peak RSS {peak_rss:.0} MB (from {rss_before:.0} MB with the push in memory); \
+         heap at the peak (push + state): {:.1} MB; heap held after it (the state): {:.1} MB",
+        full.as_secs_f64() * 1e3,
+        mb(peak_heap),
+        mb(heap)
+    );
+    if std::env::var_os("AMBIT_INGEST_PUSH_ONLY").is_some() {
+        // For a profile of the push alone: nothing after it, not even
+        // freeing what it made.
+        std::process::exit(0);
+    }
     // What decoding and converting alone cost of it (the same work, with
-    // nothing held).
+    // nothing held), on the same push made again.
+    let (addresses, _) = full_push(workloads, services, 0);
     let t = Instant::now();
     let converted = addresses
         .resources
@@ -337,27 +361,12 @@ fn size(workloads: usize, updates: usize) {
         .map(|any| pb::Address::decode(any.value.as_slice()).map(convert::address_from_proto))
         .filter(|a| matches!(a, Ok(Ok(_))))
         .count();
-    let decode = t.elapsed();
-    assert_eq!(converted, addresses.resources.len());
-    let probe = state
-        .workload_by_addr("", std::net::IpAddr::from([10, 0, 0, 42]))
-        .expect("indexed");
-    assert_eq!(probe.canonical_revision, "v1");
-    drop(addresses);
-    drop(authorizations);
     println!(
-        "full push: {:.0} ms (decoding and converting the addresses alone: {:.0} ms); \
-         peak RSS {peak_rss:.0} MB (from {rss_before:.0} MB with the push in memory); \
-         heap held after it (resources held + state): {:.1} MB",
-        full.as_secs_f64() * 1e3,
-        decode.as_secs_f64() * 1e3,
-        mb(heap)
+        "decoding and converting the addresses alone: {:.0} ms",
+        t.elapsed().as_secs_f64() * 1e3
     );
-    if std::env::var_os("AMBIT_INGEST_PUSH_ONLY").is_some() {
-        // For a profile of the push alone: nothing after it, not even
-        // freeing what it made.
-        std::process::exit(0);
-    }
+    assert_eq!(converted, addresses.resources.len());
+    drop(addresses);
     let mut state = Some(state);
 
     // One workload changes: a new revision of workload k, one response.
@@ -374,7 +383,7 @@ fn size(workloads: usize, updates: usize) {
     for n in 0..updates {
         let resp = one(n * 7919, n);
         let t = Instant::now();
-        let (next, rejected) = held.answer(&resp);
+        let (next, rejected) = held.answer(resp);
         // The old state goes when the new one replaces it.
         state = Some(next);
         times.push(t.elapsed());
@@ -401,7 +410,7 @@ fn size(workloads: usize, updates: usize) {
     } else {
         let resps: Vec<_> = (0..1_000).map(|n| one(n * 104_729, n + updates)).collect();
         let t = Instant::now();
-        for resp in &resps {
+        for resp in resps {
             let (next, _) = held.answer(resp);
             state = Some(next);
         }
@@ -443,15 +452,14 @@ fn per_entry(n: usize) {
         } else {
             ADDRESS
         };
+        // Counted from before the response is made: the client takes it
+        // and frees it as it goes.
+        let before = live();
         let resp = response(url, (0..count).map(|i| nth(kind, i, services)).collect());
         let mut held = Held::default();
-        let before = live();
         // The state stays, as the proxy keeps the one it serves.
-        let (state, _) = held.answer(&resp);
-        // Counted before the response goes: it was made before `before`,
-        // so freeing it first took its own size off the state's.
+        let (state, _) = held.answer(resp);
         let bytes = live().saturating_sub(before);
-        drop(resp);
         drop(state);
         println!(
             "{kind}: {:.0} bytes each ({count} held, with the state they make)",

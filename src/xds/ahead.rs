@@ -23,43 +23,47 @@ const CHUNK: usize = 256;
 /// converted resources held waiting (not the response).
 const CHUNKS_AHEAD: usize = 4;
 
-/// Calls `apply` with each item of `items` and `convert` of it, in order;
+/// Calls `apply` with `convert` of each item of `items`, in order;
 /// `convert` runs on a helper thread (at `nice`) when there are at least
-/// [`MIN_RESOURCES`] items.
-pub fn convert_in_order<I, T, C, A>(items: &[I], nice: libc::c_int, convert: C, mut apply: A)
+/// [`MIN_RESOURCES`] items. Each item is dropped once converted, so what a
+/// response carried goes as its resources are held (the converted ones
+/// reuse its memory) rather than all at the end.
+pub fn convert_in_order<I, T, C, A>(items: Vec<I>, nice: libc::c_int, convert: C, mut apply: A)
 where
-    I: Sync,
+    I: Send,
     T: Send,
-    C: Fn(&I) -> T + Sync,
-    A: FnMut(&I, T),
+    C: Fn(I) -> T + Sync,
+    A: FnMut(T),
 {
+    let mut items = items.into_iter();
     if items.len() >= MIN_RESOURCES {
-        match ahead(items, nice, &convert, &mut apply) {
+        match ahead(&mut items, nice, &convert, &mut apply) {
             Ok(()) => return,
             Err(e) => {
                 tracing::debug!(error = %e, "no thread to convert ahead; converting in one pass")
             }
         }
     }
-    items.iter().for_each(|i| apply(i, convert(i)));
+    items.for_each(|i| apply(convert(i)));
 }
 
-/// [`convert_in_order`] with the helper; an error (nothing applied) if
-/// the helper cannot start.
+/// [`convert_in_order`] with the helper; an error (nothing taken from
+/// `items`) if the helper cannot start.
 fn ahead<I, T, C, A>(
-    items: &[I],
+    items: &mut std::vec::IntoIter<I>,
     nice: libc::c_int,
     convert: &C,
     apply: &mut A,
 ) -> std::io::Result<()>
 where
-    I: Sync,
+    I: Send,
     T: Send,
-    C: Fn(&I) -> T + Sync,
-    A: FnMut(&I, T),
+    C: Fn(I) -> T + Sync,
+    A: FnMut(T),
 {
     std::thread::scope(|scope| {
         let (tx, rx) = sync_channel::<Vec<T>>(CHUNKS_AHEAD);
+        let (start, started) = sync_channel::<&mut std::vec::IntoIter<I>>(1);
         std::thread::Builder::new()
             .name("ambit-xds-convert".into())
             .spawn_scoped(scope, move || {
@@ -68,23 +72,26 @@ where
                 unsafe {
                     libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice)
                 };
-                for chunk in items.chunks(CHUNK) {
-                    if tx.send(chunk.iter().map(convert).collect()).is_err() {
-                        return; // the applier stopped
+                let Ok(items) = started.recv() else { return };
+                loop {
+                    let chunk: Vec<T> = items.by_ref().take(CHUNK).map(convert).collect();
+                    if chunk.is_empty() || tx.send(chunk).is_err() {
+                        return; // all sent, or the applier stopped
                     }
                 }
             })?;
-        for (chunk, converted) in items.chunks(CHUNK).zip(rx) {
-            for (item, t) in chunk.iter().zip(converted) {
-                apply(item, t);
-            }
-        }
+        // Handed over only once the helper runs: on an error above, the
+        // caller still has every item.
+        let _ = start.send(items);
+        rx.into_iter().flatten().for_each(apply);
         Ok(())
     })
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
 
     #[test]
@@ -100,14 +107,25 @@ mod tests {
             let items: Vec<u64> = (0..n as u64).collect();
             let mut seen = Vec::with_capacity(n);
             let mut threads = std::collections::HashSet::new();
+            let converted = AtomicUsize::new(0);
             convert_in_order(
-                &items,
+                items.clone(),
                 0,
-                |i| (i * 3, std::thread::current().id()),
-                |i, (t, on)| {
+                |i| {
+                    converted.fetch_add(1, Ordering::SeqCst);
+                    (i, i * 3, std::thread::current().id())
+                },
+                |(i, t, on)| {
                     assert_eq!(t, i * 3);
                     threads.insert(on);
-                    seen.push(*i);
+                    seen.push(i);
+                    // What waits converted (each item dropped as it was)
+                    // is a few chunks, never the rest of the response.
+                    let ahead = converted.load(Ordering::SeqCst) - seen.len();
+                    assert!(
+                        ahead <= (CHUNKS_AHEAD + 2) * CHUNK,
+                        "{ahead} converted ahead"
+                    );
                 },
             );
             assert_eq!(seen, items, "{n} items");

@@ -114,20 +114,33 @@ struct Demand {
     full: bool,
 }
 
+/// The names a response answers: its resources' names and aliases, and
+/// the names it removes.
+struct Answers {
+    found: Vec<String>,
+    removed: Vec<String>,
+}
+
+impl Answers {
+    fn of(resp: &DeltaDiscoveryResponse) -> Answers {
+        let found = resp.resources.iter();
+        Answers {
+            found: found
+                .flat_map(|r| std::iter::once(&r.name).chain(&r.aliases))
+                .cloned()
+                .collect(),
+            removed: resp.removed_resources.clone(),
+        }
+    }
+}
+
 impl Demand {
     /// Marks the names a response answers (by a resource's name or alias, or
     /// as removed) and returns their waiters.
-    fn answered_by(
-        &mut self,
-        resp: &DeltaDiscoveryResponse,
-    ) -> Vec<tokio::sync::oneshot::Sender<()>> {
-        let found = resp
-            .resources
-            .iter()
-            .flat_map(|r| std::iter::once(&r.name).chain(&r.aliases));
+    fn answered_by(&mut self, answers: Answers) -> Vec<tokio::sync::oneshot::Sender<()>> {
         let mut woken = Vec::new();
-        let removed = resp.removed_resources.iter().map(|n| (n, false));
-        for (name, is_found) in found.map(|n| (n, true)).chain(removed) {
+        let removed = answers.removed.iter().map(|n| (n, false));
+        for (name, is_found) in answers.found.iter().map(|n| (n, true)).chain(removed) {
             if !self.subscribed.contains(name) {
                 continue;
             }
@@ -181,15 +194,16 @@ impl Held {
     }
 
     /// Applies one response; returns the rejected resources as (name, reason).
-    pub fn apply(&mut self, resp: &DeltaDiscoveryResponse) -> Vec<(String, String)> {
+    pub fn apply(&mut self, resp: DeltaDiscoveryResponse) -> Vec<(String, String)> {
         self.apply_noting(resp, &mut HashSet::new())
     }
 
     /// [`Held::apply`], noting in `left_out` the resources held but left
-    /// out (for a conflict) as they were put.
+    /// out (for a conflict) as they were put. Each resource of the
+    /// response is dropped once converted.
     fn apply_noting(
         &mut self,
-        resp: &DeltaDiscoveryResponse,
+        resp: DeltaDiscoveryResponse,
         left_out: &mut HashSet<String>,
     ) -> Vec<(String, String)> {
         if resp.type_url != ADDRESS_TYPE && resp.type_url != AUTHORIZATION_TYPE {
@@ -197,8 +211,8 @@ impl Held {
             let why = format!("unknown type {}", resp.type_url);
             let mut rejected: Vec<_> = resp
                 .resources
-                .iter()
-                .map(|r| (r.name.clone(), why.clone()))
+                .into_iter()
+                .map(|r| (r.name, why.clone()))
                 .collect();
             if rejected.is_empty() {
                 rejected.push(("*".into(), why));
@@ -216,45 +230,27 @@ impl Held {
         if resp.type_url == ADDRESS_TYPE {
             // Decoded and converted (on a second thread for a large
             // response), then applied in the response's order.
-            let convert = |r: &Resource| {
-                let any = r.resource.as_ref()?;
-                let decoded = crate::proto::workload::Address::decode(any.value.as_slice());
-                // Refused before it is held: a version Ambit cannot serve
-                // never replaces the one serving (the NACK leaves it).
-                Some(
-                    decoded
-                        .map_err(|e| e.to_string())
-                        .and_then(convert::address_from_proto)
-                        .and_then(|a| match a.unsupported() {
-                            Some(reason) => Err(reason),
-                            None => Ok(a),
-                        }),
-                )
-            };
-            convert_in_order(&resp.resources, XDS_NICE, convert, |r, held| match held {
-                None => rejected.push((r.name.clone(), "resource has no body".into())),
-                Some(Ok(a)) => {
-                    let served = self.state.put_address(&r.name, &r.version, a).is_none();
-                    note_left_out(left_out, &r.name, served);
-                }
-                Some(Err(reason)) => {
-                    // What it claims, read again from its body (the
-                    // conversion took the decoded one): refusals are rare,
-                    // a push is mostly valid resources.
-                    let body = r.resource.as_ref().map(|any| any.value.as_slice());
-                    let claims = match body.map(crate::proto::workload::Address::decode) {
-                        Some(Ok(a)) => convert::claims_of(&a),
-                        _ => convert::claims_of_name(&r.name),
-                    };
-                    self.state.refuse_address(&r.name, claims, reason.clone());
-                    rejected.push((r.name.clone(), reason));
-                }
-            });
+            convert_in_order(
+                resp.resources,
+                XDS_NICE,
+                convert_address,
+                |(r, held)| match held {
+                    None => rejected.push((r.name, "resource has no body".into())),
+                    Some(Ok(a)) => {
+                        let served = self.state.put_address(&r.name, &r.version, a).is_none();
+                        note_left_out(left_out, &r.name, served);
+                    }
+                    Some(Err((claims, reason))) => {
+                        self.state.refuse_address(&r.name, claims, reason.clone());
+                        rejected.push((r.name, reason));
+                    }
+                },
+            );
             return rejected;
         }
-        for r in &resp.resources {
+        for r in resp.resources {
             let Some(any) = &r.resource else {
-                rejected.push((r.name.clone(), "resource has no body".into()));
+                rejected.push((r.name, "resource has no body".into()));
                 continue;
             };
             // The type is Authorization (checked above).
@@ -273,7 +269,7 @@ impl Held {
                 }
                 Err(reason) => {
                     self.state.refuse_policy(&r.name, stand_in(&reason));
-                    rejected.push((r.name.clone(), reason));
+                    rejected.push((r.name, reason));
                 }
             }
         }
@@ -286,16 +282,17 @@ impl Held {
     /// conflict held from an earlier response, or of the other type, was
     /// NACKed with the response that brought it and never NACKs a later
     /// one (istiod would take this proxy's view as stale).
-    pub fn answer(&mut self, resp: &DeltaDiscoveryResponse) -> (State, Vec<(String, String)>) {
+    pub fn answer(&mut self, resp: DeltaDiscoveryResponse) -> (State, Vec<(String, String)>) {
         // Held and serving as it was put: so it stays to the response's end
         // (only one that arrives earlier could take its place). One left
         // out may serve by then, if the one ahead of it went after it:
         // asked again.
         let mut left_out = HashSet::new();
+        let addresses = resp.type_url == ADDRESS_TYPE;
         let mut rejected = self.apply_noting(resp, &mut left_out);
         for name in left_out {
-            let reason = match resp.type_url.as_str() {
-                ADDRESS_TYPE => self.state.left_out(&name),
+            let reason = match addresses {
+                true => self.state.left_out(&name),
                 _ => self.state.policy_left_out(&name),
             };
             if let Some(reason) = reason {
@@ -309,6 +306,41 @@ impl Held {
     pub fn state(&self) -> State {
         self.state.clone()
     }
+}
+
+/// An address resource (its body taken) decoded and converted; or
+/// refused, with what it claims and why; or `None`, with no body.
+type ConvertedAddress = (
+    Resource,
+    Option<Result<convert::AddressResource, (super::store::Claims, String)>>,
+);
+
+/// Decodes and converts an address resource; its body is dropped here.
+fn convert_address(mut r: Resource) -> ConvertedAddress {
+    let Some(any) = r.resource.take() else {
+        return (r, None);
+    };
+    let decoded = crate::proto::workload::Address::decode(any.value.as_slice());
+    // Refused before it is held: a version Ambit cannot serve never
+    // replaces the one serving (the NACK leaves it).
+    let held = decoded
+        .map_err(|e| e.to_string())
+        .and_then(convert::address_from_proto)
+        .and_then(|a| match a.unsupported() {
+            Some(reason) => Err(reason),
+            None => Ok(a),
+        });
+    let held = held.map_err(|reason| {
+        // What it claims, read again from its body (the conversion took
+        // the decoded one): refusals are rare, a push is mostly valid
+        // resources.
+        let claims = match crate::proto::workload::Address::decode(any.value.as_slice()) {
+            Ok(a) => convert::claims_of(&a),
+            Err(_) => convert::claims_of_name(&r.name),
+        };
+        (claims, reason)
+    });
+    (r, Some(held))
 }
 
 /// Keeps in `left_out` the resources of a response that, as last put,
@@ -616,13 +648,19 @@ impl XdsClient {
                 .message_bytes
                 .get_or_create(&url)
                 .inc_by(bytes as u64);
+            let (type_url, nonce) = (resp.type_url.clone(), resp.nonce.clone());
+            let (count, removed) = (resp.resources.len(), resp.removed_resources.len());
+            // The names it answers, for on-demand callers: taken before it
+            // is applied (which drops its resources as they are held).
+            let answers =
+                (self.cfg.on_demand && type_url == ADDRESS_TYPE).then(|| Answers::of(&resp));
             let rejected = {
                 let mut held = self.held.lock().await;
-                let (state, rejected) = held.answer(&resp);
+                let (state, rejected) = held.answer(resp);
                 self.state.store(state);
                 rejected
             };
-            if self.cfg.on_demand && resp.type_url == ADDRESS_TYPE {
+            if let Some(answers) = answers {
                 // After the store: a woken caller reads the new state.
                 // A rejected resource answers too (as in ztunnel): asking again
                 // would get no reply, and the NACK names it.
@@ -630,26 +668,34 @@ impl XdsClient {
                     .demand
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
-                    .answered_by(&resp);
+                    .answered_by(answers);
                 for w in woken {
                     let _ = w.send(());
                 }
             }
-            if resp.type_url == ADDRESS_TYPE || resp.type_url == AUTHORIZATION_TYPE {
-                seen.insert(resp.type_url.clone());
+            if type_url == ADDRESS_TYPE || type_url == AUTHORIZATION_TYPE {
+                seen.insert(type_url.clone());
             }
             if seen.len() == 2 && !self.synced.swap(true, Ordering::AcqRel) {
                 tracing::info!("xDS initial sync complete");
             }
             let error_detail = (!rejected.is_empty()).then(|| {
-                let message = rejected.iter().map(|(n, r)| format!("{n}: {r}")).collect::<Vec<_>>().join("; ");
-                tracing::warn!(type_url = %resp.type_url, %message, "NACK: resources rejected, the rest applied");
-                rpc::Status { code: 3, message, details: vec![] }
+                let message = rejected
+                    .iter()
+                    .map(|(n, r)| format!("{n}: {r}"))
+                    .collect::<Vec<_>>()
+                    .join("; ");
+                tracing::warn!(%type_url, %message, "NACK: resources rejected, the rest applied");
+                rpc::Status {
+                    code: 3,
+                    message,
+                    details: vec![],
+                }
             });
-            tracing::debug!(type_url = %resp.type_url, resources = resp.resources.len(), removed = resp.removed_resources.len(), "xDS response applied");
+            tracing::debug!(%type_url, resources = count, removed, "xDS response applied");
             tx.send(DeltaDiscoveryRequest {
-                type_url: resp.type_url.clone(),
-                response_nonce: resp.nonce.clone(),
+                type_url,
+                response_nonce: nonce,
                 error_detail,
                 ..Default::default()
             })

@@ -83,7 +83,7 @@ fn bad_resource_is_named_and_the_rest_applied_then_removed() {
         nonce: "1".into(),
         ..Default::default()
     };
-    let rejected = held.apply(&resp);
+    let rejected = held.apply(resp);
     assert_eq!(rejected.len(), 1);
     assert_eq!(rejected[0].0, "bad");
     let st = held.state();
@@ -101,7 +101,7 @@ fn bad_resource_is_named_and_the_rest_applied_then_removed() {
         removed_resources: vec!["good".into()],
         ..Default::default()
     };
-    held.apply(&removal);
+    held.apply(removal);
     assert!(held
         .state()
         .workload_by_addr("", "10.0.0.1".parse().unwrap())
@@ -114,7 +114,7 @@ fn a_refused_address_is_refused_until_it_is_served_or_removed() {
     let ip: std::net::IpAddr = "10.0.0.7".parse().unwrap();
     let vip: std::net::IpAddr = "10.96.0.7".parse().unwrap();
     let send = |held: &mut Held, resources: Vec<Resource>, removed: Vec<String>| {
-        held.apply(&DeltaDiscoveryResponse {
+        held.apply(DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
             resources,
             removed_resources: removed,
@@ -191,7 +191,7 @@ fn an_answer_by_name_alias_or_removal_wakes_only_its_waiters() {
         removed_resources: vec!["/10.0.0.2".into(), "unrelated".into()],
         ..Default::default()
     };
-    let woken = d.answered_by(&resp);
+    let woken = d.answered_by(Answers::of(&resp));
     assert_eq!(woken.len(), 2, "the found alias and the absent name");
     for w in woken {
         w.send(()).unwrap();
@@ -219,7 +219,7 @@ fn at_the_cap_the_oldest_unknown_names_make_room_and_known_ones_stay() {
         removed_resources: (0..MAX_DEMANDED / 8).map(|i| format!("/n{i}")).collect(),
         ..Default::default()
     };
-    d.answered_by(&resp);
+    d.answered_by(Answers::of(&resp));
     assert!(d.make_room());
     let batch = MAX_DEMANDED / 16;
     assert_eq!(d.unsubscribe.len(), batch, "one batch, not one per name");
@@ -232,11 +232,11 @@ fn at_the_cap_the_oldest_unknown_names_make_room_and_known_ones_stay() {
     let next = format!("/n{batch}");
     let mut w = res("w", wl("w", [10, 0, 0, 9]));
     w.aliases = vec![next.clone()];
-    d.answered_by(&DeltaDiscoveryResponse {
+    d.answered_by(Answers::of(&DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         resources: vec![w],
         ..Default::default()
-    });
+    }));
     for i in 0..batch {
         d.subscribed.insert(format!("/new{i}"));
     }
@@ -257,7 +257,7 @@ fn workloads_sharing_an_ip_are_both_held() {
         ],
         ..Default::default()
     };
-    assert!(held.apply(&resp).is_empty());
+    assert!(held.apply(resp).is_empty());
     let st = held.state();
     assert_eq!(st.workloads().count(), 2);
     let at = st.workload_by_addr("", "10.0.0.1".parse().unwrap());
@@ -274,7 +274,7 @@ fn of_two_workloads_on_one_ip_the_one_updated_last_wins() {
     for round in 0..64u8 {
         let mut held = Held::default();
         let old = format!("old{round}");
-        held.apply(&DeltaDiscoveryResponse {
+        held.apply(DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
             resources: vec![res(&old, wl(&old, [10, 0, 0, 1]))],
             ..Default::default()
@@ -287,7 +287,7 @@ fn of_two_workloads_on_one_ip_the_one_updated_last_wins() {
             res(&n, wl(&n, [10, 1, 0, i]))
         }));
         resources.push(res(&old, wl(&old, [10, 0, 0, 1])));
-        held.apply(&DeltaDiscoveryResponse {
+        held.apply(DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
             resources,
             ..Default::default()
@@ -309,9 +309,9 @@ fn a_response_of_an_unknown_type_changes_nothing() {
         namespace: "ns".into(),
         ..Default::default()
     };
-    let rejected = held.apply(&policy_response("ns/p", policy.encode_to_vec()));
+    let rejected = held.apply(policy_response("ns/p", policy.encode_to_vec()));
     assert!(rejected.is_empty(), "{rejected:?}");
-    let rejected = held.apply(&DeltaDiscoveryResponse {
+    let rejected = held.apply(DeltaDiscoveryResponse {
         type_url: "type.googleapis.com/some.Other".into(),
         removed_resources: vec!["ns/p".into()],
         ..Default::default()
@@ -331,7 +331,7 @@ fn a_refused_policy_stands_in_denying_until_a_valid_one_arrives_or_it_is_removed
     use crate::xds::types::{PolicyAction, PolicyScope};
     let mut held = Held::default();
     let send =
-        |held: &mut Held, name: &str, value: Vec<u8>| held.apply(&policy_response(name, value));
+        |held: &mut Held, name: &str, value: Vec<u8>| held.apply(policy_response(name, value));
     let policy = |extension: bool| sec::Authorization {
         name: "no-l7".into(),
         namespace: "ns".into(),
@@ -381,7 +381,7 @@ fn a_refused_policy_stands_in_denying_until_a_valid_one_arrives_or_it_is_removed
         .state()
         .policies()
         .all(|p| p.key() != "ns/no-l7" || p.refused.is_none()));
-    held.apply(&DeltaDiscoveryResponse {
+    held.apply(DeltaDiscoveryResponse {
         type_url: AUTHORIZATION_TYPE.into(),
         removed_resources: vec!["ns/no-l7".into(), "ns/junk".into()],
         ..Default::default()
@@ -395,7 +395,7 @@ fn a_refused_update_leaves_the_version_that_served_serving() {
     let send = |held: &mut Held, name: &str, version: &str, addr: pb::Address| {
         let mut r = res(name, addr);
         r.version = version.into();
-        held.apply(&DeltaDiscoveryResponse {
+        held.apply(DeltaDiscoveryResponse {
             type_url: ADDRESS_TYPE.into(),
             resources: vec![r],
             ..Default::default()
@@ -458,7 +458,7 @@ fn a_refused_update_leaves_the_version_that_served_serving() {
         ..Default::default()
     };
     let send_policy = |held: &mut Held, p: crate::proto::security::Authorization| {
-        held.apply(&policy_response("ns/p", p.encode_to_vec()))
+        held.apply(policy_response("ns/p", p.encode_to_vec()))
     };
     assert!(send_policy(&mut held, policy(false)).is_empty());
     assert_eq!(send_policy(&mut held, policy(true)).len(), 1);
@@ -485,7 +485,7 @@ fn a_nack_names_only_the_resources_of_the_response_it_answers() {
     };
     // One uid under two resource names (the second is left out), and an
     // address that cannot be read.
-    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+    let (_, rejected) = held.answer(DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         resources: vec![
             res("first", wl("dup", [10, 0, 0, 1])),
@@ -498,12 +498,12 @@ fn a_nack_names_only_the_resources_of_the_response_it_answers() {
 
     // An empty push of the other type, then one of the same type with
     // other resources: both ACKed, though both refusals are still held.
-    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+    let (_, rejected) = held.answer(DeltaDiscoveryResponse {
         type_url: AUTHORIZATION_TYPE.into(),
         ..Default::default()
     });
     assert!(rejected.is_empty(), "{rejected:?}");
-    let (st, rejected) = held.answer(&DeltaDiscoveryResponse {
+    let (st, rejected) = held.answer(DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         resources: vec![res("third", wl("third", [10, 0, 0, 3]))],
         ..Default::default()
@@ -519,7 +519,7 @@ fn a_nack_names_only_the_resources_of_the_response_it_answers() {
     );
 
     // Sent again, the left-out resource is NACKed again.
-    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+    let (_, rejected) = held.answer(DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         resources: vec![res("second", wl("dup", [10, 0, 0, 2]))],
         ..Default::default()
@@ -534,11 +534,11 @@ fn a_nack_names_only_the_resources_of_the_response_it_answers() {
         action: sec::Action::Deny as i32,
         ..Default::default()
     };
-    let (_, rejected) = held.answer(&policy_response("ns/p", policy.encode_to_vec()));
+    let (_, rejected) = held.answer(policy_response("ns/p", policy.encode_to_vec()));
     assert!(rejected.is_empty(), "{rejected:?}");
-    let (_, rejected) = held.answer(&policy_response("ns/p-again", policy.encode_to_vec()));
+    let (_, rejected) = held.answer(policy_response("ns/p-again", policy.encode_to_vec()));
     assert_eq!(names(&rejected), ["ns/p-again"]);
-    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+    let (_, rejected) = held.answer(DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         removed_resources: vec!["third".into()],
         ..Default::default()
@@ -580,7 +580,7 @@ fn stream_ends_are_counted_under_ztunnel_s_reasons() {
 #[test]
 fn a_nack_names_what_is_left_out_once_the_whole_response_is_applied() {
     let mut held = Held::default();
-    let (_, rejected) = held.answer(&DeltaDiscoveryResponse {
+    let (_, rejected) = held.answer(DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         resources: vec![
             res("first", wl("dup", [10, 0, 0, 1])),
@@ -590,7 +590,7 @@ fn a_nack_names_what_is_left_out_once_the_whole_response_is_applied() {
     });
     let names: Vec<_> = rejected.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["second"]);
-    let (st, rejected) = held.answer(&DeltaDiscoveryResponse {
+    let (st, rejected) = held.answer(DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         resources: vec![
             res("second", wl("dup", [10, 0, 0, 2])),
