@@ -47,6 +47,7 @@ use ambit::proto::security as pb_sec;
 use ambit::proto::workload as pb;
 use ambit::xds::client::Held;
 use ambit::xds::convert;
+use ambit::xds::delta::Delta;
 use prost::Message;
 
 /// The proxy's allocator (jemalloc), counting the bytes live now and at
@@ -240,31 +241,33 @@ fn policy(p: usize) -> (String, Vec<u8>) {
     (format!("{namespace}/{name}"), body.encode_to_vec())
 }
 
+/// A response as the client decodes it off the wire (its resources in
+/// chunks: `xds::delta`).
+fn delta(type_url: &str, resources: impl IntoIterator<Item = Resource>) -> Delta {
+    Delta {
+        type_url: type_url.into(),
+        resources: resources.into_iter().collect(),
+        nonce: "1".into(),
+        ..Default::default()
+    }
+}
+
 /// The two responses of a full push: addresses (workloads then services)
 /// and policies.
-fn full_push(
-    workloads: usize,
-    services: usize,
-    policies: usize,
-) -> (DeltaDiscoveryResponse, DeltaDiscoveryResponse) {
+fn full_push(workloads: usize, services: usize, policies: usize) -> (Delta, Delta) {
     let addresses = (0..workloads)
         .map(|i| workload(i, services, "v1"))
         .chain((0..services).map(service))
-        .map(|(name, body)| resource(ADDRESS, name, "1", body))
-        .collect();
+        .map(|(name, body)| resource(ADDRESS, name, "1", body));
     let policies = (0..policies)
         .map(policy)
-        .map(|(name, body)| resource(AUTHORIZATION, name, "1", body))
-        .collect();
-    (
-        response(ADDRESS, addresses),
-        response(AUTHORIZATION, policies),
-    )
+        .map(|(name, body)| resource(AUTHORIZATION, name, "1", body));
+    (delta(ADDRESS, addresses), delta(AUTHORIZATION, policies))
 }
 
 /// Applies `resp` as the xDS client does: the held resources change and
 /// the state the data path reads is built; the old state goes.
-fn apply(held: &mut Held, resp: DeltaDiscoveryResponse) {
+fn apply(held: &mut Held, resp: Delta) {
     let (state, rejected) = held.answer(resp);
     assert!(rejected.is_empty(), "rejected: {rejected:?}");
     drop(state);
@@ -310,7 +313,7 @@ fn size(workloads: usize, updates: usize) {
     let encoded: usize = addresses
         .resources
         .iter()
-        .chain(&authorizations.resources)
+        .chain(authorizations.resources.iter())
         .filter_map(|r| r.resource.as_ref())
         .map(|a| a.value.len())
         .sum();
@@ -455,7 +458,7 @@ fn per_entry(n: usize) {
         // Counted from before the response is made: the client takes it
         // and frees it as it goes.
         let before = live();
-        let resp = response(url, (0..count).map(|i| nth(kind, i, services)).collect());
+        let resp = delta(url, (0..count).map(|i| nth(kind, i, services)));
         let mut held = Held::default();
         // The state stays, as the proxy keeps the one it serves.
         let (state, _) = held.answer(resp);

@@ -28,11 +28,11 @@ const CHUNKS_AHEAD: usize = 4;
 /// [`MIN_RESOURCES`] items. Each item is dropped once converted, so what a
 /// response carried goes as its resources are held (the converted ones
 /// reuse its memory) rather than all at the end.
-pub fn convert_in_order<I, T, C, A>(items: Vec<I>, nice: libc::c_int, convert: C, mut apply: A)
+pub fn convert_in_order<L, T, C, A>(items: L, nice: libc::c_int, convert: C, mut apply: A)
 where
-    I: Send,
+    L: IntoIterator<IntoIter: ExactSizeIterator + Send>,
     T: Send,
-    C: Fn(I) -> T + Sync,
+    C: Fn(L::Item) -> T + Sync,
     A: FnMut(T),
 {
     let mut items = items.into_iter();
@@ -49,21 +49,21 @@ where
 
 /// [`convert_in_order`] with the helper; an error (nothing taken from
 /// `items`) if the helper cannot start.
-fn ahead<I, T, C, A>(
-    items: &mut std::vec::IntoIter<I>,
+fn ahead<It, T, C, A>(
+    items: &mut It,
     nice: libc::c_int,
     convert: &C,
     apply: &mut A,
 ) -> std::io::Result<()>
 where
-    I: Send,
+    It: Iterator + Send,
     T: Send,
-    C: Fn(I) -> T + Sync,
+    C: Fn(It::Item) -> T + Sync,
     A: FnMut(T),
 {
     std::thread::scope(|scope| {
         let (tx, rx) = sync_channel::<Vec<T>>(CHUNKS_AHEAD);
-        let (start, started) = sync_channel::<&mut std::vec::IntoIter<I>>(1);
+        let (start, started) = sync_channel::<&mut It>(1);
         std::thread::Builder::new()
             .name("ambit-xds-convert".into())
             .spawn_scoped(scope, move || {

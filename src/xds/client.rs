@@ -21,12 +21,12 @@ use tokio::sync::mpsc;
 
 use super::ahead::convert_in_order;
 use super::convert::{self, ADDRESS_TYPE, AUTHORIZATION_TYPE};
+use super::delta::Delta;
 pub use super::metrics::XdsMetrics;
 use super::store::{State, StateHandle};
 use crate::backoff::Backoff;
 use crate::proto::core::Node;
-use crate::proto::discovery::aggregated_discovery_service_client::AggregatedDiscoveryServiceClient;
-use crate::proto::discovery::{DeltaDiscoveryRequest, DeltaDiscoveryResponse, Resource};
+use crate::proto::discovery::{DeltaDiscoveryRequest, Resource};
 use crate::proto::rpc;
 
 /// Where and how to reach the control plane.
@@ -122,7 +122,7 @@ struct Answers {
 }
 
 impl Answers {
-    fn of(resp: &DeltaDiscoveryResponse) -> Answers {
+    fn of(resp: &Delta) -> Answers {
         let found = resp.resources.iter();
         Answers {
             found: found
@@ -194,8 +194,8 @@ impl Held {
     }
 
     /// Applies one response; returns the rejected resources as (name, reason).
-    pub fn apply(&mut self, resp: DeltaDiscoveryResponse) -> Vec<(String, String)> {
-        self.apply_noting(resp, &mut HashSet::new())
+    pub fn apply(&mut self, resp: impl Into<Delta>) -> Vec<(String, String)> {
+        self.apply_noting(resp.into(), &mut HashSet::new())
     }
 
     /// [`Held::apply`], noting in `left_out` the resources held but left
@@ -203,7 +203,7 @@ impl Held {
     /// response is dropped once converted.
     fn apply_noting(
         &mut self,
-        resp: DeltaDiscoveryResponse,
+        resp: Delta,
         left_out: &mut HashSet<String>,
     ) -> Vec<(String, String)> {
         if resp.type_url != ADDRESS_TYPE && resp.type_url != AUTHORIZATION_TYPE {
@@ -282,7 +282,8 @@ impl Held {
     /// conflict held from an earlier response, or of the other type, was
     /// NACKed with the response that brought it and never NACKs a later
     /// one (istiod would take this proxy's view as stale).
-    pub fn answer(&mut self, resp: DeltaDiscoveryResponse) -> (State, Vec<(String, String)>) {
+    pub fn answer(&mut self, resp: impl Into<Delta>) -> (State, Vec<(String, String)>) {
+        let resp = resp.into();
         // Held and serving as it was put: so it stays to the response's end
         // (only one that arrives earlier could take its place). One left
         // out may serve by then, if the one ahead of it went after it:
@@ -351,6 +352,34 @@ fn note_left_out(left_out: &mut HashSet<String>, name: &str, served: bool) {
     } else {
         left_out.insert(name.to_string());
     }
+}
+
+/// Opens the delta ADS stream: `DeltaAggregatedResources` as the
+/// generated client calls it, with each response decoded as a [`Delta`]
+/// (its resources in chunks, freed as they are held) rather than as
+/// `DeltaDiscoveryResponse` (one list, held whole to the end).
+async fn delta_stream<T>(
+    grpc: &mut tonic::client::Grpc<T>,
+    requests: impl tonic::IntoStreamingRequest<Message = DeltaDiscoveryRequest>,
+) -> Result<tonic::Response<tonic::codec::Streaming<Delta>>, tonic::Status>
+where
+    T: tonic::client::GrpcService<tonic::body::BoxBody>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+    T::Error: Into<tonic::codegen::StdError>,
+{
+    const SERVICE: &str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
+    grpc.ready()
+        .await
+        .map_err(|e| tonic::Status::unknown(format!("Service was not ready: {}", e.into())))?;
+    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
+        "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources",
+    );
+    let mut req = requests.into_streaming_request();
+    req.extensions_mut()
+        .insert(tonic::GrpcMethod::new(SERVICE, "DeltaAggregatedResources"));
+    let codec = tonic::codec::ProstCodec::<DeltaDiscoveryRequest, Delta>::default();
+    grpc.streaming(req, path, codec).await
 }
 
 /// Why a stream ended, in ztunnel's words
@@ -571,8 +600,8 @@ impl XdsClient {
             .map(crate::grpc::roots_from)
             .transpose()?;
         let channel = crate::grpc::channel(&self.cfg.address, roots, self.cfg.mark).await?;
-        let mut client = AggregatedDiscoveryServiceClient::new(channel)
-            .max_decoding_message_size(self.cfg.max_message_size);
+        let mut client =
+            tonic::client::Grpc::new(channel).max_decoding_message_size(self.cfg.max_message_size);
         let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
         {
             let held = self.held.lock().await;
@@ -612,7 +641,7 @@ impl XdsClient {
         }
         req.metadata_mut()
             .insert("clusterid", self.cfg.cluster_id.parse()?);
-        let mut responses = client.delta_aggregated_resources(req).await?.into_inner();
+        let mut responses = delta_stream(&mut client, req).await?.into_inner();
         tracing::info!(addr = %self.cfg.address, "xDS stream open");
         self.metrics.connected.set(1);
         let mut seen: HashSet<String> = HashSet::new();

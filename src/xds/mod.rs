@@ -4,6 +4,7 @@
 mod ahead;
 pub mod client;
 pub mod convert;
+pub mod delta;
 pub mod local;
 mod metrics;
 mod store;

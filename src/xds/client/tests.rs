@@ -2,7 +2,7 @@
 //! subscriptions, the state they make.
 
 use super::*;
-use crate::proto::discovery::Resource;
+use crate::proto::discovery::{DeltaDiscoveryResponse, Resource};
 use crate::proto::workload as pb;
 
 fn res(name: &str, addr: pb::Address) -> Resource {
@@ -191,7 +191,7 @@ fn an_answer_by_name_alias_or_removal_wakes_only_its_waiters() {
         removed_resources: vec!["/10.0.0.2".into(), "unrelated".into()],
         ..Default::default()
     };
-    let woken = d.answered_by(Answers::of(&resp));
+    let woken = d.answered_by(Answers::of(&resp.clone().into()));
     assert_eq!(woken.len(), 2, "the found alias and the absent name");
     for w in woken {
         w.send(()).unwrap();
@@ -219,7 +219,7 @@ fn at_the_cap_the_oldest_unknown_names_make_room_and_known_ones_stay() {
         removed_resources: (0..MAX_DEMANDED / 8).map(|i| format!("/n{i}")).collect(),
         ..Default::default()
     };
-    d.answered_by(Answers::of(&resp));
+    d.answered_by(Answers::of(&resp.clone().into()));
     assert!(d.make_room());
     let batch = MAX_DEMANDED / 16;
     assert_eq!(d.unsubscribe.len(), batch, "one batch, not one per name");
@@ -232,11 +232,11 @@ fn at_the_cap_the_oldest_unknown_names_make_room_and_known_ones_stay() {
     let next = format!("/n{batch}");
     let mut w = res("w", wl("w", [10, 0, 0, 9]));
     w.aliases = vec![next.clone()];
-    d.answered_by(Answers::of(&DeltaDiscoveryResponse {
+    d.answered_by(Answers::of(&Delta::from(DeltaDiscoveryResponse {
         type_url: ADDRESS_TYPE.into(),
         resources: vec![w],
         ..Default::default()
-    }));
+    })));
     for i in 0..batch {
         d.subscribed.insert(format!("/new{i}"));
     }
