@@ -104,6 +104,11 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
 
+/// The proxy's allocator settings (one arena, freed pages given back
+/// after two seconds), so the memory measured is what the proxy holds.
+#[export_name = "_rjem_malloc_conf"]
+static MALLOC_CONF: ambit::alloc::Settings = ambit::alloc::SETTINGS;
+
 fn live() -> usize {
     LIVE.load(Ordering::Relaxed)
 }
@@ -475,6 +480,8 @@ fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
+    // As the proxy runs: freed memory given back on time.
+    ambit::alloc::purge_in_background();
     let sizes: Vec<usize> = std::env::var("AMBIT_INGEST_SIZES")
         .unwrap_or_else(|_| "10000,100000,1000000".into())
         .split(',')

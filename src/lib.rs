@@ -3,7 +3,8 @@
 //! Modules form a ladder (docs/architecture.md §2): `config` imports nothing
 //! else; `xds` and `identity` build state from config; `cni` and `proxy`
 //! consume state; `lab` and `demo` assemble everything for a single host;
-//! `main` only dispatches. Shared below them all: `backoff` (retry delays),
+//! `main` only dispatches. Shared below them all: `alloc` (the allocator's
+//! settings), `backoff` (retry delays),
 //! `sideport` (the HTTP server of the side ports), `resident` (giving
 //! back start-up's pages of the binary), `unix_bind` (owner-only
 //! Unix sockets), `watch` (files watched with inotify), `netns`,
@@ -13,6 +14,7 @@
 //! `ambit demo` and the tests use; `testing` adds test fakes (the Kubernetes
 //! API stand-in) that never ship in the image.
 
+pub mod alloc;
 mod backoff;
 pub mod cni;
 pub mod config;
