@@ -118,6 +118,8 @@ use ambit::xds::convert::{ADDRESS_TYPE as ADDRESS, AUTHORIZATION_TYPE as AUTHORI
 #[path = "ingest/churn.rs"]
 mod churn;
 
+/// A resource as istiod sends one: its version empty (istiod sets none on
+/// address and authorization resources).
 fn resource(type_url: &str, name: String, version: &str, body: Vec<u8>) -> Resource {
     Resource {
         name,
@@ -263,10 +265,10 @@ fn full_push(workloads: usize, services: usize, policies: usize) -> (Delta, Delt
     let addresses = (0..workloads)
         .map(|i| workload(i, services, "v1"))
         .chain((0..services).map(service))
-        .map(|(name, body)| resource(ADDRESS, name, "1", body));
+        .map(|(name, body)| resource(ADDRESS, name, "", body));
     let policies = (0..policies)
         .map(policy)
-        .map(|(name, body)| resource(AUTHORIZATION, name, "1", body));
+        .map(|(name, body)| resource(AUTHORIZATION, name, "", body));
     (delta(ADDRESS, addresses), delta(AUTHORIZATION, policies))
 }
 
@@ -380,10 +382,7 @@ fn size(workloads: usize, updates: usize) {
     // One workload changes: a new revision of workload k, one response.
     let one = |k: usize, n: usize| {
         let (name, body) = workload(k % workloads, services, &format!("v{}", n + 2));
-        response(
-            ADDRESS,
-            vec![resource(ADDRESS, name, &format!("{}", n + 2), body)],
-        )
+        response(ADDRESS, vec![resource(ADDRESS, name, "", body)])
     };
     let mut times = Vec::new();
     let budget = Duration::from_secs(60);
@@ -447,7 +446,7 @@ fn nth(kind: &str, i: usize, services: usize) -> Resource {
         "service" => (ADDRESS, service(i)),
         _ => (AUTHORIZATION, policy(i)),
     };
-    resource(url, name, "1", body)
+    resource(url, name, "", body)
 }
 
 /// The heap held per resource of each kind, each kind pushed alone.

@@ -16,7 +16,7 @@ mod address;
 mod name;
 mod ports;
 
-pub use address::{NetworkAddress, NetworkAddressRef};
+pub use address::{Ips, NetworkAddress, NetworkAddressRef};
 pub use name::Name;
 pub use ports::{BackedServices, Ports};
 
@@ -64,7 +64,7 @@ pub struct Workload {
     #[serde(default)]
     pub trust_domain: Name,
     #[serde(default)]
-    pub workload_ips: Box<[IpAddr]>,
+    pub workload_ips: Ips,
     #[serde(default)]
     pub protocol: Protocol,
     #[serde(default)]

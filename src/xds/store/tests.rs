@@ -178,7 +178,7 @@ fn a_workload_updated_keeps_one_copy_of_its_name_for_both_its_maps() {
         name: "a".into(),
         namespace: "n".into(),
         canonical_revision: revision.into(),
-        workload_ips: Box::new(["10.0.0.1".parse().unwrap()]),
+        workload_ips: ["10.0.0.1".parse().unwrap()].into(),
         ..Default::default()
     };
     let mut st = State::default();

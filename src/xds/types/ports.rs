@@ -8,6 +8,7 @@
 //! shared (interned), and an endpoint shares its workload's `Ports`.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::sync::Arc;
 
 use serde::Deserialize;
@@ -30,24 +31,49 @@ fn sorted_last_wins<K: Ord, V>(mut pairs: Vec<(K, V)>) -> Vec<(K, V)> {
     pairs
 }
 
-/// Service port → target port, sorted by service port, shared by clones.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Ports(Option<Arc<[(u16, u16)]>>);
+/// Service port → target port, sorted by service port. None or one pair
+/// (almost every workload's) is held in place: an allocation fewer for
+/// each service a workload backs, in the same 16 bytes. More are shared
+/// by clones.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Ports(Pairs);
+
+#[derive(Clone, PartialEq, Eq)]
+enum Pairs {
+    /// The first `n` (0 or 1) of the array; an unused pair is `(0, 0)`.
+    Few(u8, [(u16, u16); 1]),
+    Many(Arc<[(u16, u16)]>),
+}
+
+impl Default for Ports {
+    fn default() -> Self {
+        Ports(Pairs::Few(0, [(0, 0)]))
+    }
+}
+
+impl fmt::Debug for Ports {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_map().entries(self.iter()).finish()
+    }
+}
 
 impl Ports {
     /// From pairs in any order; a later pair for a service port wins, as
     /// a map's insert would.
     pub fn new(pairs: impl IntoIterator<Item = (u16, u16)>) -> Ports {
         let v = sorted_last_wins(pairs.into_iter().collect());
-        if v.is_empty() {
-            Ports(None)
-        } else {
-            Ports(Some(v.into()))
+        match v[..] {
+            [] => Ports::default(),
+            [one] => Ports(Pairs::Few(1, [one])),
+            _ => Ports(Pairs::Many(v.into())),
         }
     }
 
     fn pairs(&self) -> &[(u16, u16)] {
-        self.0.as_deref().unwrap_or(&[])
+        match &self.0 {
+            Pairs::Few(n, pairs) => &pairs[..usize::from(*n)],
+            Pairs::Many(pairs) => pairs,
+        }
     }
 
     /// The target port of `service_port`.
@@ -140,6 +166,23 @@ mod tests {
         assert!(Ports::new([]).is_empty());
         let clone = p.clone();
         assert_eq!(clone, p);
+    }
+
+    #[test]
+    fn none_or_one_pair_is_held_in_place_and_reads_the_same() {
+        assert_eq!(std::mem::size_of::<Ports>(), 16);
+        let one = Ports::new([(80, 8080)]);
+        assert!(matches!(one.0, Pairs::Few(1, _)));
+        assert_eq!(one.get(&80), Some(&8080));
+        assert_eq!(one.get(&0), None, "the unused pair is never read");
+        let none = Ports::new([]);
+        assert_eq!((none.get(&0), none.is_empty()), (None, true));
+        assert_eq!(none, Ports::default());
+        // The same pairs however given: equal.
+        assert_eq!(Ports::new([(80, 1), (80, 8080)]), one);
+        let two = Ports::new([(443, 8443), (80, 8080)]);
+        assert!(matches!(two.0, Pairs::Many(_)));
+        assert_eq!(format!("{two:?}"), "{80: 8080, 443: 8443}");
     }
 
     #[test]
