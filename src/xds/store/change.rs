@@ -205,9 +205,8 @@ impl Address {
 #[derive(Debug, Clone, Default)]
 pub(super) struct AddressEntry {
     /// Its valid version, with its arrival and the control plane's
-    /// version string for it (istiod sends none: no allocation then; a
-    /// `Name`, 8 bytes a map entry fewer than a `Box<str>`).
-    held: Option<(u64, Address, Name)>,
+    /// version string for it.
+    held: Option<(u64, Address, Box<str>)>,
     /// Its latest refused version while it stands (a version Ambit cannot
     /// serve never replaces the one serving): what that claimed, refused.
     /// Boxed: rare, and an entry is in a map node of every resource.
@@ -219,7 +218,7 @@ pub(super) struct AddressEntry {
 /// (which denies where it applies).
 #[derive(Debug, Clone, Default)]
 pub(super) struct PolicyEntry {
-    held: Option<(u64, Arc<Authorization>, Name)>,
+    held: Option<(u64, Arc<Authorization>, Box<str>)>,
     stand_in: Option<(u64, Arc<Authorization>)>,
 }
 
@@ -280,7 +279,7 @@ impl State {
         // In place of what the name held, in one walk of the map (nothing
         // below reads this map): the old one is let go, then the new held.
         let entry = AddressEntry {
-            held: Some((arrival, held.clone(), Name::from(version))),
+            held: Some((arrival, held.clone(), version.into())),
             refusal: None,
         };
         if let Some(old) = self.addresses.insert(name.clone(), entry) {
@@ -295,7 +294,7 @@ impl State {
     pub fn address_versions(&self) -> impl Iterator<Item = (&str, &str)> {
         self.addresses.iter().filter_map(|(name, e)| {
             let (_, _, version) = e.held.as_ref()?;
-            Some((&**name, version.as_str()))
+            Some((&**name, &**version))
         })
     }
 
@@ -303,7 +302,7 @@ impl State {
     pub fn policy_versions(&self) -> impl Iterator<Item = (&str, &str)> {
         self.policy_entries.iter().filter_map(|(name, e)| {
             let (_, _, version) = e.held.as_ref()?;
-            Some((&**name, version.as_str()))
+            Some((&**name, &**version))
         })
     }
 
@@ -601,7 +600,7 @@ impl State {
         let policy = Arc::new(policy);
         let decides = self.hold_policy(arrival, &policy);
         let entry = PolicyEntry {
-            held: Some((arrival, policy, Name::from(version))),
+            held: Some((arrival, policy, version.into())),
             stand_in: None,
         };
         self.policy_entries.insert(name.into(), entry);

@@ -169,13 +169,6 @@ fn addresses_are_found_on_their_own_network_only() {
 }
 
 #[test]
-fn an_address_entry_is_forty_bytes() {
-    // One per address resource, in a map's tables: a million at scale.
-    // (A `Box<str>` version made it 48.)
-    assert_eq!(std::mem::size_of::<super::change::AddressEntry>(), 40);
-}
-
-#[test]
 fn a_workload_updated_keeps_one_copy_of_its_name_for_both_its_maps() {
     // istiod names a workload's resource by its uid: the resource's entry
     // and the uid's queue share the one text, after an update too.
