@@ -80,8 +80,8 @@ where
                     }
                 }
             })?;
-        // Handed over only once the helper runs: on an error above, the
-        // caller still has every item.
+        // Handed over only once the helper's thread exists: if it could
+        // not be made (the error above), the caller still has every item.
         let _ = start.send(items);
         rx.into_iter().flatten().for_each(apply);
         Ok(())

@@ -124,7 +124,12 @@ impl<T> Chunked<T> {
         match self.chunks.last_mut() {
             Some(last) if last.len() < CHUNK => last.push(item),
             _ => {
-                let mut chunk = Vec::with_capacity(CHUNK);
+                // The first chunk grows as items come (an update is one
+                // resource, not 256 slots); the next ones are whole.
+                let mut chunk = match self.chunks.is_empty() {
+                    true => Vec::new(),
+                    false => Vec::with_capacity(CHUNK),
+                };
                 chunk.push(item);
                 self.chunks.push(chunk);
             }
@@ -248,6 +253,18 @@ mod tests {
         assert_eq!(delta, Delta::from(plain));
         // A resource whose length runs past the end.
         assert!(Delta::decode(&[0x12, 0x40, 0x0a][..]).is_err());
+    }
+
+    #[test]
+    fn a_chunk_holds_no_more_room_than_its_items_need() {
+        let one: Chunked<Resource> = std::iter::once(resource(1)).collect();
+        assert!(
+            one.chunks[0].capacity() < 8,
+            "one resource, room for {}",
+            one.chunks[0].capacity()
+        );
+        let many: Chunked<u8> = (0..3 * CHUNK).map(|i| i as u8).collect();
+        assert!(many.chunks.iter().all(|c| c.capacity() == CHUNK));
     }
 
     #[test]
