@@ -16,7 +16,9 @@
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use ambit::constants::PROXY_OWN_PORTS;
-use ambit::proxy::{forwarded_for, forwarded_host, validate_connect, Baggage, ConnectRequest};
+use ambit::proxy::{
+    forwarded_for, forwarded_host, validate_connect, Baggage, ConnectRejection, ConnectRequest,
+};
 use ambit_fuzz::knob;
 use http::{HeaderName, HeaderValue, Method, Request, Uri};
 use libfuzzer_sys::fuzz_target;
@@ -37,7 +39,14 @@ fuzz_target!(|data: &[u8]| {
     let fronts = flags & 4 != 0;
     let source = forwarded_for(&req);
     let host = forwarded_host(&req);
-    let target = match validate_connect(&req, local, |_| fronts) {
+    // A hostname authority: one this pod backs (on port 8080 behind any
+    // port) with the next flag, else none.
+    let backs_any = flags & 8 != 0;
+    let backs = |host: &str, _port: u16| match backs_any {
+        true => Ok(8080),
+        false => Err(ConnectRejection::NotBacked(host.to_string())),
+    };
+    let target = match validate_connect(&req, local, |_| fronts, backs) {
         Ok(target) => target,
         Err(rejection) => {
             let _ = (rejection.to_string(), rejection.status());
@@ -108,14 +117,19 @@ fn send_on(target: SocketAddr, source: Option<SocketAddr>, host: Option<String>)
     }
     .header();
     let sent = ConnectRequest {
-        target,
+        target: target.into(),
         source,
         host: host.clone(),
         baggage,
+        network: None,
     }
     .to_http()
     .expect("a request rebuilt from an accepted one is valid");
-    assert_eq!(validate_connect(&sent, target.ip(), |_| false), Ok(target));
+    let no_host = |h: &str, _| Err(ConnectRejection::NotBacked(h.to_string()));
+    assert_eq!(
+        validate_connect(&sent, target.ip(), |_| false, no_host),
+        Ok(target)
+    );
     assert_eq!(forwarded_for(&sent), Some(source));
     // `host=` goes out unquoted: only a hostname-like value reads back whole.
     let hostname_like = |h: &str| {
