@@ -120,10 +120,10 @@ mod churn;
 
 /// A resource as istiod sends one: its version empty (istiod sets none on
 /// address and authorization resources).
-fn resource(type_url: &str, name: String, version: &str, body: Vec<u8>) -> Resource {
+fn resource(type_url: &str, name: String, body: Vec<u8>) -> Resource {
     Resource {
         name,
-        version: version.into(),
+        version: String::new(),
         resource: Some(prost_types::Any {
             type_url: type_url.into(),
             value: body,
@@ -265,10 +265,10 @@ fn full_push(workloads: usize, services: usize, policies: usize) -> (Delta, Delt
     let addresses = (0..workloads)
         .map(|i| workload(i, services, "v1"))
         .chain((0..services).map(service))
-        .map(|(name, body)| resource(ADDRESS, name, "", body));
+        .map(|(name, body)| resource(ADDRESS, name, body));
     let policies = (0..policies)
         .map(policy)
-        .map(|(name, body)| resource(AUTHORIZATION, name, "", body));
+        .map(|(name, body)| resource(AUTHORIZATION, name, body));
     (delta(ADDRESS, addresses), delta(AUTHORIZATION, policies))
 }
 
@@ -382,7 +382,7 @@ fn size(workloads: usize, updates: usize) {
     // One workload changes: a new revision of workload k, one response.
     let one = |k: usize, n: usize| {
         let (name, body) = workload(k % workloads, services, &format!("v{}", n + 2));
-        response(ADDRESS, vec![resource(ADDRESS, name, "", body)])
+        response(ADDRESS, vec![resource(ADDRESS, name, body)])
     };
     let mut times = Vec::new();
     let budget = Duration::from_secs(60);
@@ -446,7 +446,7 @@ fn nth(kind: &str, i: usize, services: usize) -> Resource {
         "service" => (ADDRESS, service(i)),
         _ => (AUTHORIZATION, policy(i)),
     };
-    resource(url, name, "", body)
+    resource(url, name, body)
 }
 
 /// The heap held per resource of each kind, each kind pushed alone.

@@ -102,7 +102,7 @@ fn lab_workload(pod: &LabPod) -> Resource {
             ..Default::default()
         })),
     };
-    resource(ADDRESS, uid, "1", body.encode_to_vec())
+    resource(ADDRESS, uid, body.encode_to_vec())
 }
 
 /// Connections from `pod` to `dst`, one after another: the time of each
@@ -170,7 +170,7 @@ pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, roun
     // The mesh: the two lab pods among `workloads` others.
     let mut resources: Vec<Resource> = (0..workloads)
         .map(|i| workload(i, services, "v1"))
-        .map(|(name, body)| resource(ADDRESS, name, "1", body))
+        .map(|(name, body)| resource(ADDRESS, name, body))
         .collect();
     resources.push(lab_workload(&client));
     resources.push(lab_workload(&server));
@@ -242,10 +242,7 @@ pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, roun
                 if churning.load(Ordering::Relaxed) {
                     let n = sent.fetch_add(1, Ordering::Relaxed) as usize;
                     let (name, body) = workload(n * 7919 % workloads, services, &format!("u{n}"));
-                    let mut resp = response(
-                        ADDRESS,
-                        vec![resource(ADDRESS, name, &format!("u{n}"), body)],
-                    );
+                    let mut resp = response(ADDRESS, vec![resource(ADDRESS, name, body)]);
                     resp.nonce = format!("u{n}");
                     let _ = updates.send(Arc::new(resp));
                 }

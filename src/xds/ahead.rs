@@ -48,7 +48,7 @@ where
 }
 
 /// [`convert_in_order`] with the helper; an error (nothing taken from
-/// `items`) if the helper cannot start.
+/// `items`: the helper never ran) if it cannot start.
 fn ahead<It, T, C, A>(
     items: &mut It,
     nice: libc::c_int,
@@ -63,7 +63,6 @@ where
 {
     std::thread::scope(|scope| {
         let (tx, rx) = sync_channel::<Vec<T>>(CHUNKS_AHEAD);
-        let (start, started) = sync_channel::<&mut It>(1);
         std::thread::Builder::new()
             .name("ambit-xds-convert".into())
             .spawn_scoped(scope, move || {
@@ -72,7 +71,6 @@ where
                 unsafe {
                     libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice)
                 };
-                let Ok(items) = started.recv() else { return };
                 loop {
                     let chunk: Vec<T> = items.by_ref().take(CHUNK).map(convert).collect();
                     if chunk.is_empty() || tx.send(chunk).is_err() {
@@ -80,9 +78,6 @@ where
                     }
                 }
             })?;
-        // Handed over only once the helper's thread exists: if it could
-        // not be made (the error above), the caller still has every item.
-        let _ = start.send(items);
         rx.into_iter().flatten().for_each(apply);
         Ok(())
     })

@@ -292,9 +292,10 @@ impl Held {
         let addresses = resp.type_url == ADDRESS_TYPE;
         let mut rejected = self.apply_noting(resp, &mut left_out);
         for name in left_out {
-            let reason = match addresses {
-                true => self.state.left_out(&name),
-                _ => self.state.policy_left_out(&name),
+            let reason = if addresses {
+                self.state.left_out(&name)
+            } else {
+                self.state.policy_left_out(&name)
             };
             if let Some(reason) = reason {
                 rejected.push((name, reason));

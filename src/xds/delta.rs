@@ -103,8 +103,8 @@ impl prost::Message for Delta {
 }
 
 /// A list kept in chunks of [`CHUNK`]; taken by value, each chunk goes
-/// once its items are taken.
-#[derive(Debug, Clone, PartialEq)]
+/// once its items are taken. Equal when its items are.
+#[derive(Debug, Clone)]
 pub struct Chunked<T> {
     chunks: Vec<Vec<T>>,
     len: usize,
@@ -116,6 +116,12 @@ impl<T> Default for Chunked<T> {
             chunks: Vec::new(),
             len: 0,
         }
+    }
+}
+
+impl<T: PartialEq> PartialEq for Chunked<T> {
+    fn eq(&self, other: &Self) -> bool {
+        self.len == other.len && self.iter().eq(other.iter())
     }
 }
 

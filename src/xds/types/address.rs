@@ -80,10 +80,10 @@ impl fmt::Display for NetworkAddress {
 /// allocation fewer a workload: 32 bytes of jemalloc's, for a 17-byte
 /// address); more in a slice of their own.
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Ips(Held);
+pub struct Ips(Stored);
 
 #[derive(Clone, PartialEq, Eq, Hash)]
-enum Held {
+enum Stored {
     One(IpAddr),
     /// None, or two and more.
     Many(Box<[IpAddr]>),
@@ -91,7 +91,7 @@ enum Held {
 
 impl Default for Ips {
     fn default() -> Self {
-        Ips(Held::Many(Box::default()))
+        Ips(Stored::Many(Box::default()))
     }
 }
 
@@ -100,8 +100,8 @@ impl std::ops::Deref for Ips {
 
     fn deref(&self) -> &[IpAddr] {
         match &self.0 {
-            Held::One(ip) => std::slice::from_ref(ip),
-            Held::Many(ips) => ips,
+            Stored::One(ip) => std::slice::from_ref(ip),
+            Stored::Many(ips) => ips,
         }
     }
 }
@@ -109,8 +109,8 @@ impl std::ops::Deref for Ips {
 impl From<Vec<IpAddr>> for Ips {
     fn from(mut ips: Vec<IpAddr>) -> Self {
         match ips.len() {
-            1 => Ips(Held::One(ips.remove(0))),
-            _ => Ips(Held::Many(ips.into_boxed_slice())),
+            1 => Ips(Stored::One(ips.remove(0))),
+            _ => Ips(Stored::Many(ips.into_boxed_slice())),
         }
     }
 }
@@ -169,7 +169,7 @@ mod tests {
         ] {
             let ips = Ips::from(given.clone());
             assert_eq!(&ips[..], &given[..]);
-            assert_eq!(matches!(ips.0, Held::One(_)), given.len() == 1);
+            assert_eq!(matches!(ips.0, Stored::One(_)), given.len() == 1);
             assert_eq!(ips, given.iter().copied().collect::<Ips>());
             let json = serde_json::to_value(&ips).unwrap();
             assert_eq!(serde_json::from_value::<Ips>(json).unwrap(), ips);
