@@ -22,6 +22,12 @@
 //! `ingest: workloads=N services=S full_ms=.. peak_rss_mb=.. heap_mb=..
 //! update_p50_us=.. update_p99_us=.. burst1000_ms=..`
 //!
+//! Then the full push into a real proxy (`ingest/proxy.rs`): the `ambit`
+//! binary in a lab pod takes N workloads (1,000,000) from this bench's xDS
+//! server off a socket; the time to ready and the proxy's own peak RSS,
+//! with its summary line `ingest: proxy workloads=N ready_ms=..
+//! received_ms=.. applied_ms=.. proxy_peak_rss_mb=.. proxy_rss_mb=..`.
+//!
 //! Last, the data path while the mesh changes (`ingest/churn.rs`): the
 //! latency of connections through two real proxies holding 100,000
 //! workloads, idle and while one-workload updates arrive at 100/s, with
@@ -35,8 +41,10 @@
 //! `AMBIT_INGEST_PUSH_ONLY` (set) stops after the first size's full push,
 //! for a profile of the push alone. `AMBIT_INGEST_LATENCY` the workloads
 //! the proxies hold in the latency part (100000; 0 skips it),
-//! `AMBIT_INGEST_RATE` its updates a second (100), `AMBIT_INGEST_ONLY=latency`
-//! runs only that part.
+//! `AMBIT_INGEST_RATE` its updates a second (100), `AMBIT_INGEST_PROXY`
+//! the workloads pushed into a real proxy (1000000; 0 skips it),
+//! `AMBIT_INGEST_BINARY` another `ambit` to push into instead;
+//! `AMBIT_INGEST_ONLY=latency` or `=proxy` runs only that part.
 
 use std::alloc::{GlobalAlloc, Layout};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -117,6 +125,8 @@ use ambit::xds::convert::{ADDRESS_TYPE as ADDRESS, AUTHORIZATION_TYPE as AUTHORI
 
 #[path = "ingest/churn.rs"]
 mod churn;
+#[path = "ingest/proxy.rs"]
+mod proxy;
 
 /// A resource as istiod sends one: its version empty (istiod sets none on
 /// address and authorization resources).
@@ -496,8 +506,8 @@ fn main() {
             .and_then(|s| s.parse().ok())
             .unwrap_or(default)
     };
-    let latency_only = std::env::var("AMBIT_INGEST_ONLY").is_ok_and(|v| v == "latency");
-    if !latency_only {
+    let only = std::env::var("AMBIT_INGEST_ONLY").unwrap_or_default();
+    if only.is_empty() {
         println!("ambit state ingest through the xDS client's path (Held::answer)");
         for &n in &sizes {
             size(n, updates);
@@ -511,8 +521,12 @@ fn main() {
             per_entry(n);
         }
     }
+    let at = env("AMBIT_INGEST_PROXY", 1_000_000);
+    if at > 0 && (only.is_empty() || only == "proxy") {
+        proxy::proxy_push(at);
+    }
     let at = env("AMBIT_INGEST_LATENCY", 100_000);
-    if at > 0 {
+    if at > 0 && (only.is_empty() || only == "latency") {
         let rate = env("AMBIT_INGEST_RATE", 100).clamp(1, 10_000) as u32;
         churn::latency_under_updates(at, rate, 2_000, 5);
     }

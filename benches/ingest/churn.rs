@@ -12,6 +12,7 @@
 //! same number of connections each.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener as StdListener, TcpStream};
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,9 +35,10 @@ const ECHO_PORT: u16 = 8080;
 
 /// The bench's istiod: the full push on each stream, then the updates.
 #[derive(Clone)]
-struct Source {
-    push: Arc<DeltaDiscoveryResponse>,
-    updates: tokio::sync::broadcast::Sender<Arc<DeltaDiscoveryResponse>>,
+pub(super) struct Source {
+    pub push: Arc<DeltaDiscoveryResponse>,
+    pub policies: Arc<DeltaDiscoveryResponse>,
+    pub updates: tokio::sync::broadcast::Sender<Arc<DeltaDiscoveryResponse>>,
 }
 
 type Out = Pin<Box<dyn futures_util::Stream<Item = Result<DeltaDiscoveryResponse, Status>> + Send>>;
@@ -51,7 +53,7 @@ impl AggregatedDiscoveryService for Source {
     ) -> Result<Response<Out>, Status> {
         let mut inbound = req.into_inner();
         let (tx, rx) = tokio::sync::mpsc::channel(256);
-        let push = self.push.clone();
+        let (push, policies) = (self.push.clone(), self.policies.clone());
         let mut updates = self.updates.subscribe();
         tokio::spawn(async move {
             loop {
@@ -60,7 +62,7 @@ impl AggregatedDiscoveryService for Source {
                         // A subscription (not an ACK): what it asks for.
                         Ok(Some(r)) if r.response_nonce.is_empty() => match r.type_url.as_str() {
                             ADDRESS => (*push).clone(),
-                            _ => response(AUTHORIZATION, vec![]),
+                            _ => (*policies).clone(),
                         },
                         Ok(Some(_)) => continue,
                         _ => return,
@@ -85,8 +87,55 @@ impl AggregatedDiscoveryService for Source {
     }
 }
 
+/// Serves `source` as the xDS server at 10.77.0.1:15010 in the lab's node
+/// netns, where the pods reach it, on a runtime of its own.
+pub(super) fn serve(lab: &Lab, source: Source) -> tokio::runtime::Runtime {
+    // The server listens in the node's netns, where the pods reach it.
+    let listener = lab
+        .node
+        .run(|| StdListener::bind((Ipv4Addr::new(10, 77, 0, 1), XDS_PORT)))
+        .unwrap()
+        .expect("bind the xDS server in the node netns");
+    listener.set_nonblocking(true).unwrap();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.spawn(async move {
+        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+        let incoming = futures_util::stream::unfold(listener, |l| async move {
+            Some((l.accept().await.map(|(s, _)| s), l))
+        });
+        tonic::transport::Server::builder()
+            .add_service(
+                AggregatedDiscoveryServiceServer::new(source).max_encoding_message_size(1 << 30),
+            )
+            .serve_with_incoming(incoming)
+            .await
+    });
+    runtime
+}
+
+/// A dedicated proxy for `pod` that takes its mesh from [`serve`].
+pub(super) fn proxy_spec(lab: &Lab, pod: &LabPod, ca: &(PathBuf, PathBuf)) -> ProxySpec {
+    let config = lab.dir.join("empty.yaml");
+    std::fs::write(&config, "workloads: []\n").unwrap();
+    ProxySpec {
+        config,
+        ca_cert: ca.0.clone(),
+        ca_key: ca.1.clone(),
+        workload_info: format!("default/{0}/{0}", pod.name),
+        trust_domain: TD.into(),
+        extra_env: vec![
+            ("XDS_ADDRESS".into(), format!("http://10.77.0.1:{XDS_PORT}")),
+            ("AMBIT_INSECURE_CONTROL_PLANE".into(), "true".into()),
+        ],
+    }
+}
+
 /// A lab pod's own workload, as istiod would send it.
-fn lab_workload(pod: &LabPod) -> Resource {
+pub(super) fn lab_workload(pod: &LabPod) -> Resource {
     let uid = format!("Kubernetes//Pod/default/{}", pod.name);
     let body = pb::Address {
         r#type: Some(pb::address::Type::Workload(pb::Workload {
@@ -177,51 +226,17 @@ pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, roun
     let (updates, _) = tokio::sync::broadcast::channel(1024);
     let source = Source {
         push: Arc::new(response(ADDRESS, resources)),
+        policies: Arc::new(response(AUTHORIZATION, vec![])),
         updates: updates.clone(),
     };
-    // The server listens in the node's netns, where the pods reach it.
-    let listener = lab
-        .node
-        .run(|| StdListener::bind((Ipv4Addr::new(10, 77, 0, 1), XDS_PORT)))
-        .unwrap()
-        .expect("bind the xDS server in the node netns");
-    listener.set_nonblocking(true).unwrap();
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    runtime.spawn(async move {
-        let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-        let incoming = futures_util::stream::unfold(listener, |l| async move {
-            Some((l.accept().await.map(|(s, _)| s), l))
-        });
-        tonic::transport::Server::builder()
-            .add_service(
-                AggregatedDiscoveryServiceServer::new(source).max_encoding_message_size(1 << 30),
-            )
-            .serve_with_incoming(incoming)
-            .await
-    });
+    let runtime = serve(&lab, source);
 
-    let config = lab.dir.join("empty.yaml");
-    std::fs::write(&config, "workloads: []\n").unwrap();
     for pod in [&client, &server] {
         reuse_ports(pod);
         lab.redirect(pod).unwrap();
-        let spec = ProxySpec {
-            config: config.clone(),
-            ca_cert: ca.0.clone(),
-            ca_key: ca.1.clone(),
-            workload_info: format!("default/{0}/{0}", pod.name),
-            trust_domain: TD.into(),
-            extra_env: vec![
-                ("XDS_ADDRESS".into(), format!("http://10.77.0.1:{XDS_PORT}")),
-                ("AMBIT_INSECURE_CONTROL_PLANE".into(), "true".into()),
-            ],
-        };
         let t = Instant::now();
-        lab.start_proxy(pod, &spec).expect("proxy ready");
+        lab.start_proxy(pod, &proxy_spec(&lab, pod, &ca))
+            .expect("proxy ready");
         println!(
             "{}'s proxy ready (full push taken) in {:.1} s",
             pod.name,
@@ -265,8 +280,8 @@ pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, roun
         let quiet = connections(&client, dst, per_phase);
         let mut q = quiet.clone();
         q.sort();
-        eprintln!(
-            "DEBUG idle phase p50 {:?} p99 {:?}",
+        println!(
+            "idle phase: p50 {:?}, p99 {:?}",
             percentile(&q, 50),
             percentile(&q, 99)
         );

@@ -24,6 +24,7 @@ use super::convert::{self, ADDRESS_TYPE, AUTHORIZATION_TYPE};
 use super::delta::Delta;
 pub use super::metrics::XdsMetrics;
 use super::store::{State, StateHandle};
+use super::stream;
 use crate::backoff::Backoff;
 use crate::proto::core::Node;
 use crate::proto::discovery::{DeltaDiscoveryRequest, Resource};
@@ -355,34 +356,6 @@ fn note_left_out(left_out: &mut HashSet<String>, name: &str, served: bool) {
     }
 }
 
-/// Opens the delta ADS stream: `DeltaAggregatedResources` as the
-/// generated client calls it, with each response decoded as a [`Delta`]
-/// (its resources in chunks, freed as they are held) rather than as
-/// `DeltaDiscoveryResponse` (one list, held whole to the end).
-async fn delta_stream<T>(
-    grpc: &mut tonic::client::Grpc<T>,
-    requests: impl tonic::IntoStreamingRequest<Message = DeltaDiscoveryRequest>,
-) -> Result<tonic::Response<tonic::codec::Streaming<Delta>>, tonic::Status>
-where
-    T: tonic::client::GrpcService<tonic::body::BoxBody>,
-    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
-    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
-    T::Error: Into<tonic::codegen::StdError>,
-{
-    const SERVICE: &str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
-    grpc.ready()
-        .await
-        .map_err(|e| tonic::Status::unknown(format!("Service was not ready: {}", e.into())))?;
-    let path = tonic::codegen::http::uri::PathAndQuery::from_static(
-        "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources",
-    );
-    let mut req = requests.into_streaming_request();
-    req.extensions_mut()
-        .insert(tonic::GrpcMethod::new(SERVICE, "DeltaAggregatedResources"));
-    let codec = tonic::codec::ProstCodec::<DeltaDiscoveryRequest, Delta>::default();
-    grpc.streaming(req, path, codec).await
-}
-
 /// Why a stream ended, in ztunnel's words
 /// (`istio_xds_connection_terminations_total{reason}`): `ConnectionError`
 /// when no connection was made; `Reconnect` for the statuses a server ends
@@ -600,9 +573,7 @@ impl XdsClient {
             .as_deref()
             .map(crate::grpc::roots_from)
             .transpose()?;
-        let channel = crate::grpc::channel(&self.cfg.address, roots, self.cfg.mark).await?;
-        let mut client =
-            tonic::client::Grpc::new(channel).max_decoding_message_size(self.cfg.max_message_size);
+        let mut channel = crate::grpc::channel(&self.cfg.address, roots, self.cfg.mark).await?;
         let (tx, rx) = mpsc::channel::<DeltaDiscoveryRequest>(16);
         {
             let held = self.held.lock().await;
@@ -633,16 +604,21 @@ impl XdsClient {
                 rx,
                 |mut rx| async move { rx.recv().await.map(|m| (m, rx)) },
             );
-        let mut req = tonic::Request::new(outbound);
+        let mut headers = Vec::new();
         if let Some(path) = &self.cfg.token {
             let token = std::fs::read_to_string(path)
                 .map_err(|e| anyhow::anyhow!("token file {}: {e}", path.display()))?;
-            req.metadata_mut()
-                .insert("authorization", format!("Bearer {}", token.trim()).parse()?);
+            let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
+                anyhow::anyhow!("token file {}: not a header value", path.display())
+            })?;
+            headers.push((http::header::AUTHORIZATION, value));
         }
-        req.metadata_mut()
-            .insert("clusterid", self.cfg.cluster_id.parse()?);
-        let mut responses = delta_stream(&mut client, req).await?.into_inner();
+        let cluster = self.cfg.cluster_id.parse().map_err(|_| {
+            anyhow::anyhow!("cluster id {:?}: not a header value", self.cfg.cluster_id)
+        })?;
+        headers.push((http::HeaderName::from_static("clusterid"), cluster));
+        let mut responses =
+            stream::open(&mut channel, outbound, headers, self.cfg.max_message_size).await?;
         tracing::info!(addr = %self.cfg.address, "xDS stream open");
         self.metrics.connected.set(1);
         let mut seen: HashSet<String> = HashSet::new();
@@ -684,6 +660,7 @@ impl XdsClient {
             // is applied (which drops its resources as they are held).
             let answers =
                 (self.cfg.on_demand && type_url == ADDRESS_TYPE).then(|| Answers::of(&resp));
+            let (received_in, applying) = (responses.received_in(), std::time::Instant::now());
             let rejected = {
                 let mut held = self.held.lock().await;
                 let (state, rejected) = held.answer(resp);
@@ -722,7 +699,14 @@ impl XdsClient {
                     details: vec![],
                 }
             });
-            tracing::debug!(%type_url, resources = count, removed, "xDS response applied");
+            tracing::debug!(
+                %type_url,
+                resources = count,
+                removed,
+                received_ms = received_in.as_millis() as u64,
+                applied_ms = applying.elapsed().as_millis() as u64,
+                "xDS response applied"
+            );
             tx.send(DeltaDiscoveryRequest {
                 type_url,
                 response_nonce: nonce,

@@ -8,6 +8,7 @@ pub mod delta;
 pub mod local;
 mod metrics;
 mod store;
+mod stream;
 pub mod types;
 
 pub use store::{
