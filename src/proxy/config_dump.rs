@@ -190,18 +190,14 @@ fn workload(w: &Workload, trust_domain: &str) -> Value {
     };
     m.insert("clusterId".into(), json!(cluster));
     put(&mut m, "waypoint", w.waypoint.as_deref().map(gateway));
-    put(
-        &mut m,
-        "networkGateway",
-        w.network_gateway.as_deref().map(gateway),
-    );
+    put(&mut m, "networkGateway", w.network_gateway().map(gateway));
     if w.native_tunnel {
         m.insert("nativeTunnel".into(), json!(true));
     }
     put(
         &mut m,
         "applicationTunnel",
-        w.application_tunnel.map(|t| {
+        w.application_tunnel().map(|t| {
             let protocol = match t.protocol {
                 crate::xds::types::TunnelToApp::None => "NONE",
                 crate::xds::types::TunnelToApp::Proxy => "PROXY",
@@ -216,7 +212,7 @@ fn workload(w: &Workload, trust_domain: &str) -> Value {
             json!({"region": l.region, "zone": l.zone, "subzone": l.subzone}),
         );
     }
-    m.insert("capacity".into(), json!(w.capacity.unwrap_or(1)));
+    m.insert("capacity".into(), json!(w.capacity().unwrap_or(1)));
     put(
         &mut m,
         "authorizationPolicies",

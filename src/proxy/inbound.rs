@@ -518,7 +518,7 @@ impl Inbound {
         let tunnel = st
             .workload_by_name(&pod.namespace, &pod.name)
             .filter(|w| w.service_account == pod.service_account)
-            .and_then(|w| w.application_tunnel);
+            .and_then(|w| w.application_tunnel());
         let Some(tunnel) = tunnel else {
             return Ok((target, None));
         };

@@ -11,7 +11,7 @@ use crate::proto::workload as pb;
 use crate::xds::types::{
     ApplicationTunnel, Authorization, BackedServices, Cidr, GatewayAddress, GatewayDestination,
     HealthStatus, IpFamilies, LbHealthPolicy, LbMode, LbScope, LoadBalancing, Locality, Name,
-    NetworkAddress, NetworkCidr, NetworkMode, PolicyAction, PolicyScope, Ports, Protocol,
+    NetworkAddress, NetworkCidr, NetworkMode, PolicyAction, PolicyScope, Ports, Protocol, Rare,
     RbacMatch, Service, ServiceAccountMatch, StringMatch, TunnelToApp, Visibility,
     WeightedWaypoint, Workload,
 };
@@ -158,10 +158,8 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
         authorization_policies: w.authorization_policies.iter().map(|p| intern(p)).collect(),
         hostname: w.hostname.into(),
         waypoint: waypoint.map(Box::new),
-        network_gateway: network_gateway.map(Box::new),
         workload_type: intern(workload_type),
         native_tunnel: w.native_tunnel,
-        application_tunnel,
         locality: w
             .locality
             .map(|l| Locality {
@@ -171,8 +169,13 @@ pub fn workload_from_proto(w: pb::Workload) -> Result<Workload, String> {
             })
             .unwrap_or_default(),
         network_mode,
-        capacity: w.capacity,
-        extensions: w.extensions.into_iter().map(|e| e.name).collect(),
+        rare: Rare {
+            network_gateway,
+            application_tunnel,
+            capacity: w.capacity,
+            extensions: w.extensions.into_iter().map(|e| e.name).collect(),
+        }
+        .boxed(),
     })
 }
 
@@ -389,7 +392,7 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
             services,
             hostname: w.hostname.to_string(),
             waypoint: w.waypoint.as_deref().map(gateway_to_proto),
-            network_gateway: w.network_gateway.as_deref().map(gateway_to_proto),
+            network_gateway: w.network_gateway().map(gateway_to_proto),
             workload_type: match w.workload_type.as_str() {
                 "cronjob" => pb::WorkloadType::Cronjob,
                 "pod" => pb::WorkloadType::Pod,
@@ -397,7 +400,7 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
                 _ => pb::WorkloadType::Deployment,
             } as i32,
             native_tunnel: w.native_tunnel,
-            application_tunnel: w.application_tunnel.map(|t| pb::ApplicationTunnel {
+            application_tunnel: w.application_tunnel().map(|t| pb::ApplicationTunnel {
                 protocol: match t.protocol {
                     TunnelToApp::None => pb::application_tunnel::Protocol::None,
                     TunnelToApp::Proxy => pb::application_tunnel::Protocol::Proxy,
@@ -414,7 +417,7 @@ pub fn workload_to_proto(w: &Workload) -> pb::Address {
                 NetworkMode::HostNetwork => pb::NetworkMode::HostNetwork,
             } as i32,
             extensions: Vec::new(),
-            capacity: w.capacity,
+            capacity: w.capacity(),
         })),
     }
 }

@@ -141,8 +141,8 @@ pub fn choose<'a>(
         // (route::gateway takes them there), for a service or a waypoint.
         if !same_text(&w.network, client.network) {
             remote += 1;
-            gated += usize::from(w.network_gateway.is_some());
-            if w.network_gateway.is_none() {
+            gated += usize::from(w.network_gateway().is_some());
+            if w.network_gateway().is_none() {
                 continue;
             }
         } else if !addressed {

@@ -38,7 +38,7 @@ pub fn resolve(
     original: IpAddr,
     td: &str,
 ) -> Result<Through, String> {
-    let Some(gw) = &w.network_gateway else {
+    let Some(gw) = w.network_gateway() else {
         return Err(format!(
             "endpoint {}/{} is on network {:?}, with no gateway to it",
             w.namespace, w.name, w.network

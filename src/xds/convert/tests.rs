@@ -145,7 +145,7 @@ fn every_workload_field_decodes_from_istios_field_numbers() {
     assert_eq!(w.workload_type, "pod");
     assert!(w.native_tunnel);
     assert_eq!(
-        w.application_tunnel,
+        w.application_tunnel(),
         Some(ApplicationTunnel {
             protocol: TunnelToApp::None,
             port: Some(15088)
@@ -160,14 +160,14 @@ fn every_workload_field_decodes_from_istios_field_numbers() {
         ("eu-west", "eu-west-1a", "rack7")
     );
     assert_eq!(w.network_mode, NetworkMode::HostNetwork);
-    assert_eq!(w.capacity, Some(4));
+    assert_eq!(w.capacity(), Some(4));
     // A network gateway (field 19) decodes, and the workload is not
     // refused for it (istiod names one on the local network's workloads too).
     let gated = [bytes(20, b"uid-2"), bytes(19, &waypoint)].concat();
     let AddressResource::Workload(g) = decode(bytes(1, &gated)).unwrap() else {
         panic!("not a workload");
     };
-    assert_eq!(g.network_gateway, w.waypoint);
+    assert_eq!(g.network_gateway(), w.waypoint.as_deref());
     assert_eq!(g.unsupported(), None);
 }
 

@@ -47,7 +47,7 @@ services:
 #[test]
 fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason() {
     use crate::xds::types::{
-        ApplicationTunnel, GatewayAddress, GatewayDestination, TunnelToApp, WeightedWaypoint,
+        ApplicationTunnel, GatewayAddress, GatewayDestination, Rare, TunnelToApp, WeightedWaypoint,
     };
     let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
     let wl = |name: &str, addr: &str| Workload {
@@ -67,20 +67,32 @@ fn every_kind_of_refusal_keeps_the_resources_addresses_refused_with_its_reason()
         ..Service::default()
     };
     let mut ext = wl("ext", "10.0.0.1");
-    ext.extensions = ["istio.io/x".into()].into();
+    ext.rare = Rare {
+        extensions: ["istio.io/x".into()].into(),
+        ..Rare::default()
+    }
+    .boxed();
     let mut gated = wl("gated", "10.0.0.2");
-    gated.network_gateway = Some(Box::new(GatewayAddress {
-        destination: GatewayDestination::Address(NetworkAddress {
-            network: "n2".into(),
-            address: ip("192.0.2.1"),
+    gated.rare = Rare {
+        network_gateway: Some(GatewayAddress {
+            destination: GatewayDestination::Address(NetworkAddress {
+                network: "n2".into(),
+                address: ip("192.0.2.1"),
+            }),
+            hbone_mtls_port: 15008,
         }),
-        hbone_mtls_port: 15008,
-    }));
+        ..Rare::default()
+    }
+    .boxed();
     let mut proxied = wl("proxied", "10.0.0.3");
-    proxied.application_tunnel = Some(ApplicationTunnel {
-        protocol: TunnelToApp::Proxy,
-        port: None,
-    });
+    proxied.rare = Rare {
+        application_tunnel: Some(ApplicationTunnel {
+            protocol: TunnelToApp::Proxy,
+            port: None,
+        }),
+        ..Rare::default()
+    }
+    .boxed();
     let mut own_wp = wl("own-wp", "10.0.0.4");
     own_wp.waypoint = Some(Box::new(GatewayAddress {
         destination: GatewayDestination::Address(NetworkAddress {
