@@ -433,23 +433,21 @@ impl State {
         namespace: &str,
         selected: &'a [Name],
     ) -> impl Iterator<Item = &'a Arc<Authorization>> + 'a {
-        let ns = self
-            .policies_by_ns
-            .get(namespace)
-            .map(|q| &q[..])
-            .unwrap_or_default();
+        let ns = self.policies_by_ns.get(namespace).into_iter();
         let global = self.global_policies.iter().map(|(_, p)| p);
-        global.chain(ns.iter().map(|(_, p)| p)).chain(
-            selected
-                .iter()
-                .filter_map(|k| {
-                    self.policies
-                        .get(k.as_str())
-                        .and_then(first)
-                        .or_else(|| self.missing_policies.get(k.as_str()))
-                })
-                .filter(|p| p.scope == PolicyScope::WorkloadSelector),
-        )
+        global
+            .chain(ns.flat_map(|q| q.iter()).map(|(_, p)| p))
+            .chain(
+                selected
+                    .iter()
+                    .filter_map(|k| {
+                        self.policies
+                            .get(k.as_str())
+                            .and_then(first)
+                            .or_else(|| self.missing_policies.get(k.as_str()))
+                    })
+                    .filter(|p| p.scope == PolicyScope::WorkloadSelector),
+            )
     }
 
     pub fn policies(&self) -> impl Iterator<Item = &Arc<Authorization>> {

@@ -11,6 +11,7 @@
 
 use std::borrow::Borrow;
 use std::hash::Hash;
+use std::mem::ManuallyDrop;
 use std::sync::Arc;
 
 use super::{
@@ -19,44 +20,135 @@ use super::{
 };
 
 /// Holders of one key in arrival order, each with its arrival number.
-/// Almost always one, held in place (an allocation fewer in each index a
-/// workload is in); more are a slice of its exact size, made anew on a
-/// change.
-#[derive(Debug)]
-pub(super) enum Queue<T> {
-    One([(u64, Arc<T>); 1]),
-    Many(Arc<[(u64, Arc<T>)]>),
+/// Almost always one, held in place: its arrival beside its pointer, 16
+/// bytes, so that each index's table entry (a million in each of three
+/// indexes for a million workloads) is no larger than it must be. More
+/// are a list of their own, made anew on a change, marked by the arrival
+/// word's top bit ([`MANY`]); arrivals count up from zero and never
+/// reach it.
+pub(super) struct Queue<T> {
+    /// The one holder's arrival, or [`MANY`].
+    word: u64,
+    holders: Holders<T>,
+}
+
+/// The arrival word of a queue of any other number of holders than one.
+const MANY: u64 = 1 << 63;
+
+/// A holder and its arrival.
+type Holder<T> = (u64, Arc<T>);
+
+/// A queue's holders: which field is set is the arrival word's top bit.
+union Holders<T> {
+    one: ManuallyDrop<Arc<T>>,
+    many: ManuallyDrop<Arc<Vec<Holder<T>>>>,
+}
+
+impl<T> Queue<T> {
+    fn one(arrival: u64, value: Arc<T>) -> Self {
+        assert!(arrival < MANY, "arrival numbers never reach 2^63");
+        Queue {
+            word: arrival,
+            holders: Holders {
+                one: ManuallyDrop::new(value),
+            },
+        }
+    }
+
+    fn many(holders: Vec<(u64, Arc<T>)>) -> Self {
+        Queue {
+            word: MANY,
+            holders: Holders {
+                many: ManuallyDrop::new(Arc::new(holders)),
+            },
+        }
+    }
+
+    /// The one holder, or the list of any other number.
+    fn holders(&self) -> Result<(u64, &Arc<T>), &[Holder<T>]> {
+        if self.word & MANY == 0 {
+            // SAFETY: the top bit clear, `one` is the field set (`Queue::one`).
+            Ok((self.word, unsafe { &self.holders.one }))
+        } else {
+            // SAFETY: the top bit set, `many` is the field set (`Queue::many`).
+            Err(unsafe { &self.holders.many })
+        }
+    }
+
+    /// The first holder and its arrival.
+    pub(super) fn first(&self) -> Option<(u64, &Arc<T>)> {
+        match self.holders() {
+            Ok(one) => Some(one),
+            Err(many) => many.first().map(|(a, v)| (*a, v)),
+        }
+    }
+
+    /// The last holder to arrive and its arrival.
+    pub(super) fn last(&self) -> Option<(u64, &Arc<T>)> {
+        match self.holders() {
+            Ok(one) => Some(one),
+            Err(many) => many.last().map(|(a, v)| (*a, v)),
+        }
+    }
+
+    /// Every holder in arrival order, with its arrival.
+    pub(super) fn iter(&self) -> impl Iterator<Item = (u64, &Arc<T>)> {
+        let (one, many) = match self.holders() {
+            Ok(one) => (Some(one), &[][..]),
+            Err(many) => (None, many),
+        };
+        one.into_iter().chain(many.iter().map(|(a, v)| (*a, v)))
+    }
+
+    fn to_vec(&self) -> Vec<(u64, Arc<T>)> {
+        self.iter().map(|(a, v)| (a, v.clone())).collect()
+    }
 }
 
 impl<T> Clone for Queue<T> {
     fn clone(&self) -> Self {
-        match self {
-            Queue::One([(a, v)]) => Queue::One([(*a, v.clone())]),
-            Queue::Many(m) => Queue::Many(m.clone()),
+        match self.holders() {
+            Ok((arrival, v)) => Queue::one(arrival, v.clone()),
+            Err(_) => Queue {
+                word: MANY,
+                holders: Holders {
+                    // SAFETY: the top bit set, `many` is the field set.
+                    many: unsafe { self.holders.many.clone() },
+                },
+            },
         }
     }
 }
 
-impl<T> std::ops::Deref for Queue<T> {
-    type Target = [(u64, Arc<T>)];
-
-    fn deref(&self) -> &Self::Target {
-        match self {
-            Queue::One(one) => one,
-            Queue::Many(many) => many,
+impl<T> Drop for Queue<T> {
+    fn drop(&mut self) {
+        // SAFETY: the field the top bit says is set, dropped once, here.
+        unsafe {
+            if self.word & MANY == 0 {
+                ManuallyDrop::drop(&mut self.holders.one);
+            } else {
+                ManuallyDrop::drop(&mut self.holders.many);
+            }
         }
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Queue<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 
 impl<T> From<Vec<(u64, Arc<T>)>> for Queue<T> {
     fn from(mut v: Vec<(u64, Arc<T>)>) -> Self {
         match v.pop() {
-            Some(one) if v.is_empty() => Queue::One([one]),
+            Some((arrival, one)) if v.is_empty() => Queue::one(arrival, one),
             Some(last) => {
                 v.push(last);
-                Queue::Many(v.into())
+                v.shrink_to_fit();
+                Queue::many(v)
             }
-            None => Queue::Many(Arc::new([])),
+            None => Queue::many(Vec::new()),
         }
     }
 }
@@ -75,8 +167,7 @@ where
     K: Hash + Eq + Clone + Borrow<Q>,
     Q: Hash + Eq + ?Sized,
 {
-    let (queue, new) =
-        map.get_or_insert_with(key, || (make(), Queue::One([(arrival, value.clone())])));
+    let (queue, new) = map.get_or_insert_with(key, || (make(), Queue::one(arrival, value.clone())));
     if !new {
         let mut more = queue.to_vec();
         let at = more.partition_point(|(a, _)| *a < arrival);
@@ -102,13 +193,13 @@ where
     let Some(queue) = map.get(key) else {
         return;
     };
-    if !queue.iter().any(|(a, _)| *a == arrival) {
+    if !queue.iter().any(|(a, _)| a == arrival) {
         return;
     }
     let rest: Vec<_> = queue
         .iter()
         .filter(|(a, _)| *a != arrival)
-        .cloned()
+        .map(|(a, v)| (a, v.clone()))
         .collect();
     match map.get_mut(key) {
         Some(q) if !rest.is_empty() => *q = rest.into(),
@@ -124,7 +215,7 @@ where
     K: Hash + Eq + Clone + Borrow<Q>,
     Q: Hash + Eq + ?Sized,
 {
-    map.get(key)?.first().cloned()
+    map.get(key)?.first().map(|(a, v)| (a, v.clone()))
 }
 
 /// VIP ranges (services', refusals') in arrival order: few, and matched

@@ -625,3 +625,26 @@ fn a_state_changed_resource_by_resource_equals_one_built_from_scratch() {
         }
     }
 }
+
+#[test]
+fn a_queue_is_sixteen_bytes_and_gives_back_its_holders_in_order() {
+    use super::change::Queue;
+    assert_eq!(std::mem::size_of::<Queue<Workload>>(), 16);
+    let holders: Vec<(u64, Arc<String>)> = (0..4u64)
+        .map(|i| (i * 10, Arc::new(format!("h{i}"))))
+        .collect();
+    for n in 0..=holders.len() {
+        let given = holders[..n].to_vec();
+        let q = Queue::from(given.clone());
+        let read: Vec<(u64, Arc<String>)> = q.iter().map(|(a, v)| (a, v.clone())).collect();
+        assert_eq!(read, given);
+        let ends = |v: Option<&(u64, Arc<String>)>| v.map(|(a, h)| (*a, h.clone()));
+        assert_eq!(q.first().map(|(a, v)| (a, v.clone())), ends(given.first()));
+        assert_eq!(q.last().map(|(a, v)| (a, v.clone())), ends(given.last()));
+        // A clone shares the holders; dropping both lets them go.
+        let copy = q.clone();
+        assert_eq!(copy.iter().count(), n);
+        drop((q, copy, read, given));
+        assert!(holders.iter().all(|(_, h)| Arc::strong_count(h) == 1));
+    }
+}
