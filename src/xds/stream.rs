@@ -35,6 +35,12 @@ const PATH: &str =
 /// A gRPC message's prefix: a compression flag and a 4-byte length.
 const PREFIX: usize = 5;
 
+/// Frames smaller than this are copied together before they are queued: a
+/// DATA frame may be one byte, and each kept apart would cost a queue
+/// slot (and hold the connection's read buffer), so a peer sending tiny
+/// frames could make what is held many times what it sent.
+const SMALL: usize = 4096;
+
 /// Opens `DeltaAggregatedResources` on `channel`, sending `requests` with
 /// `headers` (authorization, cluster id), and returns its responses;
 /// none larger than `limit` bytes is taken.
@@ -77,7 +83,9 @@ pub struct Responses {
     body: BoxBody,
     /// Received and not yet decoded, in order; none empty.
     frames: VecDeque<Bytes>,
-    /// The bytes in `frames`.
+    /// Small frames received after `frames`, copied together.
+    tail: bytes::BytesMut,
+    /// The bytes in `frames` and `tail`.
     buffered: usize,
     limit: usize,
     /// The body ended (its trailers, or its end, were read).
@@ -117,6 +125,7 @@ impl Responses {
         Ok(Responses {
             body: response.into_body(),
             frames: VecDeque::new(),
+            tail: bytes::BytesMut::new(),
             buffered: 0,
             limit,
             ended: at_once.is_some(),
@@ -145,12 +154,7 @@ impl Responses {
                 continue;
             };
             match frame?.into_data() {
-                Ok(data) => {
-                    if !data.is_empty() {
-                        self.buffered += data.len();
-                        self.frames.push_back(data);
-                    }
-                }
+                Ok(data) => self.keep(data),
                 Err(frame) => {
                     self.ended = true;
                     if let Some(trailers) = frame.trailers_ref() {
@@ -175,12 +179,37 @@ impl Responses {
         self.received_in
     }
 
+    /// Queues a received frame: as it is, or (a small one) copied beside
+    /// the small ones before it.
+    fn keep(&mut self, data: Bytes) {
+        self.buffered += data.len();
+        if data.len() < SMALL {
+            self.tail.extend_from_slice(&data);
+            if self.tail.len() >= SMALL {
+                self.flush();
+            }
+        } else {
+            self.flush();
+            self.frames.push_back(data);
+        }
+    }
+
+    /// Moves the small frames' copy to the queue.
+    fn flush(&mut self) {
+        if !self.tail.is_empty() {
+            self.frames.push_back(self.tail.split().freeze());
+        }
+    }
+
     /// A whole message off the front of the frames, decoded; `None` until
     /// it is all in. Its size is checked as soon as its prefix is.
     #[allow(clippy::result_large_err)]
     fn take(&mut self) -> Result<Option<Delta>, Status> {
         if self.buffered < PREFIX {
             return Ok(None);
+        }
+        if self.buffered - self.tail.len() < PREFIX {
+            self.flush();
         }
         let mut prefix = [0u8; PREFIX];
         Front::new(&mut self.frames, PREFIX).peek(&mut prefix);
@@ -210,6 +239,7 @@ impl Responses {
             self.arriving.get_or_insert_with(std::time::Instant::now);
             return Ok(None);
         }
+        self.flush();
         self.received_in = self
             .arriving
             .take()

@@ -201,3 +201,23 @@ fn the_front_of_the_frames_reads_as_one_buffer_and_frees_what_it_passes() {
     assert_eq!(front.remaining(), 0);
     assert_eq!(frames, [Bytes::from_static(b"ghij")]);
 }
+
+#[test]
+fn tiny_frames_are_held_together_not_one_queue_slot_each() {
+    let wire = framed(&response(2_000));
+    assert!(wire.len() > 100_000);
+    let mut r = Responses::of(http_response(&[], vec![], false), 1 << 20).unwrap();
+    for b in &wire[..wire.len() - 1] {
+        r.keep(Bytes::copy_from_slice(&[*b]));
+    }
+    assert!(r.take().unwrap().is_none(), "one byte short");
+    assert!(
+        r.frames.len() <= wire.len() / super::SMALL + 2,
+        "{} slots for {} bytes",
+        r.frames.len(),
+        wire.len()
+    );
+    r.keep(Bytes::copy_from_slice(&wire[wire.len() - 1..]));
+    assert_eq!(r.take().unwrap(), Some(Delta::from(response(2_000))));
+    assert_eq!((r.frames.len(), r.tail.len(), r.buffered), (0, 0, 0));
+}
