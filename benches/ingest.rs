@@ -507,6 +507,10 @@ fn main() {
             .unwrap_or(default)
     };
     let only = std::env::var("AMBIT_INGEST_ONLY").unwrap_or_default();
+    assert!(
+        ["", "latency", "proxy"].contains(&only.as_str()),
+        "AMBIT_INGEST_ONLY takes latency or proxy, not {only:?}"
+    );
     if only.is_empty() {
         println!("ambit state ingest through the xDS client's path (Held::answer)");
         for &n in &sizes {

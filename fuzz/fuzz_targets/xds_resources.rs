@@ -91,7 +91,17 @@ fn address_round_trip(body: &[u8]) {
         .expect("a served address decodes");
     let again = convert::address_from_proto(again).expect("a served address converts");
     match &mut held {
-        AddressResource::Workload(w) => std::sync::Arc::make_mut(w).extensions = Box::default(),
+        AddressResource::Workload(w) => {
+            // Served without its extensions (they are not served back).
+            let w = std::sync::Arc::make_mut(w);
+            if let Some(rare) = w.rare.take() {
+                w.rare = ambit::xds::types::Rare {
+                    extensions: Box::default(),
+                    ..*rare
+                }
+                .boxed();
+            }
+        }
         AddressResource::Service(s) => std::sync::Arc::make_mut(s).extensions.clear(),
     }
     assert_eq!(again, held);

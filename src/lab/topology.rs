@@ -380,6 +380,18 @@ impl Lab {
         pod: &LabPod,
         spec: &ProxySpec,
     ) -> io::Result<()> {
+        self.start_proxy_waiting(binary, pod, spec, Duration::from_secs(20))
+    }
+
+    /// [`Lab::start_proxy_from`], waiting up to `wait` for it to be ready
+    /// (a proxy taking a large mesh first takes longer than 20 s).
+    pub fn start_proxy_waiting(
+        &self,
+        binary: &Path,
+        pod: &LabPod,
+        spec: &ProxySpec,
+        wait: Duration,
+    ) -> io::Result<()> {
         let mut cmd = pod.ns.command(binary);
         cmd.arg("proxy")
             .env("PROXY_MODE", "dedicated")
@@ -401,7 +413,7 @@ impl Lab {
         }
         let label = format!("proxy-{}", pod.name);
         self.spawn(&label, cmd)?;
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + wait;
         loop {
             if http_get(pod, "127.0.0.1:15021", "/healthz/ready")
                 .map(|(s, _)| s == 200)
@@ -412,7 +424,7 @@ impl Lab {
             if Instant::now() > deadline {
                 let log = std::fs::read_to_string(self.log_path(&label)).unwrap_or_default();
                 return Err(io::Error::other(format!(
-                    "proxy in {} not ready within 20s; log:\n{log}",
+                    "proxy in {} not ready within {wait:?}; log:\n{log}",
                     pod.name
                 )));
             }

@@ -389,8 +389,9 @@ fn termination_reason(ended: &anyhow::Result<()>) -> &'static str {
 }
 
 /// A stream error in words; a response over the size limit names the
-/// limit and the setting. tonic reads only such a response's length before
-/// it ends the stream, so nothing of it is buffered or applied.
+/// limit and the setting. Only such a response's length is read before
+/// the stream ends (`stream::Responses`), so nothing of it is buffered or
+/// applied.
 fn stream_error(status: tonic::Status, limit: usize) -> anyhow::Error {
     if status.code() == tonic::Code::OutOfRange && status.message().contains("length too large") {
         return anyhow::Error::new(status).context(format!(

@@ -4,7 +4,7 @@
 //! tonic's `Streaming` copies each message into one buffer until the
 //! whole message is in, decodes it, and keeps the buffer, grown to the
 //! largest message yet, until the stream ends: a full push of a million
-//! workloads is 200 MB encoded, held beside the decoded response and then
+//! workloads is 300 MB encoded, held beside the decoded response and then
 //! beside the state for as long as the stream lives. Here a message is the
 //! body's frames as received (no copy), and decoding frees each frame once
 //! read past, so what is held at any time is the encoded part not yet
@@ -13,7 +13,12 @@
 //! On the wire nothing changes: the same method, headers and framing as
 //! the generated client (its request side is tonic's own encoder), the
 //! same limit on a message's size, read from its 5-byte prefix before any
-//! of it is buffered, and the same statuses for the ways a stream ends.
+//! of it is buffered, and the same statuses for the ways a stream ends
+//! but two, where tonic's were lenient: a stream that ends (cleanly or
+//! not) part way into a message is an error, not a clean end that drops
+//! the part; and a response whose HTTP status is not 200, with no gRPC
+//! status in its headers, is refused at once with the status gRPC maps
+//! it to, not read as gRPC frames first (it is an error page).
 
 use std::collections::VecDeque;
 
@@ -149,7 +154,7 @@ impl Responses {
                 };
             }
             let Some(frame) = self.body.frame().await else {
-                // No trailers: tonic reads a 200 with none as a clean end.
+                // No trailers: a clean end, as tonic reads a 200 with none.
                 self.ended = true;
                 continue;
             };
@@ -157,16 +162,12 @@ impl Responses {
                 Ok(data) => self.keep(data),
                 Err(frame) => {
                     self.ended = true;
-                    if let Some(trailers) = frame.trailers_ref() {
-                        match Status::from_header_map(trailers) {
-                            Some(s) if s.code() == Code::Ok => {}
-                            Some(s) => return Err(s),
-                            None => {
-                                return Err(Status::internal(
-                                    "the stream's trailers carry no grpc-status",
-                                ))
-                            }
-                        }
+                    // Trailers with no grpc-status: a clean end too (tonic's
+                    // reading of a 200, so that the stream's end is counted
+                    // as ztunnel counts it).
+                    let status = frame.trailers_ref().and_then(Status::from_header_map);
+                    if let Some(s) = status.filter(|s| s.code() != Code::Ok) {
+                        return Err(s);
                     }
                 }
             }

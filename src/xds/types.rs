@@ -115,7 +115,7 @@ impl Rare {
 /// A workload as the local config file writes it (ztunnel's form): read
 /// into a [`Workload`], its rare fields boxed.
 #[derive(Deserialize)]
-#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[serde(rename = "Workload", rename_all = "camelCase", deny_unknown_fields)]
 struct WorkloadFile {
     #[serde(default)]
     uid: Name,

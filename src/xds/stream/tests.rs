@@ -75,6 +75,11 @@ fn trailers(status: &str, message: &str) -> Frame<Bytes> {
     Frame::trailers(t)
 }
 
+fn then(mut frames: Vec<Frame<Bytes>>, last: Frame<Bytes>) -> Vec<Frame<Bytes>> {
+    frames.push(last);
+    frames
+}
+
 fn run<T>(f: impl std::future::Future<Output = T>) -> T {
     tokio::runtime::Builder::new_current_thread()
         .build()
@@ -133,10 +138,11 @@ fn compressed_or_truncated_messages_and_error_statuses_end_the_stream() {
             Code::Unavailable,
             "going away",
         ),
+        // Part of a message, then a clean status: the part is an error.
         (
-            vec![Frame::trailers(http::HeaderMap::new())],
+            then(data(&wire[..wire.len() - 1], 64), trailers("0", "")),
             Code::Internal,
-            "no grpc-status",
+            "ended",
         ),
     ];
     // A body that is not a message: the decode error, not a panic.
@@ -151,6 +157,16 @@ fn compressed_or_truncated_messages_and_error_statuses_end_the_stream() {
             assert!(e.message().contains(words), "{e}");
         });
     }
+}
+
+#[test]
+fn trailers_without_a_status_after_whole_messages_end_the_stream_cleanly() {
+    // As tonic reads them (and as ztunnel then counts the stream's end).
+    let wire = framed(&response(1));
+    let frames = then(data(&wire, 64), Frame::trailers(http::HeaderMap::new()));
+    let mut r = Responses::of(http_response(&[], frames, false), 1 << 20).unwrap();
+    assert_eq!(run(r.message()).unwrap(), Some(Delta::from(response(1))));
+    assert_eq!(run(r.message()).unwrap(), None);
 }
 
 #[test]
