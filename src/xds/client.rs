@@ -230,23 +230,32 @@ impl Held {
         }
         if resp.type_url == ADDRESS_TYPE {
             // Decoded and converted (on a second thread for a large
-            // response), then applied in the response's order.
+            // response), then applied in the response's order: all at once
+            // while none is held (a first push), else one by one.
+            let mut bulk = self.state.bulk_addresses(resp.resources.len());
             convert_in_order(
                 resp.resources,
                 XDS_NICE,
                 convert_address,
-                |(r, held)| match held {
-                    None => rejected.push((r.name, "resource has no body".into())),
-                    Some(Ok(a)) => {
+                |(r, held)| match (held, &mut bulk) {
+                    (None, _) => rejected.push((r.name, "resource has no body".into())),
+                    (Some(Ok(a)), Some(bulk)) => bulk.put(&r.name, &r.version, a),
+                    (Some(Ok(a)), None) => {
                         let served = self.state.put_address(&r.name, &r.version, a).is_none();
                         note_left_out(left_out, &r.name, served);
                     }
-                    Some(Err((claims, reason))) => {
-                        self.state.refuse_address(&r.name, claims, reason.clone());
+                    (Some(Err((claims, reason))), bulk) => {
+                        match bulk {
+                            Some(bulk) => bulk.refuse(&r.name, claims, reason.clone()),
+                            None => self.state.refuse_address(&r.name, claims, reason.clone()),
+                        }
                         rejected.push((r.name, reason));
                     }
                 },
             );
+            if let Some(bulk) = bulk {
+                left_out.extend(self.state.put_addresses(bulk).iter().map(|n| n.to_string()));
+            }
             return rejected;
         }
         for r in resp.resources {

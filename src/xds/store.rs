@@ -8,7 +8,9 @@
 //! and a change costs what it touches, not what the state holds: every map
 //! is persistent (a copy shares all its nodes, a change copies only the
 //! path to what changed: `cow_map.rs` for the hash maps, imbl's `OrdMap`
-//! for a service's endpoints). The changes themselves are in `change.rs`.
+//! for a service's endpoints). The changes themselves are in `change.rs`;
+//! a first push, into a state holding no address resource, is put at once
+//! instead, its maps built whole (`bulk.rs`).
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -22,6 +24,7 @@ use super::types::{
     NetworkMode, PolicyScope, Protocol, Service, Workload,
 };
 
+mod bulk;
 mod change;
 mod cow_map;
 

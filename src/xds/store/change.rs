@@ -45,7 +45,7 @@ union Holders<T> {
 }
 
 impl<T> Queue<T> {
-    fn one(arrival: u64, value: Arc<T>) -> Self {
+    pub(super) fn one(arrival: u64, value: Arc<T>) -> Self {
         assert!(arrival < MANY, "arrival numbers never reach 2^63");
         Queue {
             word: arrival,
@@ -102,6 +102,14 @@ impl<T> Queue<T> {
 
     fn to_vec(&self) -> Vec<(u64, Arc<T>)> {
         self.iter().map(|(a, v)| (a, v.clone())).collect()
+    }
+
+    /// Adds a holder in its place by arrival.
+    pub(super) fn add(&mut self, arrival: u64, value: Arc<T>) {
+        let mut more = self.to_vec();
+        let at = more.partition_point(|(a, _)| *a < arrival);
+        more.insert(at, (arrival, value));
+        *self = more.into();
     }
 }
 
@@ -169,10 +177,7 @@ where
 {
     let (queue, new) = map.get_or_insert_with(key, || (make(), Queue::one(arrival, value.clone())));
     if !new {
-        let mut more = queue.to_vec();
-        let at = more.partition_point(|(a, _)| *a < arrival);
-        more.insert(at, (arrival, value.clone()));
-        *queue = more.into();
+        queue.add(arrival, value.clone());
     }
     new
 }
@@ -223,7 +228,7 @@ where
 pub(super) type Ranges<T> = Arc<Vec<(u64, (NetworkCidr, Arc<T>))>>;
 
 /// A list in arrival order (for the few entries a map would not help).
-fn insert_ordered<T: Clone>(list: &mut Arc<Vec<(u64, T)>>, arrival: u64, value: T) {
+pub(super) fn insert_ordered<T: Clone>(list: &mut Arc<Vec<(u64, T)>>, arrival: u64, value: T) {
     let list = Arc::make_mut(list);
     let at = list.partition_point(|(a, _)| *a < arrival);
     list.insert(at, (arrival, value));
@@ -245,7 +250,7 @@ pub(super) struct Refusals {
 }
 
 impl Refusals {
-    fn add(&mut self, claims: &Claims, arrival: u64, refused: &Arc<Refused>) {
+    pub(super) fn add(&mut self, claims: &Claims, arrival: u64, refused: &Arc<Refused>) {
         for a in &claims.addresses {
             enqueue(&mut self.by_addr, a, || a.clone(), arrival, refused);
         }
@@ -278,12 +283,26 @@ impl Refusals {
 
 /// A valid address resource held (served, or left out for a conflict).
 #[derive(Debug, Clone)]
-enum Address {
+pub(super) enum Address {
     Workload(Arc<Workload>),
     Service(Arc<Service>),
 }
 
 impl Address {
+    /// A resource as held: a workload without a uid takes
+    /// `namespace/name` as its uid.
+    pub(super) fn of(resource: AddressResource) -> Address {
+        match resource {
+            AddressResource::Workload(mut w) => {
+                if w.uid.is_empty() {
+                    Arc::make_mut(&mut w).uid = format!("{}/{}", w.namespace, w.name).into();
+                }
+                Address::Workload(w)
+            }
+            AddressResource::Service(s) => Address::Service(s),
+        }
+    }
+
     fn claims(&self) -> Claims {
         match self {
             Address::Workload(w) => Claims::of_workload(w),
@@ -297,11 +316,11 @@ impl Address {
 pub(super) struct AddressEntry {
     /// Its valid version, with its arrival and the control plane's
     /// version string for it.
-    held: Option<(u64, Address, Box<str>)>,
+    pub(super) held: Option<(u64, Address, Box<str>)>,
     /// Its latest refused version while it stands (a version Ambit cannot
     /// serve never replaces the one serving): what that claimed, refused.
     /// Boxed: rare, and an entry is in a map node of every resource.
-    refusal: Option<Box<(u64, Claims)>>,
+    pub(super) refusal: Option<Box<(u64, Claims)>>,
 }
 
 /// What one policy resource holds: its valid version (with the control
@@ -323,7 +342,7 @@ impl PolicyEntry {
 }
 
 /// Why a workload cannot serve whatever else is held.
-fn invalid_workload(w: &Workload) -> Option<String> {
+pub(super) fn invalid_workload(w: &Workload) -> Option<String> {
     if w.name.is_empty() || w.namespace.is_empty() {
         Some("name and namespace are required".to_string())
     } else {
@@ -331,7 +350,7 @@ fn invalid_workload(w: &Workload) -> Option<String> {
     }
 }
 
-fn invalid_service(s: &Service) -> Option<String> {
+pub(super) fn invalid_service(s: &Service) -> Option<String> {
     if s.hostname.is_empty() || s.namespace.is_empty() {
         Some("hostname and namespace are required".to_string())
     } else {
@@ -358,15 +377,7 @@ impl State {
     ) -> Option<String> {
         let arrival = self.next_arrival();
         let name = Name::from(name);
-        let held = match resource {
-            AddressResource::Workload(mut w) => {
-                if w.uid.is_empty() {
-                    Arc::make_mut(&mut w).uid = format!("{}/{}", w.namespace, w.name).into();
-                }
-                Address::Workload(w)
-            }
-            AddressResource::Service(s) => Address::Service(s),
-        };
+        let held = Address::of(resource);
         // In place of what the name held, in one walk of the map (nothing
         // below reads this map): the old one is let go, then the new held.
         let entry = AddressEntry {
@@ -534,7 +545,7 @@ impl State {
     }
 
     /// Held but not served: refused where it claims, and kept as given.
-    fn leave_out(&mut self, name: &str, arrival: u64, held: &Address, reason: String) {
+    pub(super) fn leave_out(&mut self, name: &str, arrival: u64, held: &Address, reason: String) {
         let refused = Arc::new(Refused {
             resource: name.to_string(),
             reason,
@@ -562,7 +573,7 @@ impl State {
     /// The addresses a workload is found at: a hostNetwork workload's IPs
     /// are its node's, shared with the node's other hostNetwork pods, so
     /// it is never found by IP.
-    fn found_at(w: &Workload) -> impl Iterator<Item = NetworkAddress> + '_ {
+    pub(super) fn found_at(w: &Workload) -> impl Iterator<Item = NetworkAddress> + '_ {
         let ips = match w.network_mode {
             NetworkMode::HostNetwork => &[][..],
             NetworkMode::Standard => &w.workload_ips[..],
@@ -670,7 +681,7 @@ impl State {
         }
     }
 
-    fn missing(key: &str) -> Arc<Authorization> {
+    pub(super) fn missing(key: &str) -> Arc<Authorization> {
         Arc::new(Authorization::refused_stand_in(
             key,
             "named by the workload but not held (refused, not yet sent, or removed)".into(),

@@ -303,6 +303,168 @@ where
     removed
 }
 
+/// A map made at once from entries staged in any order (a first push),
+/// each leaf made once at its size: no path copied per entry, no table
+/// grown entry by entry, no leaf split. Keys may be staged more than once.
+pub struct Builder<K, S> {
+    hasher: Hasher,
+    entries: Vec<(u64, K, S)>,
+}
+
+/// Entries staged for one node below which the builder gives the rest of
+/// the staging list back to the allocator as it goes (so the list and the
+/// map it becomes are not both held whole).
+const GIVE_BACK: usize = 1 << 14;
+
+impl<K: Hash + Eq + Clone, S> Builder<K, S> {
+    pub fn with_capacity(n: usize) -> Self {
+        Builder {
+            hasher: Hasher::default(),
+            entries: Vec::with_capacity(n),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Keeps the staged values `keep` says to.
+    pub fn retain(&mut self, mut keep: impl FnMut(&S) -> bool) {
+        self.entries.retain(|(_, _, s)| keep(s));
+    }
+
+    pub fn push(&mut self, key: K, staged: S) {
+        let hash = self.hasher.hash_one(&key);
+        self.entries.push((hash, key, staged));
+    }
+
+    /// The map: each key's value is `make` of one of its staged values,
+    /// given the key's others by `merge` (in no set order: what they
+    /// carry must say their order).
+    pub fn build<V: Clone>(
+        self,
+        mut make: impl FnMut(S) -> V,
+        mut merge: impl FnMut(&mut V, S),
+    ) -> CowMap<K, V> {
+        let Builder { hasher, entries } = self;
+        let mut len = 0;
+        let root = (!entries.is_empty()).then(|| {
+            let mut build = Build {
+                hasher: &hasher,
+                len: &mut len,
+                make: &mut make,
+                merge: &mut merge,
+            };
+            Arc::new(build.node(entries, 0))
+        });
+        CowMap { hasher, len, root }
+    }
+}
+
+struct Build<'a, M, G> {
+    hasher: &'a Hasher,
+    len: &'a mut usize,
+    make: &'a mut M,
+    merge: &'a mut G,
+}
+
+impl<M, G> Build<'_, M, G> {
+    /// The node of `entries` (those under one path) at `depth`.
+    fn node<K, S, V>(&mut self, mut entries: Vec<(u64, K, S)>, depth: u32) -> Node<K, V>
+    where
+        K: Hash + Eq,
+        M: FnMut(S) -> V,
+        G: FnMut(&mut V, S),
+    {
+        let splittable = entries.len() > LEAF_MAX
+            && depth < MAX_DEPTH
+            && entries.iter().any(|e| e.0 != entries[0].0);
+        if !splittable {
+            return Node::Leaf(self.leaf(entries.drain(..)));
+        }
+        let ends = partition(&mut entries, depth);
+        let mut children: [Option<Arc<Node<K, V>>>; FANOUT] = Default::default();
+        // From the last child back: each child's entries are split off the
+        // list's end and the list shrunk, so what is left of the staging
+        // list and what is built of the map are not both held whole.
+        for c in (0..FANOUT).rev() {
+            let start = if c == 0 { 0 } else { ends[c - 1] };
+            if start == entries.len() {
+                continue;
+            }
+            let mine = entries.split_off(start);
+            if entries.capacity() > GIVE_BACK && entries.capacity() > 2 * entries.len() {
+                entries.shrink_to_fit();
+            }
+            children[c] = Some(Arc::new(if mine.len() > LEAF_MAX {
+                self.node(mine, depth + 1)
+            } else {
+                Node::Leaf(self.leaf(mine.into_iter()))
+            }));
+        }
+        Node::Branch(children)
+    }
+
+    fn leaf<K, S, V>(
+        &mut self,
+        entries: impl ExactSizeIterator<Item = (u64, K, S)>,
+    ) -> HashTable<(K, V)>
+    where
+        K: Hash + Eq,
+        M: FnMut(S) -> V,
+        G: FnMut(&mut V, S),
+    {
+        let staged_len = entries.len();
+        // Room for every entry staged, unless keys repeat past a leaf's
+        // size (staged values of few keys): then it grows as they come.
+        let mut table: HashTable<(K, V)> = HashTable::with_capacity(staged_len.min(LEAF_MAX));
+        for (hash, key, staged) in entries {
+            match table.find_mut(hash, |(k, _)| *k == key) {
+                Some((_, v)) => (self.merge)(v, staged),
+                None => {
+                    let value = (self.make)(staged);
+                    table.insert_unique(hash, (key, value), |(k, _)| self.hasher.hash_one(k));
+                    *self.len += 1;
+                }
+            }
+        }
+        if table.len() < staged_len {
+            // Keys repeated: no more room kept than the keys need.
+            table.shrink_to(0, |(k, _)| self.hasher.hash_one(k));
+        }
+        table
+    }
+}
+
+/// Orders `entries` in place by their child at `depth` (a counting sort:
+/// one pass to count, one round of swaps); returns where each child's
+/// entries end.
+fn partition<K, S>(entries: &mut [(u64, K, S)], depth: u32) -> [usize; FANOUT] {
+    let mut ends = [0usize; FANOUT];
+    for e in entries.iter() {
+        ends[child(e.0, depth)] += 1;
+    }
+    for c in 1..FANOUT {
+        ends[c] += ends[c - 1];
+    }
+    // `next[c]`: the first place in child c's range not yet holding one
+    // of its entries.
+    let mut next = [0usize; FANOUT];
+    next[1..].copy_from_slice(&ends[..FANOUT - 1]);
+    for c in 0..FANOUT {
+        while next[c] < ends[c] {
+            let to = child(entries[next[c]].0, depth);
+            if to == c {
+                next[c] += 1;
+            } else {
+                entries.swap(next[c], next[to]);
+                next[to] += 1;
+            }
+        }
+    }
+    ends
+}
+
 /// The entries, leaf by leaf.
 pub struct Iter<'a, K, V> {
     stack: Vec<&'a Node<K, V>>,
@@ -461,5 +623,67 @@ mod tests {
         }
         assert!(map.root.is_none() && map.is_empty());
         assert_eq!(before.len(), 100_000);
+    }
+
+    /// Staged in any order with keys repeated (one far past a leaf's
+    /// size), a map built at once holds each key once with its values
+    /// merged, keeps its leaves small and no roomier than their keys
+    /// need, and then changes as any map.
+    #[test]
+    fn a_map_built_at_once_holds_what_was_staged_and_then_changes_as_any() {
+        let mut seed = 11u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut staged: Builder<u64, u64> = Builder::with_capacity(0);
+        let mut model: HashMap<u64, u64> = HashMap::new();
+        for i in 0..60_000u64 {
+            let key = next() % 40_000;
+            staged.push(key, i);
+            *model.entry(key).or_default() += i;
+        }
+        for _ in 0..1_000 {
+            staged.push(u64::MAX, 1);
+        }
+        model.insert(u64::MAX, 1_000);
+        let mut map = staged.build(|v| v, |sum, v| *sum += v);
+        assert_eq!(map.len(), model.len());
+        for (k, v) in &model {
+            assert_eq!(map.get(k), Some(v), "{k}");
+        }
+        let mut stack = vec![&**map.root.as_ref().unwrap()];
+        let mut leaves = 0;
+        while let Some(node) = stack.pop() {
+            match node {
+                Node::Leaf(t) => {
+                    leaves += 1;
+                    assert!(t.len() <= LEAF_MAX, "a leaf of {}", t.len());
+                    let needed = HashTable::<(u64, u64)>::with_capacity(t.len()).capacity();
+                    assert!(t.capacity() <= needed, "{} for {}", t.capacity(), t.len());
+                }
+                Node::Branch(c) => stack.extend(c.iter().flatten().map(|c| &**c)),
+            }
+        }
+        assert!(leaves >= model.len() / LEAF_MAX, "{leaves} leaves");
+        let copy = map.clone();
+        for step in 0..20_000u64 {
+            let key = next() % 50_000;
+            if step % 3 == 0 {
+                assert_eq!(map.remove(&key), model.remove(&key));
+            } else {
+                assert_eq!(map.insert(key, step), model.insert(key, step));
+            }
+        }
+        assert_eq!(map.len(), model.len());
+        for (k, v) in &model {
+            assert_eq!(map.get(k), Some(v));
+        }
+        assert_eq!(copy.get(&u64::MAX), Some(&1_000));
+        assert!(Builder::<u64, u64>::with_capacity(0)
+            .build(|v| v, |_, _| {})
+            .is_empty());
     }
 }

@@ -648,3 +648,108 @@ fn a_queue_is_sixteen_bytes_and_gives_back_its_holders_in_order() {
         assert!(holders.iter().all(|(_, h)| Arc::strong_count(h) == 1));
     }
 }
+
+/// A change of one of a few address resource names.
+#[derive(Clone)]
+enum Change {
+    Put(String, String, AddressResource),
+    Refuse(String, Claims, String),
+    Remove(String),
+}
+
+impl Change {
+    fn random(rng: &mut fastrand::Rng, names: &[String], removals: bool) -> Change {
+        let name = pick(rng, names).clone();
+        match rng.u8(..100) {
+            0..=69 => {
+                let resource = match rng.u8(..3) {
+                    0 => AddressResource::Service(Arc::new(random_service(rng))),
+                    _ => AddressResource::Workload(Arc::new(random_workload(rng))),
+                };
+                Change::Put(name, format!("v{}", rng.u8(..9)), resource)
+            }
+            70..=84 if removals => Change::Remove(name),
+            _ => {
+                let claims = Claims::of_workload(&random_workload(rng));
+                Change::Refuse(name, claims, format!("refused {}", rng.u8(..9)))
+            }
+        }
+    }
+
+    fn apply(self, st: &mut State) {
+        match self {
+            Change::Put(name, version, resource) => drop(st.put_address(&name, &version, resource)),
+            Change::Refuse(name, claims, reason) => st.refuse_address(&name, claims, reason),
+            Change::Remove(name) => st.remove_address(&name),
+        }
+    }
+
+    fn stage(self, bulk: &mut super::bulk::Bulk) {
+        match self {
+            Change::Put(name, version, resource) => bulk.put(&name, &version, resource),
+            Change::Refuse(name, claims, reason) => bulk.refuse(&name, claims, reason),
+            Change::Remove(_) => unreachable!("a push staged has no removals"),
+        }
+    }
+}
+
+/// A first push put at once (its maps built whole) makes the state that
+/// putting its resources one by one makes, conflicts, refusals and names
+/// given twice included; and both then change alike.
+#[test]
+fn a_first_push_put_at_once_equals_it_put_resource_by_resource() {
+    let names: Vec<String> = (0..7).map(|i| format!("r{i}")).collect();
+    let policy_names: Vec<String> = (0..4).map(|i| format!("q{i}")).collect();
+    let versions = |st: &State| {
+        let mut v: Vec<(String, String)> = st
+            .address_versions()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+        v.sort();
+        v
+    };
+    let mut left_out_seen = 0;
+    for seed in 0..600 {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut one = State::default();
+        for name in &policy_names {
+            if rng.bool() {
+                one.put_policy(name, "v", random_policy(&mut rng));
+            }
+        }
+        let mut all = one.clone();
+        let mut bulk = all.bulk_addresses(0).expect("no address held");
+        for _ in 0..rng.usize(0..40) {
+            let change = Change::random(&mut rng, &names, false);
+            change.clone().stage(&mut bulk);
+            change.apply(&mut one);
+        }
+        let mut left_out: Vec<String> = all
+            .put_addresses(bulk)
+            .iter()
+            .map(|n| n.to_string())
+            .collect();
+        left_out.sort();
+        let expected: Vec<String> = names
+            .iter()
+            .filter(|n| one.left_out(n).is_some())
+            .cloned()
+            .collect();
+        assert_eq!(left_out, expected, "seed {seed}: the names left out");
+        left_out_seen += left_out.len();
+        assert_eq!(all.arrivals, one.arrivals, "seed {seed}");
+        for step in 0..12 {
+            assert_eq!(
+                Seen::of_state(&all, &names, &policy_names),
+                Seen::of_state(&one, &names, &policy_names),
+                "seed {seed}, step {step}"
+            );
+            assert_eq!(versions(&all), versions(&one), "seed {seed}, step {step}");
+            // Then changed one by one, both alike.
+            let change = Change::random(&mut rng, &names, true);
+            change.clone().apply(&mut all);
+            change.apply(&mut one);
+        }
+    }
+    assert!(left_out_seen > 100, "conflicts were made: {left_out_seen}");
+}
