@@ -232,7 +232,8 @@ impl Held {
             // Decoded and converted (on a second thread for a large
             // response), then applied in the response's order: all at once
             // while none is held (a first push), else one by one.
-            let mut bulk = self.state.bulk_addresses(resp.resources.len());
+            let bodies = resp.resources.iter().filter(|r| r.resource.is_some());
+            let mut bulk = self.state.bulk_addresses(bodies.count());
             convert_in_order(
                 resp.resources,
                 XDS_NICE,

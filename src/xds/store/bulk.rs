@@ -238,8 +238,9 @@ fn losers<K: Hash + Eq + Clone, T>(map: &Map<K, Queue<T>>, mut lost: impl FnMut(
 }
 
 impl State {
-    /// Stages a push of `resources` address resources to put at once, if
-    /// no address resource is held (else they are put one by one).
+    /// Stages a push of `resources` address resources (those with a
+    /// body) to put at once, if no address resource is held (else they
+    /// are put one by one).
     pub fn bulk_addresses(&self, resources: usize) -> Option<Bulk> {
         self.addresses.is_empty().then(|| Bulk {
             arrivals: self.arrivals,

@@ -392,7 +392,10 @@ impl<M, G> Build<'_, M, G> {
             if start == entries.len() {
                 continue;
             }
-            let mine = entries.split_off(start);
+            let mine = match start {
+                0 => std::mem::take(&mut entries),
+                _ => entries.split_off(start),
+            };
             if entries.capacity() > GIVE_BACK && entries.capacity() > 2 * entries.len() {
                 entries.shrink_to_fit();
             }
