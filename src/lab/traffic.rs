@@ -33,10 +33,13 @@ pub fn http_request_in(
     ns.run(move || -> io::Result<(u16, String)> {
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
         s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        write!(
-            s,
-            "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n"
-        )?;
+        // One write: `write!` on a socket sends each formatted piece apart,
+        // and a server that reads one segment and closes (the floor proxy's
+        // readiness port) then closes with the rest unread, a reset that
+        // loses its answer.
+        let request =
+            format!("{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Length: 0\r\n\r\n");
+        s.write_all(request.as_bytes())?;
         let mut resp = String::new();
         s.read_to_string(&mut resp)?;
         let status = resp
