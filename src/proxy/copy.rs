@@ -98,10 +98,17 @@ fn drained(free: usize, window: usize) -> bool {
 const MIN_BUF: usize = super::budget::STREAM_READ_START;
 const MAX_BUF: usize = super::budget::STREAM_READ_BUFFER;
 
+/// The most a stream whose messages are small reads at once ([`read_small`]).
+const SMALL_READ: usize = 4096;
+
 /// Reads from a TCP half into an HBONE stream, honouring HTTP/2 flow control.
 /// The read buffer exists only while the source has data, so an idle stream
-/// holds none. While the stream may have data queued in h2, its send buffer
-/// is reserved in `reserved` (when given): from its first data until it is
+/// holds none; while its reads are small (under [`SMALL_READ`]: requests and
+/// answers, not a bulk flow) it has none at all, each read copied from the
+/// stack into a chunk of its size: a message through the proxy then costs
+/// one small allocation, not a buffer and the handle the chunk shares it
+/// by. While the stream may have data queued in h2, its send buffer is
+/// reserved in `reserved` (when given): from its first data until it is
 /// quiet with nothing queued. Past the budget the stream is reset.
 async fn tcp_to_h2(
     src: ReadHalf<'_>,
@@ -111,20 +118,35 @@ async fn tcp_to_h2(
     use super::budget::STREAM_SEND_BUFFER;
     let mut buf_size = MIN_BUF;
     let mut buf = BytesMut::new();
+    // Whether the next read goes through the stack: until a read fills
+    // [`SMALL_READ`], and again from a read shorter than it.
+    let mut small = true;
     let mut grown = None;
     let mut total = 0u64;
     let mut queued = false;
     // The capacity h2 offered as the current burst began ([`drained`]).
     let mut window = STREAM_SEND_BUFFER;
+    // While queued: the timer that finds the source quiet, and whether data
+    // came since it was set. One timer a burst, set again for each
+    // [`QUIET`] that saw data (so the source is found quiet 50-100 ms after
+    // its last data), rather than one made and dropped at every wait (a
+    // clock read and two trips to the timer wheel a message).
+    let mut quiet: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
+    let mut came = false;
     loop {
-        let n = loop {
-            // A new buffer only when the last one is mostly used: a read
-            // that would block then costs no allocation.
-            if buf.capacity() - buf.len() < buf_size / 2 {
-                buf.reserve(buf_size);
-            }
-            match read_some(src.as_ref(), &mut buf) {
-                Ok(n) => break n,
+        let mut chunk = loop {
+            let read = if small {
+                read_small(src.as_ref())
+            } else {
+                // A new buffer only when the last one is mostly used: a
+                // read that would block then costs no allocation.
+                if buf.capacity() - buf.len() < buf_size / 2 {
+                    buf.reserve(buf_size);
+                }
+                read_some(src.as_ref(), &mut buf).map(|_| buf.split().freeze())
+            };
+            match read {
+                Ok(chunk) => break chunk,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
                 Err(e) => {
                     dst.send_reset(h2::Reason::CANCEL);
@@ -134,24 +156,31 @@ async fn tcp_to_h2(
             // Quiet: an idle stream holds no read buffer, and once h2 holds
             // nothing of it (its whole send buffer is free again) its
             // send-buffer reservation goes back.
-            if buf.is_empty() {
-                buf = BytesMut::new();
-            }
+            buf = BytesMut::new();
             let ready = match (queued, reserved.as_deref_mut()) {
-                (true, Some(r)) => {
+                (true, Some(r)) => loop {
+                    let timer = quiet.get_or_insert_with(|| {
+                        came = false;
+                        Box::pin(tokio::time::sleep(QUIET))
+                    });
                     tokio::select! {
-                        ready = src.readable() => ready,
-                        _ = tokio::time::sleep(QUIET) => {
-                            dst.reserve_capacity(STREAM_SEND_BUFFER);
-                            if drained(dst.capacity(), window) {
-                                r.shrink(STREAM_SEND_BUFFER);
-                                queued = false;
-                            }
-                            dst.reserve_capacity(0);
-                            src.readable().await
-                        }
+                        biased;
+                        ready = src.readable() => break ready,
+                        _ = timer.as_mut() => {}
                     }
-                }
+                    if std::mem::take(&mut came) {
+                        timer.as_mut().reset(tokio::time::Instant::now() + QUIET);
+                        continue;
+                    }
+                    quiet = None;
+                    dst.reserve_capacity(STREAM_SEND_BUFFER);
+                    if drained(dst.capacity(), window) {
+                        r.shrink(STREAM_SEND_BUFFER);
+                        queued = false;
+                    }
+                    dst.reserve_capacity(0);
+                    break src.readable().await;
+                },
                 _ => src.readable().await,
             };
             if let Err(e) = ready {
@@ -159,6 +188,7 @@ async fn tcp_to_h2(
                 return Err(e);
             }
         };
+        let n = chunk.len();
         // A source that never runs dry still lets the worker's other tasks
         // run: its reads do not go through tokio's (budgeted) `poll_read`.
         tokio::task::consume_budget().await;
@@ -168,6 +198,8 @@ async fn tcp_to_h2(
                 .map(|_| total)
                 .map_err(h2_io);
         }
+        small = n < SMALL_READ;
+        came = true;
         if let (false, Some(r)) = (queued, reserved.as_deref_mut()) {
             if let Err(refusal) = r.grow(STREAM_SEND_BUFFER) {
                 dst.send_reset(h2::Reason::CANCEL);
@@ -188,7 +220,6 @@ async fn tcp_to_h2(
             }
         }
         total += n as u64;
-        let mut chunk = buf.split().freeze();
         while !chunk.is_empty() {
             dst.reserve_capacity(chunk.len());
             let cap = loop {
@@ -225,23 +256,39 @@ async fn tcp_to_h2(
     }
 }
 
-/// Reads what `src` holds into `buf`'s spare room. A read that leaves room
-/// means the socket had no more: its readiness is cleared then, as tokio's
-/// own `poll_read` does, so the next wait goes straight to the poller
-/// instead of making a read that finds nothing (one system call less per
-/// message through the proxy). Cleared only if no new event came since
-/// the read began (`try_io` compares readiness ticks), so data arriving
-/// meanwhile is never missed.
+/// Reads what `src` holds into `buf`'s spare room ([`recv_some`]).
 pub(super) fn read_some(src: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    let n = recv_some(src, buf.spare_capacity_mut())?;
+    // SAFETY: recv(2) initialized the first `n` bytes of the spare room.
+    unsafe { buf.set_len(buf.len() + n) };
+    Ok(n)
+}
+
+/// Reads what `src` holds, up to [`SMALL_READ`] bytes, through a buffer on
+/// the stack, into a chunk of its own size ([`recv_some`]): no buffer of
+/// the stream's is allocated for it, nor shared with the chunk.
+fn read_small(src: &TcpStream) -> io::Result<Bytes> {
+    let mut room = [std::mem::MaybeUninit::<u8>::uninit(); SMALL_READ];
+    let n = recv_some(src, &mut room)?;
+    // SAFETY: recv(2) initialized the first `n` bytes.
+    let read = unsafe { std::slice::from_raw_parts(room.as_ptr().cast::<u8>(), n) };
+    Ok(Bytes::copy_from_slice(read))
+}
+
+/// Reads what `src` holds into `room`. A read that leaves room means the
+/// socket had no more: its readiness is cleared then, as tokio's own
+/// `poll_read` does, so the next wait goes straight to the poller instead
+/// of making a read that finds nothing (one system call less per message
+/// through the proxy). Cleared only if no new event came since the read
+/// began (`try_io` compares readiness ticks), so data arriving meanwhile is
+/// never missed.
+fn recv_some(src: &TcpStream, room: &mut [std::mem::MaybeUninit<u8>]) -> io::Result<usize> {
     let mut got = 0;
+    let size = room.len();
     let read = src.try_io(Interest::READABLE, || {
-        let spare = buf.spare_capacity_mut();
-        let room = spare.len();
-        let n = SockRef::from(src).recv(spare)?;
-        // SAFETY: recv(2) initialized the first `n` bytes of the spare room.
-        unsafe { buf.set_len(buf.len() + n) };
+        let n = SockRef::from(src).recv(room)?;
         got = n;
-        if n > 0 && n < room {
+        if n > 0 && n < size {
             Err(io::ErrorKind::WouldBlock.into())
         } else {
             Ok(n)
@@ -441,6 +488,68 @@ pub(super) mod tests {
         );
         assert_eq!(copied.unwrap(), 4);
         assert_eq!(server.await.unwrap(), 4);
+    }
+
+    /// Messages of every size, each after a pause (so that each read
+    /// finds one message, the way an application's requests come), then a
+    /// bulk flow, then small ones again: what arrives is what was sent, in
+    /// order, whether a read went through the stack (under
+    /// [`SMALL_READ`]) or through the stream's buffer.
+    #[tokio::test]
+    async fn messages_of_every_size_arrive_whole_through_small_reads_and_the_buffer() {
+        let (client_io, server_io) = tokio::io::duplex(1 << 20);
+        let server = tokio::spawn(async move {
+            let mut conn = h2::server::handshake(server_io).await.unwrap();
+            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
+            let _answer = respond.send_response(http::Response::new(()), false);
+            tokio::spawn(async move { while conn.accept().await.is_some() {} });
+            let mut body = req.into_body();
+            let mut got = Vec::new();
+            while let Some(Ok(d)) = body.data().await {
+                got.extend_from_slice(&d);
+                let _ = body.flow_control().release_capacity(d.len());
+            }
+            got
+        });
+        let (mut sender, conn) = h2::client::handshake(client_io).await.unwrap();
+        tokio::spawn(conn);
+        let (resp, send) = sender.send_request(http::Request::new(()), false).unwrap();
+        let _body = resp.await.unwrap().into_body();
+
+        let (mut app, mut proxied) = pair().await;
+        let sizes = [
+            1,
+            SMALL_READ - 1,
+            SMALL_READ,
+            SMALL_READ + 1,
+            3,
+            MIN_BUF,
+            2 * MAX_BUF + 7,
+            5,
+            1,
+        ];
+        let mut sent = Vec::new();
+        for (i, &size) in sizes.iter().enumerate() {
+            sent.extend((0..size).map(|b| (b * 31 + i * 7) as u8));
+        }
+        let copy = async {
+            let (r, _w) = proxied.split();
+            tcp_to_h2(r, send, None).await
+        };
+        let app_side = async {
+            let mut at = 0;
+            for &size in &sizes {
+                app.write_all(&sent[at..at + size]).await.unwrap();
+                at += size;
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+            app.shutdown().await.unwrap();
+        };
+        let (copied, ()) = tokio::join!(copy, app_side);
+        assert_eq!(copied.unwrap(), sent.len() as u64);
+        let got = server.await.unwrap();
+        assert_eq!(got.len(), sent.len());
+        assert!(got == sent, "the bytes arrived changed or out of order");
     }
 
     #[test]

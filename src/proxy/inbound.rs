@@ -21,6 +21,7 @@ use tokio::net::{TcpListener, TcpStream};
 use super::activity::{Activity, OnConnection};
 use super::budget::{Reservation, WindowRetry, BUDGET, STREAM_OPEN_COST};
 use super::copy::{tcp_h2_bidirectional, Transferred};
+use super::gate::Gate;
 use super::hbone::{
     authority_of, canonical, forwarded_for, forwarded_host, validate_connect, Authority,
     ConnectRejection, H2Settings,
@@ -263,37 +264,59 @@ impl Inbound {
             tokio::time::interval_at(tokio::time::Instant::now() + idle_check, idle_check);
         idle_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut let_go: Option<tokio::time::Instant> = None;
+        // What the connection waits on besides its frames is polled only
+        // when it wakes, not with every frame ([`Gate`]).
+        let gate = Gate::new();
         loop {
-            let next = tokio::select! {
-                n = conn.accept() => n,
-                _ = idle_tick.tick(), if let_go.is_none() => {
-                    if activity.idle_for().is_some_and(|idle| idle >= self.idle_timeout) {
+            let side = async {
+                tokio::select! {
+                    _ = idle_tick.tick(), if let_go.is_none() => Waited::IdleCheck,
+                    _ = tokio::time::sleep_until(let_go.unwrap_or_else(tokio::time::Instant::now)), if let_go.is_some() => Waited::LetGo,
+                    () = crl::revoked(&mut revocation) => Waited::Revoked,
+                    _ = windows.moved() => Waited::Windows,
+                    _ = retry.due(), if windows.unsettled(told) => Waited::Retry,
+                    _ = self.pod.life.stop_accepting.signalled(), if !goaway_sent => Waited::StopAccepting,
+                    ips = gone.recv(), if gone_open => Waited::Gone(ips),
+                }
+            };
+            let side = tokio::select! {
+                biased;
+                n = conn.accept() => Ok(n),
+                side = gate.guard(side) => Err(side),
+            };
+            let next = match side {
+                Ok(next) => next,
+                Err(Waited::IdleCheck) => {
+                    if activity
+                        .idle_for()
+                        .is_some_and(|idle| idle >= self.idle_timeout)
+                    {
                         tracing::debug!(src.addr = %peer, idle = ?self.idle_timeout, "idle HBONE connection closed");
                         conn.abrupt_shutdown(h2::Reason::NO_ERROR);
                         let_go = Some(tokio::time::Instant::now() + IDLE_CLOSE_GRACE);
                     }
                     continue;
                 }
-                _ = tokio::time::sleep_until(let_go.unwrap_or_else(tokio::time::Instant::now)), if let_go.is_some() => break,
-                () = crl::revoked(&mut revocation) => {
+                Err(Waited::LetGo) => break,
+                Err(Waited::Revoked) => {
                     tracing::info!(src.addr = %peer, src.principal = %peer_id, "HBONE connection closed: a CRL now revokes the peer's certificate");
                     break;
                 }
-                _ = windows.moved() => {
+                Err(Waited::Windows) => {
                     windows.apply(&mut conn, &mut told);
                     retry.reset();
                     continue;
                 }
-                _ = retry.due(), if windows.unsettled(told) => {
+                Err(Waited::Retry) => {
                     retry.tried(windows.apply(&mut conn, &mut told));
                     continue;
                 }
-                _ = self.pod.life.stop_accepting.signalled(), if !goaway_sent => {
+                Err(Waited::StopAccepting) => {
                     conn.graceful_shutdown();
                     goaway_sent = true;
                     continue;
                 }
-                ips = gone.recv(), if gone_open => {
+                Err(Waited::Gone(ips)) => {
                     match ips {
                         Ok(ips) if ips.iter().any(|ip| canonical(*ip) == peer.ip()) => {
                             tracing::debug!(src.addr = %peer, "HBONE connection from a pod no longer served closed");
@@ -647,6 +670,24 @@ impl Inbound {
         let owner = &self.pod.key;
         ConnectionRecord::open(self.metrics.clone(), (labels, owner), direction, src, dst)
     }
+}
+
+/// What an HBONE connection's task waits on besides its frames, and came.
+enum Waited {
+    /// Time to look at how long the connection has carried no stream.
+    IdleCheck,
+    /// The idle connection's grace to close is over.
+    LetGo,
+    /// A revocation list loaded since revokes the peer.
+    Revoked,
+    /// What its receive windows follow moved.
+    Windows,
+    /// Time to try its windows again.
+    Retry,
+    /// The proxy is exiting.
+    StopAccepting,
+    /// Pods the proxy no longer serves.
+    Gone(Result<Arc<[IpAddr]>, tokio::sync::broadcast::error::RecvError>),
 }
 
 /// An allowed, connected HBONE stream: what carrying it needs, and no more.

@@ -6,7 +6,8 @@
 //! The rooms: `app` wires a proxy from its config; `pods` builds and starts
 //! one pod; `inpod` takes pods from the agent over ZDS; `outbound`,
 //! `inbound`, `hbone`, `pool`, `tls_stream`, `copy`, `splice` carry connections (`together`: an HBONE
-//! connection and its streams in one task); `route` decides where a
+//! connection and its streams in one task; `gate`: futures a connection's
+//! task polls only when they wake); `route` decides where a
 //! connection goes (pure, over a state snapshot); `rbac` decides whether;
 //! `dns` answers the pod's queries; `metrics` and `admin` report.
 
@@ -17,6 +18,7 @@ mod budget;
 mod config_dump;
 mod copy;
 mod dns;
+mod gate;
 mod hbone;
 mod hostname;
 mod inbound;

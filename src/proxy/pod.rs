@@ -432,10 +432,16 @@ impl Drain {
     /// Runs `fut` unless the pod is drained first. `fut` is a pointer (a
     /// boxed or pinned future): a large future passed by value would be
     /// stored twice in this one.
+    /// The drain's watch is polled only when it wakes ([`Gate`]), not on
+    /// every poll of `fut`: a pending watch takes a lock on each poll.
+    ///
+    /// [`Gate`]: super::gate::Gate
     pub async fn run<F: std::future::Future<Output = ()> + Unpin>(&self, fut: F) {
+        let gate = super::gate::Gate::new();
         tokio::select! {
+            biased;
             _ = fut => {}
-            _ = self.signalled() => {}
+            _ = gate.guard(self.signalled()) => {}
         }
     }
 }

@@ -55,6 +55,7 @@ impl Streams {
             Some(waiting) => {
                 waiting.push(task);
                 drop(inbox);
+                self.0.sent.store(true, SeqCst);
                 self.0.wake_by_ref();
             }
             None => {
@@ -74,6 +75,7 @@ pub fn channel() -> (Streams, Inbox) {
     let shared = Arc::new(Shared {
         woken: AtomicBool::new(false),
         polling: AtomicBool::new(false),
+        sent: AtomicBool::new(false),
         task: AtomicWaker::new(),
         inbox: Mutex::new(Some(Vec::new())),
     });
@@ -122,6 +124,9 @@ impl<F: Future> Unpin for Together<F> {}
 struct Shared {
     woken: AtomicBool,
     polling: AtomicBool,
+    /// A stream was sent since the inbox was last looked in: a round takes
+    /// the inbox's lock only then, not at every message the task carries.
+    sent: AtomicBool,
     task: AtomicWaker,
     /// Streams sent and not yet taken in; `None` once the task has ended.
     inbox: Mutex<Option<Vec<StreamTask>>>,
@@ -148,9 +153,11 @@ impl<F: Future> Inside<F> {
     /// One round: new streams taken in, every ready stream polled, then
     /// the connection. `Some` once everything has ended.
     fn round(&mut self, cx: &mut Context<'_>) -> Option<F::Output> {
-        let sent = lock(&self.shared.inbox).as_mut().map(std::mem::take);
-        for stream in sent.into_iter().flatten() {
-            self.streams.push(stream);
+        if self.shared.sent.swap(false, SeqCst) {
+            let sent = lock(&self.shared.inbox).as_mut().map(std::mem::take);
+            for stream in sent.into_iter().flatten() {
+                self.streams.push(stream);
+            }
         }
         // A stream that panics is dropped (as a task of its own would be),
         // not the connection with every other stream on it.

@@ -6,6 +6,7 @@ use bytes::Bytes;
 use socket2::SockRef;
 
 use super::super::budget::{ConnectionWindows, WindowRetry};
+use super::super::gate::Gate;
 use super::super::hbone::H2Settings;
 use super::super::pool::Lifeline;
 use crate::identity::crl;
@@ -27,6 +28,20 @@ pub(super) enum Ended {
     Abandoned,
     /// Closed because a revocation list loaded since revokes the peer.
     Revoked,
+}
+
+/// What a driven connection waits on besides its frames, and came.
+enum Waited {
+    /// A revocation list loaded since revokes the peer.
+    Revoked,
+    /// The pool let go of the connection.
+    Released,
+    /// Released, and not closed in time.
+    Deadline,
+    /// What its receive windows follow moved.
+    Windows,
+    /// Time to try its windows again.
+    Retry,
 }
 
 /// Drives a dialed HBONE connection to its end, moving the receive windows
@@ -61,15 +76,30 @@ where
         let released = lifeline.released();
         tokio::pin!(released);
         let mut deadline = None;
+        // What the connection waits on besides its frames is polled only
+        // when it wakes, not with every frame ([`Gate`]).
+        let gate = Gate::new();
         loop {
-            tokio::select! {
-                ended = &mut conn => return ended.map(|()| Ended::Closed),
-                () = crl::revoked(&mut revocation) => return Ok(Ended::Revoked),
-                _ = &mut released, if deadline.is_none() => {
-                    deadline = Some(tokio::time::Instant::now() + RELEASED_CLOSE_DEADLINE);
-                    continue;
+            let side = async {
+                tokio::select! {
+                    () = crl::revoked(&mut revocation) => Waited::Revoked,
+                    _ = &mut released, if deadline.is_none() => Waited::Released,
+                    _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => Waited::Deadline,
+                    _ = windows.moved() => Waited::Windows,
+                    _ = retry.due(), if windows.unsettled(told) => Waited::Retry,
                 }
-                _ = tokio::time::sleep_until(deadline.unwrap_or_else(tokio::time::Instant::now)), if deadline.is_some() => {
+            };
+            let waited = tokio::select! {
+                biased;
+                ended = &mut conn => return ended.map(|()| Ended::Closed),
+                waited = gate.guard(side) => waited,
+            };
+            match waited {
+                Waited::Revoked => return Ok(Ended::Revoked),
+                Waited::Released => {
+                    deadline = Some(tokio::time::Instant::now() + RELEASED_CLOSE_DEADLINE);
+                }
+                Waited::Deadline => {
                     // SAFETY: `conn` owns the socket and is alive until this returns.
                     let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(socket) };
                     // A reset frees the unsent data the kernel would otherwise
@@ -77,11 +107,11 @@ where
                     let _ = SockRef::from(&fd).set_linger(Some(std::time::Duration::ZERO));
                     return Ok(Ended::Abandoned);
                 }
-                _ = windows.moved() => {
+                Waited::Windows => {
                     windows.apply(&mut conn, &mut told);
                     retry.reset();
                 }
-                _ = retry.due(), if windows.unsettled(told) => retry.tried(windows.apply(&mut conn, &mut told)),
+                Waited::Retry => retry.tried(windows.apply(&mut conn, &mut told)),
             }
         }
     }
