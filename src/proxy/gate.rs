@@ -17,9 +17,10 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use futures_util::task::AtomicWaker;
 
-/// One task's gate: the waker the gated futures register, and the flag
-/// their wakes raise. One per task (or per loop of a task), reused by each
-/// future it guards.
+/// One task's gate: the waker the gated future registers, and the flag
+/// its wakes raise. One live [`Gated`] at a time: two pending at once would
+/// share one flag, and the first polled would take the other's wake. A
+/// loop makes a new `Gated` each turn from the same gate.
 pub struct Gate {
     flag: Arc<Flag>,
     /// `flag` as a waker, made once.

@@ -279,10 +279,14 @@ impl Inbound {
                     ips = gone.recv(), if gone_open => Waited::Gone(ips),
                 }
             };
+            // The side first: unwoken it costs one atomic swap, and a
+            // connection whose peer keeps opening streams (`accept` ready
+            // at every poll, until the budget is spent) still hears its
+            // revocation, its pod gone, the proxy's exit.
             let side = tokio::select! {
                 biased;
-                n = conn.accept() => Ok(n),
                 side = gate.guard(side) => Err(side),
+                n = conn.accept() => Ok(n),
             };
             let next = match side {
                 Ok(next) => next,

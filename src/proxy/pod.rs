@@ -441,7 +441,11 @@ impl Drain {
     ///
     /// [`Gate`]: super::gate::Gate
     pub async fn run<F: std::future::Future<Output = ()> + Unpin>(&self, mut fut: F) {
-        let mut signalled = std::pin::pin!(self.signalled());
+        // Outside the task's budget: out of it, tokio's watch answers
+        // `Pending` without registering the waker (and wakes the task
+        // instead), and the version check below would then never poll it
+        // again: a drain nobody is told of.
+        let mut signalled = std::pin::pin!(tokio::task::unconstrained(self.signalled()));
         // The waker the watch last registered: polled again for another.
         let mut watching: Option<std::task::Waker> = None;
         std::future::poll_fn(|cx| {
@@ -623,6 +627,35 @@ mod tests {
             .is_pending());
         drop(trigger);
         assert!(run.as_mut().poll(&mut Context::from_waker(&w1)).is_ready());
+    }
+
+    /// A run first polled when its task's budget is spent (a stream taken
+    /// into its connection's task after busy ones) still hears the drain.
+    #[tokio::test]
+    async fn a_run_first_polled_out_of_budget_still_hears_the_drain() {
+        use std::future::Future;
+        let (trigger, drain) = Drain::new();
+        let task = tokio::spawn(async move {
+            let mut run = std::pin::pin!(drain.run(std::future::pending::<()>()));
+            std::future::poll_fn(|cx| {
+                // Spend the task's budget, then poll the run in the same poll.
+                while std::pin::pin!(tokio::task::consume_budget())
+                    .poll(cx)
+                    .is_ready()
+                {}
+                assert!(run.as_mut().poll(cx).is_pending());
+                std::task::Poll::Ready(())
+            })
+            .await;
+            run.await
+        });
+        // Let the task poll the run and go to sleep on it.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        trigger.fire();
+        tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .expect("the drain was missed")
+            .unwrap();
     }
 
     #[test]
