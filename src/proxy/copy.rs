@@ -422,6 +422,41 @@ pub(super) mod tests {
         );
     }
 
+    /// An HBONE stream's sending end, its answer's body (held to keep the
+    /// stream open), and the task of the peer that reads it (granting
+    /// `window` per stream) and releases what it reads, as an application
+    /// that keeps up: it ends with all it read.
+    async fn h2_stream_to_a_reader(
+        window: u32,
+    ) -> (
+        SendStream<Bytes>,
+        RecvStream,
+        tokio::task::JoinHandle<Vec<u8>>,
+    ) {
+        let (client_io, server_io) = tokio::io::duplex(1 << 20);
+        let server = tokio::spawn(async move {
+            let mut conn = h2::server::Builder::new()
+                .initial_window_size(window)
+                .handshake::<_, Bytes>(server_io)
+                .await
+                .unwrap();
+            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
+            let _answer = respond.send_response(http::Response::new(()), false);
+            tokio::spawn(async move { while conn.accept().await.is_some() {} });
+            let mut body = req.into_body();
+            let mut got = Vec::new();
+            while let Some(Ok(d)) = body.data().await {
+                got.extend_from_slice(&d);
+                let _ = body.flow_control().release_capacity(d.len());
+            }
+            got
+        });
+        let (mut sender, conn) = h2::client::handshake(client_io).await.unwrap();
+        tokio::spawn(conn);
+        let (resp, send) = sender.send_request(http::Request::new(()), false).unwrap();
+        (send, resp.await.unwrap().into_body(), server)
+    }
+
     /// A peer whose stream window is below the send buffer (an Ambit peer
     /// with many connections grants 16–256 KiB): once the application has
     /// sent a little and gone quiet, the stream's send-buffer reservation
@@ -432,29 +467,7 @@ pub(super) mod tests {
         use super::super::budget::{Budget, STREAM_OPEN_COST};
         let budget: &'static Budget = Box::leak(Box::default());
         budget.set_limit(1 << 30);
-        let (client_io, server_io) = tokio::io::duplex(1 << 20);
-        let server = tokio::spawn(async move {
-            let mut conn = h2::server::Builder::new()
-                .initial_window_size(64 << 10)
-                .handshake::<_, Bytes>(server_io)
-                .await
-                .unwrap();
-            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
-            let _answer = respond.send_response(http::Response::new(()), false);
-            tokio::spawn(async move { while conn.accept().await.is_some() {} });
-            // Reads and releases what comes, as an application that keeps up.
-            let mut body = req.into_body();
-            let mut got = 0;
-            while let Some(Ok(d)) = body.data().await {
-                got += d.len();
-                let _ = body.flow_control().release_capacity(d.len());
-            }
-            got
-        });
-        let (mut sender, conn) = h2::client::handshake(client_io).await.unwrap();
-        tokio::spawn(conn);
-        let (resp, send) = sender.send_request(http::Request::new(()), false).unwrap();
-        let _body = resp.await.unwrap().into_body();
+        let (send, _body, server) = h2_stream_to_a_reader(64 << 10).await;
 
         let (app, mut proxied) = pair().await;
         let mut reservation = budget.reserve(STREAM_OPEN_COST, None, None).unwrap();
@@ -492,7 +505,7 @@ pub(super) mod tests {
             budget.used()
         );
         assert_eq!(copied.unwrap(), 4);
-        assert_eq!(server.await.unwrap(), 4);
+        assert_eq!(server.await.unwrap().len(), 4);
     }
 
     /// Messages of every size, each after a pause (so that each read
@@ -502,24 +515,7 @@ pub(super) mod tests {
     /// [`SMALL_READ`]) or through the stream's buffer.
     #[tokio::test]
     async fn messages_of_every_size_arrive_whole_through_small_reads_and_the_buffer() {
-        let (client_io, server_io) = tokio::io::duplex(1 << 20);
-        let server = tokio::spawn(async move {
-            let mut conn = h2::server::handshake(server_io).await.unwrap();
-            let (req, mut respond) = conn.accept().await.unwrap().unwrap();
-            let _answer = respond.send_response(http::Response::new(()), false);
-            tokio::spawn(async move { while conn.accept().await.is_some() {} });
-            let mut body = req.into_body();
-            let mut got = Vec::new();
-            while let Some(Ok(d)) = body.data().await {
-                got.extend_from_slice(&d);
-                let _ = body.flow_control().release_capacity(d.len());
-            }
-            got
-        });
-        let (mut sender, conn) = h2::client::handshake(client_io).await.unwrap();
-        tokio::spawn(conn);
-        let (resp, send) = sender.send_request(http::Request::new(()), false).unwrap();
-        let _body = resp.await.unwrap().into_body();
+        let (send, _body, server) = h2_stream_to_a_reader(64 << 10).await;
 
         let (mut app, mut proxied) = pair().await;
         let sizes = [
