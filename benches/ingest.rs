@@ -43,7 +43,7 @@
 //! the proxies hold in the latency part (100000; 0 skips it),
 //! `AMBIT_INGEST_RATE` its updates a second (100), `AMBIT_INGEST_PROXY`
 //! the workloads pushed into a real proxy (1000000; 0 skips it),
-//! `AMBIT_INGEST_BINARY` another `ambit` to push into instead;
+//! `AMBIT_INGEST_BINARY` another `ambit` to run as the proxies instead;
 //! `AMBIT_INGEST_ONLY=latency` or `=proxy` runs only that part.
 
 use std::alloc::{GlobalAlloc, Layout};

@@ -210,7 +210,10 @@ pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, roun
         "\n== connection latency through two proxies holding {workloads} workloads, \
          idle and during {rate} updates/s =="
     );
-    let mut lab = Lab::new("ingest", env!("CARGO_BIN_EXE_ambit")).expect("lab (run as root)");
+    let binary = std::env::var("AMBIT_INGEST_BINARY")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_ambit").to_string());
+    println!("proxies: {binary}");
+    let mut lab = Lab::new("ingest", binary).expect("lab (run as root)");
     let ca = write_ca(&lab.dir, "ca", TD).unwrap();
     let client = lab.add_pod("client").unwrap();
     let server = lab.add_pod("server").unwrap();

@@ -25,6 +25,7 @@ use super::delta::Delta;
 pub use super::metrics::XdsMetrics;
 use super::store::{State, StateHandle};
 use super::stream;
+use super::yielding::Applier;
 use crate::backoff::Backoff;
 use crate::proto::core::Node;
 use crate::proto::discovery::{DeltaDiscoveryRequest, Resource};
@@ -414,14 +415,15 @@ fn stream_error(status: tonic::Status, limit: usize) -> anyhow::Error {
 }
 
 /// The xDS thread's nice value: when the node's CPUs are all busy, the
-/// data path's threads are scheduled ahead of it.
+/// data path's threads are scheduled ahead of it. Small responses are
+/// applied on a thread below it, at `SCHED_IDLE` (`yielding.rs`).
 const XDS_NICE: libc::c_int = 10;
 
 /// The running client.
 pub struct XdsClient {
     cfg: XdsConfig,
     state: StateHandle,
-    held: tokio::sync::Mutex<Held>,
+    held: Arc<tokio::sync::Mutex<Held>>,
     /// Set once the first response of each type is applied.
     pub synced: Arc<AtomicBool>,
     pub metrics: XdsMetrics,
@@ -560,8 +562,9 @@ impl XdsClient {
     /// Connects and reconnects forever (jittered backoff, 10 ms → 15 s).
     pub async fn run(self: Arc<Self>) {
         let mut backoff = Backoff::new(Duration::from_millis(10), Duration::from_secs(15));
+        let mut applier = Applier::start();
         loop {
-            let ended = self.session().await;
+            let ended = self.session(&mut applier).await;
             self.metrics.connected.set(0);
             self.metrics
                 .terminations
@@ -577,7 +580,7 @@ impl XdsClient {
         }
     }
 
-    async fn session(&self) -> anyhow::Result<()> {
+    async fn session(&self, applier: &mut Applier) -> anyhow::Result<()> {
         let roots = self
             .cfg
             .root_ca
@@ -673,10 +676,14 @@ impl XdsClient {
                 (self.cfg.on_demand && type_url == ADDRESS_TYPE).then(|| Answers::of(&resp));
             let (received_in, applying) = (responses.received_in(), std::time::Instant::now());
             let rejected = {
-                let mut held = self.held.lock().await;
-                let (state, rejected) = held.answer(resp);
-                self.state.store(state);
-                rejected
+                let mut held = self.held.clone().lock_owned().await;
+                let state = self.state.clone();
+                let apply = move || {
+                    let (new, rejected) = held.answer(resp);
+                    state.store(new);
+                    rejected
+                };
+                applier.apply(count + removed, apply).await?
             };
             if let Some(answers) = answers {
                 // After the store: a woken caller reads the new state.

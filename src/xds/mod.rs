@@ -10,6 +10,7 @@ mod metrics;
 mod store;
 mod stream;
 pub mod types;
+mod yielding;
 
 pub use store::{
     best_service, Claims, Endpoint, ListEntry, Refused, ResourceError, State, StateHandle,
