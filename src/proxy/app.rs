@@ -17,7 +17,7 @@ use super::hbone::H2Settings;
 use super::hostname::HostnameResolver;
 use super::pod::{self, Drain, DrainTrigger, SocketFactory};
 use super::pods::{PodInfo, ProxyShared};
-use super::{dns, inpod, metrics, pool};
+use super::{dns, inpod, metrics, pool, reauth};
 use crate::backoff::Backoff;
 use crate::config::{ProxyConfig, ProxyMode};
 use crate::identity::caclient::CaClient;
@@ -211,7 +211,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         ipv6: cfg.ipv6,
         stop_accepting,
         active: active.clone(),
-        tracker: Arc::default(),
+        tracker: reauth::Tracker::new(state.clone()),
         pods_gone: Default::default(),
         dns_upstreams: cfg.dns_proxy.then(|| {
             tracing::info!(
@@ -223,7 +223,7 @@ pub async fn start(cfg: ProxyConfig) -> anyhow::Result<ProxyHandle> {
         hostnames,
         demand,
     });
-    shared.tracker.spawn_watcher(state.clone());
+    shared.tracker.spawn_watcher();
 
     let ready = Arc::new(AtomicBool::new(false));
     tokio::spawn(release_startup_pages(ready.clone()));

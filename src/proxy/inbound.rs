@@ -31,7 +31,7 @@ use super::open::Protocol;
 use super::outbound::original_dst;
 use super::pod::{end_unserved, is_own_address, Lifecycle, PodRef, TLS_SEND_BUFFER};
 use super::proxy_protocol;
-use super::reauth::{Authorized, Denied, Tracker};
+use super::reauth::{Authorized, Denied, Destination, Tracker};
 use super::record::{ConnectionRecord, Direction};
 use super::route::waypoint;
 use super::splice::splice_bidirectional;
@@ -63,6 +63,8 @@ pub struct Inbound {
     pub metrics: Arc<Metrics>,
     pub h2: H2Settings,
     pub tracker: Arc<Tracker>,
+    /// This pod, as its connections' re-checks find it.
+    pub destination: Arc<Destination>,
     /// Addresses of pods this proxy stopped serving: connections from them are dead.
     pub pods_gone: super::pods::PodsGone,
     /// An HBONE connection that carries no stream for this long is closed

@@ -33,7 +33,7 @@ mod pool;
 mod profile;
 mod proxy_protocol;
 pub mod rbac;
-mod reauth;
+pub mod reauth;
 mod record;
 // Pure decisions over a state snapshot, public so benches/ can drive them.
 pub mod route;

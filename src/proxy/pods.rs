@@ -199,6 +199,11 @@ impl ProxyShared {
             metrics: self.metrics.clone(),
             h2: self.h2,
             tracker: self.tracker.clone(),
+            destination: Arc::new(reauth::Destination {
+                namespace: pod.namespace.clone(),
+                name: pod.name.clone(),
+                service_account: pod.service_account.clone(),
+            }),
             pods_gone: self.pods_gone.clone(),
             idle_timeout: self.pool.idle_timeout(),
         });

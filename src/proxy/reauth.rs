@@ -5,6 +5,19 @@
 //! are closed at once. A destination whose workload is not in the state
 //! allows nothing (as ztunnel, which refuses traffic for a pod it holds no
 //! workload for).
+//!
+//! A re-check costs what changed, not what is open: the tracked
+//! connections are grouped by destination pod, and a change that leaves
+//! the policies and a pod's own workload as they were (the same shared
+//! values, compared by address) leaves its connections unchecked: their
+//! verdicts read nothing else. A mesh's churn (other pods' workloads,
+//! services) is then one workload lookup per destination pod; a policy
+//! change checks every connection, as before.
+//!
+//! A connection decided against one state but tracked after the re-check
+//! of a newer one would be missed until the next change: each decision
+//! notes how many re-checks were done before it, and one that missed a
+//! re-check is checked when it is tracked.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -15,19 +28,38 @@ use super::pod::{Drain, DrainTrigger};
 use super::rbac;
 use crate::identity::Identity;
 use crate::xds::types::Workload;
-use crate::xds::{State, StateHandle};
+use crate::xds::{PolicyView, State, StateHandle};
+
+/// The pod a connection is to, as the agent named it: `namespace`, `name`
+/// and `service_account` find its workload in the state. One per pod,
+/// shared by its connections.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Destination {
+    pub namespace: String,
+    pub name: String,
+    pub service_account: String,
+}
+
+impl Destination {
+    /// The destination pod's workload, found as ztunnel finds its local
+    /// workload: by namespace and name, with the same service account.
+    pub fn workload<'s>(&self, state: &'s State) -> Option<&'s Arc<Workload>> {
+        state
+            .workload_by_name(&self.namespace, &self.name)
+            .filter(|w| w.service_account == self.service_account)
+    }
+}
 
 /// What a connection was authorized as.
 #[derive(Debug, Clone)]
 pub struct Authorized {
-    /// The destination pod, as the agent named it: `namespace`, `name` and
-    /// `service_account` find its workload in the state.
-    pub namespace: String,
-    pub name: String,
-    pub service_account: String,
+    pub destination: Arc<Destination>,
     pub peer: Option<Identity>,
     pub src_ip: IpAddr,
     pub target: SocketAddr,
+    /// The tracker's re-checks done before the decision
+    /// ([`Tracker::rechecks`]).
+    pub since: u64,
 }
 
 /// Why a connection is refused.
@@ -50,19 +82,25 @@ impl std::fmt::Display for Denied {
 }
 
 impl Authorized {
-    /// The destination pod's workload, found as ztunnel finds its local
-    /// workload: by namespace and name, with the same service account.
+    /// The destination pod's workload.
     pub fn workload<'s>(&self, state: &'s State) -> Option<&'s Arc<Workload>> {
-        state
-            .workload_by_name(&self.namespace, &self.name)
-            .filter(|w| w.service_account == self.service_account)
+        self.destination.workload(state)
     }
 
     /// Applies the destination's policies: `Ok` with the ALLOW policy that
     /// matched (`None`: no ALLOW policy exists), `Err` with why not. A
     /// destination whose workload the state does not hold is denied.
     pub fn check(&self, state: &State) -> Result<Option<String>, Denied> {
-        let Some(workload) = self.workload(state) else {
+        self.check_against(state, self.workload(state))
+    }
+
+    /// [`Authorized::check`] with the destination's workload looked up.
+    fn check_against(
+        &self,
+        state: &State,
+        workload: Option<&Arc<Workload>>,
+    ) -> Result<Option<String>, Denied> {
+        let Some(workload) = workload else {
             return Err(Denied::UnknownDestination);
         };
         let conn = rbac::Connection {
@@ -81,18 +119,50 @@ impl Authorized {
             Err(Denied::Policy(verdict.policy.unwrap_or_default()))
         }
     }
+
+    fn log_closed(&self, why: &Denied) {
+        tracing::info!(src.addr = %self.src_ip, dst.addr = %self.target, policy = %why, decision = "deny", "open connection closed: no longer allowed by policy");
+    }
 }
 
 /// Open inbound connections that passed policy.
-#[derive(Default)]
 pub struct Tracker {
-    next: AtomicU64,
-    open: Mutex<HashMap<u64, (Authorized, DrainTrigger)>>,
+    state: StateHandle,
+    /// Re-checks done (changed only under `open`'s lock).
+    rechecks: AtomicU64,
+    open: Mutex<Open>,
+}
+
+#[derive(Default)]
+struct Open {
+    next: u64,
+    pods: HashMap<Arc<Destination>, Pod>,
+    /// The policies the last re-check read.
+    policies: Option<PolicyView>,
+}
+
+/// A destination pod's tracked connections.
+#[derive(Default)]
+struct Pod {
+    /// Its workload as the last re-check found it (`None`: not checked
+    /// since the first of them was tracked).
+    seen: Option<Arc<Workload>>,
+    conns: HashMap<u64, (Authorized, DrainTrigger)>,
+}
+
+/// What a re-check did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Rechecked {
+    /// Connections whose verdict was worked out again.
+    pub checked: usize,
+    /// Of those, the ones closed.
+    pub closed: usize,
 }
 
 /// Keeps a connection tracked; untracks it when dropped.
 pub struct Tracked {
     id: u64,
+    destination: Arc<Destination>,
     tracker: Arc<Tracker>,
     /// Fires when a policy change denies the connection.
     pub revoked: Drain,
@@ -100,9 +170,17 @@ pub struct Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
-        let mut open = self.tracker.open.lock().unwrap_or_else(|e| e.into_inner());
-        open.remove(&self.id);
-        shrink_when_sparse(&mut open);
+        let mut open = self.tracker.lock();
+        let pods = &mut open.pods;
+        if let Some(pod) = pods.get_mut(&self.destination) {
+            pod.conns.remove(&self.id);
+            if pod.conns.is_empty() {
+                pods.remove(&self.destination);
+            } else {
+                shrink_when_sparse(&mut pod.conns);
+            }
+        }
+        shrink_when_sparse(pods);
     }
 }
 
@@ -117,49 +195,115 @@ fn shrink_when_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
 /// Below this many entries a table is never shrunk.
 const SPARSE_FLOOR: usize = 64;
 
+/// Whether both are the same value, or both none.
+fn same<T>(a: Option<&Arc<T>>, b: Option<&Arc<T>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        (None, None) => true,
+        _ => false,
+    }
+}
+
 impl Tracker {
+    pub fn new(state: StateHandle) -> Arc<Self> {
+        Arc::new(Tracker {
+            state,
+            rechecks: AtomicU64::new(0),
+            open: Mutex::default(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Open> {
+        self.open.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Re-checks done so far: read before a decision, into
+    /// [`Authorized::since`].
+    pub fn rechecks(&self) -> u64 {
+        self.rechecks.load(Ordering::Acquire)
+    }
+
+    /// Tracks a connection that passed policy. If a re-check was done
+    /// since its decision, it is checked now against the current state;
+    /// denied, its `revoked` has already fired.
     pub fn track(self: &Arc<Self>, auth: Authorized) -> Tracked {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (trigger, revoked) = Drain::new();
-        self.open
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        let destination = auth.destination.clone();
+        let mut open = self.lock();
+        let id = open.next;
+        open.next += 1;
+        if self.rechecks.load(Ordering::Relaxed) != auth.since {
+            if let Err(why) = auth.check(&self.state.load()) {
+                auth.log_closed(&why);
+                trigger.fire();
+                return self.tracked(id, destination, revoked);
+            }
+        }
+        open.pods
+            .entry(destination.clone())
+            .or_default()
+            .conns
             .insert(id, (auth, trigger));
+        drop(open);
+        self.tracked(id, destination, revoked)
+    }
+
+    fn tracked(
+        self: &Arc<Self>,
+        id: u64,
+        destination: Arc<Destination>,
+        revoked: Drain,
+    ) -> Tracked {
         Tracked {
             id,
+            destination,
             tracker: self.clone(),
             revoked,
         }
     }
 
-    /// Re-checks every tracked connection against `state`; returns how many were closed.
-    pub fn recheck(&self, state: &State) -> usize {
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let denied: Vec<u64> = open
-            .iter()
-            .filter_map(|(id, (auth, _))| match auth.check(state) {
-                Ok(_) => None,
-                Err(why) => {
-                    tracing::info!(src.addr = %auth.src_ip, dst.addr = %auth.target, policy = %why, decision = "deny", "open connection closed: no longer allowed by policy");
-                    Some(*id)
-                }
-            })
-            .collect();
-        for id in &denied {
-            if let Some((_, trigger)) = open.remove(id) {
-                trigger.fire();
+    /// Re-checks the tracked connections against `state` (those of a pod
+    /// whose workload and policies are as the last re-check found them
+    /// are left).
+    pub fn recheck(&self, state: &State) -> Rechecked {
+        let policies = state.policy_view();
+        let mut open = self.lock();
+        let all = open.policies.as_ref() != Some(&policies);
+        let mut done = Rechecked::default();
+        open.pods.retain(|destination, pod| {
+            let workload = destination.workload(state);
+            if !all && pod.seen.is_some() && same(workload, pod.seen.as_ref()) {
+                return true;
             }
-        }
-        denied.len()
+            pod.seen = workload.cloned();
+            done.checked += pod.conns.len();
+            pod.conns.retain(
+                |_, (auth, trigger)| match auth.check_against(state, workload) {
+                    Ok(_) => true,
+                    Err(why) => {
+                        auth.log_closed(&why);
+                        trigger.fire();
+                        done.closed += 1;
+                        false
+                    }
+                },
+            );
+            shrink_when_sparse(&mut pod.conns);
+            !pod.conns.is_empty()
+        });
+        shrink_when_sparse(&mut open.pods);
+        open.policies = Some(policies);
+        self.rechecks.fetch_add(1, Ordering::Release);
+        done
     }
 
     /// Re-checks on every state change, for the life of the process.
-    pub fn spawn_watcher(self: &Arc<Self>, state: StateHandle) {
+    pub fn spawn_watcher(self: &Arc<Self>) {
         let tracker = self.clone();
-        let mut changes = state.subscribe();
+        let mut changes = self.state.subscribe();
         tokio::spawn(async move {
             while changes.changed().await.is_ok() {
-                tracker.recheck(&state.load());
+                tracker.recheck(&tracker.state.load());
             }
         });
     }
@@ -167,24 +311,45 @@ impl Tracker {
 
 #[cfg(test)]
 mod tests {
+    use futures_util::FutureExt;
+
     use super::*;
+    use crate::xds::convert::AddressResource;
 
     fn state(yaml: &str) -> State {
         crate::xds::local::parse(std::path::Path::new("t.yaml"), yaml).unwrap()
     }
 
-    fn to_web(service_account: &str) -> Authorized {
-        Authorized {
+    fn web(service_account: &str) -> Arc<Destination> {
+        Arc::new(Destination {
             namespace: "shop".into(),
             name: "web".into(),
             service_account: service_account.into(),
+        })
+    }
+
+    fn to(destination: &Arc<Destination>, since: u64) -> Authorized {
+        Authorized {
+            destination: destination.clone(),
             peer: Some(Identity::new("cluster.local", "front", "ui")),
             src_ip: "10.0.0.2".parse().unwrap(),
             target: "10.0.0.3:8080".parse().unwrap(),
+            since,
         }
     }
 
+    fn to_web(service_account: &str) -> Authorized {
+        to(&web(service_account), 0)
+    }
+
+    fn revoked(t: &Tracked) -> bool {
+        t.revoked.signalled().now_or_never().is_some()
+    }
+
     const WEB: &str = "workloads:\n- {name: web, namespace: shop, serviceAccount: web-sa, workloadIps: [10.0.0.3], protocol: HBONE}\n";
+    const DB: &str = "- {name: db, namespace: shop, serviceAccount: db-sa, workloadIps: [10.0.0.4], protocol: HBONE}\n";
+    const DENY_ALL: &str =
+        "policies:\n- {name: deny-all, namespace: shop, action: Deny, rules: [[]]}\n";
 
     #[test]
     fn a_destination_the_state_does_not_hold_is_denied_even_with_no_policy() {
@@ -230,28 +395,143 @@ mod tests {
 
     #[test]
     fn an_open_connection_is_closed_when_its_destination_leaves_the_state() {
-        let tracker = Arc::new(Tracker::default());
+        let tracker = Tracker::new(StateHandle::new(state(WEB)));
         let kept = tracker.track(to_web("web-sa"));
-        assert_eq!(tracker.recheck(&state(WEB)), 0);
-        assert_eq!(tracker.recheck(&state("workloads: []\n")), 1);
-        drop(kept);
+        assert_eq!(tracker.recheck(&state(WEB)).closed, 0);
+        assert_eq!(tracker.recheck(&state("workloads: []\n")).closed, 1);
+        assert!(revoked(&kept));
+    }
+
+    /// The first workload of `yaml`'s state, as a resource to put.
+    fn workload(yaml: &str) -> AddressResource {
+        AddressResource::Workload(state(yaml).workloads().next().unwrap().clone())
+    }
+
+    #[test]
+    fn a_change_that_leaves_a_pods_workload_and_the_policies_checks_none_of_its_connections() {
+        // Changes applied one by one, as the xDS client makes them: what
+        // a change leaves is shared with the state before it.
+        let mut st = state(&format!("{WEB}{DB}"));
+        let tracker = Tracker::new(StateHandle::new(st.clone()));
+        let dest = web("web-sa");
+        let held: Vec<Tracked> = (0..100).map(|_| tracker.track(to(&dest, 0))).collect();
+        let first = tracker.recheck(&st);
+        assert_eq!(
+            first,
+            Rechecked {
+                checked: 100,
+                closed: 0
+            },
+            "first seen: checked"
+        );
+        assert_eq!(tracker.recheck(&st), Rechecked::default());
+
+        // Other pods' workloads change: web's connections are left.
+        let db = workload(&format!(
+            "workloads:\n{}",
+            DB.replace("10.0.0.4", "10.0.0.5")
+        ));
+        st.put_address("workloads[1] (shop/db)", "2", db);
+        let cache =
+            workload("workloads:\n- {name: cache, namespace: shop, workloadIps: [10.0.0.6]}\n");
+        st.put_address("cache", "1", cache);
+        assert_eq!(tracker.recheck(&st), Rechecked::default());
+
+        // A policy arrives: every connection is checked, and closed.
+        let deny = state(&format!("workloads: []\n{DENY_ALL}"));
+        let policy = deny.policies().next().unwrap().as_ref().clone();
+        st.put_policy("deny-all", "1", policy);
+        assert_eq!(
+            tracker.recheck(&st),
+            Rechecked {
+                checked: 100,
+                closed: 100
+            }
+        );
+        assert!(held.iter().all(revoked));
+    }
+
+    #[test]
+    fn a_change_to_the_pods_own_workload_checks_its_connections() {
+        let mut st = state(&format!("{WEB}{DB}"));
+        let tracker = Tracker::new(StateHandle::new(st.clone()));
+        let kept = tracker.track(to_web("web-sa"));
+        let other = tracker.track(to(
+            &Arc::new(Destination {
+                namespace: "shop".into(),
+                name: "db".into(),
+                service_account: "db-sa".into(),
+            }),
+            0,
+        ));
+        assert_eq!(
+            tracker.recheck(&st),
+            Rechecked {
+                checked: 2,
+                closed: 0
+            }
+        );
+        // web's workload moves to another service account: no longer the
+        // pod's. Only web's connection is checked.
+        let moved = workload(&WEB.replace("web-sa", "other-sa"));
+        st.put_address("workloads[0] (shop/web)", "2", moved);
+        assert_eq!(
+            tracker.recheck(&st),
+            Rechecked {
+                checked: 1,
+                closed: 1
+            }
+        );
+        assert!(revoked(&kept));
+        assert!(!revoked(&other));
+    }
+
+    #[test]
+    fn a_connection_decided_before_a_recheck_it_missed_is_checked_when_tracked() {
+        let handle = StateHandle::new(state(WEB));
+        let tracker = Tracker::new(handle.clone());
+        let dest = web("web-sa");
+        // Decided while the state allowed it...
+        let since = tracker.rechecks();
+        assert_eq!(to(&dest, since).check(&handle.load()), Ok(None));
+        // ...then the pod's workload went, and the re-check ran before the
+        // connection was tracked: it is closed as it is tracked.
+        handle.store(state("workloads: []\n"));
+        tracker.recheck(&handle.load());
+        let late = tracker.track(to(&dest, since));
+        assert!(
+            revoked(&late),
+            "a connection that missed its re-check stayed open"
+        );
+
+        // Tracked before the re-check: the re-check closes it.
+        handle.store(state(WEB));
+        tracker.recheck(&handle.load());
+        let since = tracker.rechecks();
+        handle.store(state("workloads: []\n"));
+        let early = tracker.track(to(&dest, since));
+        assert!(!revoked(&early));
+        assert_eq!(tracker.recheck(&handle.load()).closed, 1);
+        assert!(revoked(&early));
     }
 
     #[test]
     fn a_burst_of_connections_leaves_no_large_table_behind() {
-        let tracker = Arc::new(Tracker::default());
-        let mut held: Vec<Tracked> = (0..1000).map(|_| tracker.track(to_web("web-sa"))).collect();
-        let grown = tracker.open.lock().unwrap().capacity();
+        let tracker = Tracker::new(StateHandle::new(state(WEB)));
+        let dest = web("web-sa");
+        let mut held: Vec<Tracked> = (0..1000).map(|_| tracker.track(to(&dest, 0))).collect();
+        let grown = tracker.lock().pods[&dest].conns.capacity();
         assert!(grown >= 1000, "{grown}");
         let last = held.pop();
         drop(held);
-        let left = tracker.open.lock().unwrap().capacity();
+        let left = tracker.lock().pods[&dest].conns.capacity();
         assert!(
             left <= SPARSE_FLOOR,
             "a table for {left} kept for one connection"
         );
         // The one left is still tracked, and still rechecked.
-        assert_eq!(tracker.recheck(&state("workloads: []\n")), 1);
+        assert_eq!(tracker.recheck(&state("workloads: []\n")).closed, 1);
         drop(last);
+        assert!(tracker.lock().pods.is_empty());
     }
 }

@@ -13,5 +13,6 @@ pub mod types;
 mod yielding;
 
 pub use store::{
-    best_service, Claims, Endpoint, ListEntry, Refused, ResourceError, State, StateHandle,
+    best_service, Claims, Endpoint, ListEntry, PolicyView, Refused, ResourceError, State,
+    StateHandle,
 };

@@ -458,6 +458,38 @@ impl State {
     }
 }
 
+/// What a policy verdict reads of a state besides the destination's
+/// workload, held as shared copies: two views are equal when none of it
+/// changed between them (compared by address, not read).
+#[derive(Clone)]
+pub struct PolicyView {
+    policies: Map<Name, Queue<Authorization>>,
+    missing: Map<Name, Arc<Authorization>>,
+    by_ns: Map<Name, Queue<Authorization>>,
+    global: Arc<Vec<(u64, Arc<Authorization>)>>,
+}
+
+impl PartialEq for PolicyView {
+    fn eq(&self, other: &Self) -> bool {
+        self.policies.same(&other.policies)
+            && self.missing.same(&other.missing)
+            && self.by_ns.same(&other.by_ns)
+            && Arc::ptr_eq(&self.global, &other.global)
+    }
+}
+
+impl State {
+    /// The policies as [`State::policies_for`] reads them.
+    pub fn policy_view(&self) -> PolicyView {
+        PolicyView {
+            policies: self.policies.clone(),
+            missing: self.missing_policies.clone(),
+            by_ns: self.policies_by_ns.clone(),
+            global: self.global_policies.clone(),
+        }
+    }
+}
+
 /// Shared handle to the current state; cheap to clone.
 #[derive(Debug, Clone)]
 pub struct StateHandle {

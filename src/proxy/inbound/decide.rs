@@ -91,12 +91,11 @@ impl Inbound {
         target: SocketAddr,
     ) -> Authorized {
         Authorized {
-            namespace: self.pod.namespace.clone(),
-            name: self.pod.name.clone(),
-            service_account: self.pod.service_account.clone(),
+            destination: self.destination.clone(),
             peer: peer.cloned(),
             src_ip,
             target,
+            since: self.tracker.rechecks(),
         }
     }
 

@@ -92,6 +92,17 @@ impl<K, V> CowMap<K, V> {
         self.len == 0
     }
 
+    /// Whether both are copies of one map that neither has changed since
+    /// (a change copies the root): equal contents, found without reading
+    /// them. Two maps built apart are not the same, whatever they hold.
+    pub fn same(&self, other: &Self) -> bool {
+        match (&self.root, &other.root) {
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            (None, None) => true,
+            _ => false,
+        }
+    }
+
     pub fn iter(&self) -> Iter<'_, K, V> {
         Iter {
             stack: self.root.as_deref().into_iter().collect(),
