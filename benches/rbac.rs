@@ -92,7 +92,10 @@ fn tracked() -> (ambit::xds::State, Arc<Tracker>, Vec<Tracked>) {
                 destination: destination.clone(),
                 peer: Some(Identity::new("cluster.local", "front", "ui0")),
                 src_ip: std::net::IpAddr::from([10, 3, (c / 250) as u8, (c % 250) as u8]),
-                target: std::net::SocketAddr::from(([10, 1, (i / 250) as u8, (i % 250) as u8], 8080)),
+                target: std::net::SocketAddr::from((
+                    [10, 1, (i / 250) as u8, (i % 250) as u8],
+                    8080,
+                )),
                 since: 0,
             }));
         }
@@ -105,22 +108,27 @@ fn tracked() -> (ambit::xds::State, Arc<Tracker>, Vec<Tracked>) {
 fn recheck(c: &mut Criterion) {
     let (mut st, tracker, _held) = tracked();
     let other = |ip: u8| {
-        let yaml = format!("workloads:\n- {{name: other, namespace: elsewhere, workloadIps: [10.2.0.{ip}]}}\n");
+        let yaml = format!(
+            "workloads:\n- {{name: other, namespace: elsewhere, workloadIps: [10.2.0.{ip}]}}\n"
+        );
         let one = ambit::xds::local::parse(Path::new("other.yaml"), &yaml).unwrap();
         let w = one.workloads().next().unwrap().clone();
         AddressResource::Workload(w)
     };
     let (a, b) = (other(1), other(2));
     let mut flip = false;
-    c.bench_function("re-check 100k connections after another workload's change", |bench| {
-        bench.iter(|| {
-            flip = !flip;
-            let w = if flip { a.clone() } else { b.clone() };
-            st.put_address("workloads[1000] (elsewhere/other)", "v", w);
-            let done = tracker.recheck(&st);
-            assert_eq!(done.checked, 0);
-        })
-    });
+    c.bench_function(
+        "re-check 100k connections after another workload's change",
+        |bench| {
+            bench.iter(|| {
+                flip = !flip;
+                let w = if flip { a.clone() } else { b.clone() };
+                st.put_address("workloads[1000] (elsewhere/other)", "v", w);
+                let done = tracker.recheck(&st);
+                assert_eq!(done.checked, 0);
+            })
+        },
+    );
     let policy = |n: usize| {
         let yaml = format!("workloads: []\npolicies:\n- {{name: extra, namespace: ns0, action: Allow, rules: [[[{{principals: [!Exact cluster.local/ns/x/sa/y{n}]}}]]]}}\n");
         let one = ambit::xds::local::parse(Path::new("policy.yaml"), &yaml).unwrap();

@@ -136,7 +136,7 @@ pub struct Tracker {
 #[derive(Default)]
 struct Open {
     next: u64,
-    pods: HashMap<Arc<Destination>, Pod>,
+    pods: HashMap<ByAddress, Pod>,
     /// The policies the last re-check read.
     policies: Option<PolicyView>,
 }
@@ -159,10 +159,32 @@ pub struct Rechecked {
     pub closed: usize,
 }
 
+/// A pod's [`Destination`], one per pod: found by its address, not by
+/// hashing its texts (a pod served twice is two groups, each correct).
+#[derive(Clone)]
+struct ByAddress(Arc<Destination>);
+
+impl PartialEq for ByAddress {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for ByAddress {}
+
+impl std::hash::Hash for ByAddress {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        std::ptr::hash(Arc::as_ptr(&self.0), state)
+    }
+}
+
+/// The id of a connection denied as it was tracked (ids count up from 0).
+const NEVER_TRACKED: u64 = u64::MAX;
+
 /// Keeps a connection tracked; untracks it when dropped.
 pub struct Tracked {
     id: u64,
-    destination: Arc<Destination>,
+    destination: ByAddress,
     tracker: Arc<Tracker>,
     /// Fires when a policy change denies the connection.
     pub revoked: Drain,
@@ -170,6 +192,9 @@ pub struct Tracked {
 
 impl Drop for Tracked {
     fn drop(&mut self) {
+        if self.id == NEVER_TRACKED {
+            return;
+        }
         let mut open = self.tracker.lock();
         let pods = &mut open.pods;
         if let Some(pod) = pods.get_mut(&self.destination) {
@@ -224,36 +249,41 @@ impl Tracker {
     }
 
     /// Tracks a connection that passed policy. If a re-check was done
-    /// since its decision, it is checked now against the current state;
-    /// denied, its `revoked` has already fired.
-    pub fn track(self: &Arc<Self>, auth: Authorized) -> Tracked {
+    /// since its decision, it is checked again against the current state
+    /// (outside the lock); denied, its `revoked` has already fired and
+    /// [`Drain::run`] never starts it.
+    pub fn track(self: &Arc<Self>, mut auth: Authorized) -> Tracked {
         let (trigger, revoked) = Drain::new();
-        let destination = auth.destination.clone();
-        let mut open = self.lock();
-        let id = open.next;
-        open.next += 1;
-        if self.rechecks.load(Ordering::Relaxed) != auth.since {
-            if let Err(why) = auth.check(&self.state.load()) {
-                auth.log_closed(&why);
-                trigger.fire();
-                return self.tracked(id, destination, revoked);
+        let destination = ByAddress(auth.destination.clone());
+        loop {
+            // Read before the state is loaded: a re-check counted here
+            // read a state no newer than the one checked below.
+            let done = self.rechecks();
+            if done != auth.since {
+                if let Err(why) = auth.check(&self.state.load()) {
+                    auth.log_closed(&why);
+                    trigger.fire();
+                    return self.tracked(NEVER_TRACKED, destination, revoked);
+                }
+                auth.since = done;
             }
+            let mut open = self.lock();
+            if self.rechecks.load(Ordering::Relaxed) != auth.since {
+                continue; // a re-check ran meanwhile, without this one
+            }
+            let id = open.next;
+            open.next += 1;
+            open.pods
+                .entry(destination.clone())
+                .or_default()
+                .conns
+                .insert(id, (auth, trigger));
+            drop(open);
+            return self.tracked(id, destination, revoked);
         }
-        open.pods
-            .entry(destination.clone())
-            .or_default()
-            .conns
-            .insert(id, (auth, trigger));
-        drop(open);
-        self.tracked(id, destination, revoked)
     }
 
-    fn tracked(
-        self: &Arc<Self>,
-        id: u64,
-        destination: Arc<Destination>,
-        revoked: Drain,
-    ) -> Tracked {
+    fn tracked(self: &Arc<Self>, id: u64, destination: ByAddress, revoked: Drain) -> Tracked {
         Tracked {
             id,
             destination,
@@ -270,7 +300,7 @@ impl Tracker {
         let mut open = self.lock();
         let all = open.policies.as_ref() != Some(&policies);
         let mut done = Rechecked::default();
-        open.pods.retain(|destination, pod| {
+        open.pods.retain(|ByAddress(destination), pod| {
             let workload = destination.workload(state);
             if !all && pod.seen.is_some() && same(workload, pod.seen.as_ref()) {
                 return true;
@@ -520,11 +550,15 @@ mod tests {
         let tracker = Tracker::new(StateHandle::new(state(WEB)));
         let dest = web("web-sa");
         let mut held: Vec<Tracked> = (0..1000).map(|_| tracker.track(to(&dest, 0))).collect();
-        let grown = tracker.lock().pods[&dest].conns.capacity();
+        let grown = tracker.lock().pods[&ByAddress(dest.clone())]
+            .conns
+            .capacity();
         assert!(grown >= 1000, "{grown}");
         let last = held.pop();
         drop(held);
-        let left = tracker.lock().pods[&dest].conns.capacity();
+        let left = tracker.lock().pods[&ByAddress(dest.clone())]
+            .conns
+            .capacity();
         assert!(
             left <= SPARSE_FLOOR,
             "a table for {left} kept for one connection"

@@ -683,7 +683,15 @@ impl XdsClient {
                     state.store(new);
                     rejected
                 };
-                applier.apply(count + removed, apply).await?
+                match applier.apply(count + removed, apply).await {
+                    Ok(rejected) => rejected,
+                    Err(lost) => {
+                        // What it applied of the response is let go: what
+                        // is held (and asked for again) is what serves.
+                        self.held.lock().await.state = (*self.state.load()).clone();
+                        return Err(lost.into());
+                    }
+                }
             };
             if let Some(answers) = answers {
                 // After the store: a woken caller reads the new state.

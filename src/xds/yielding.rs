@@ -11,16 +11,19 @@
 //! counts its CPU as free when it places a waking thread.
 //!
 //! `SCHED_IDLE` gets almost nothing of a CPU that stays busy, and a thread
-//! cannot leave it without `CAP_SYS_NICE`. So each response applied there
-//! is timed: when one waited [`STARVED`] or more for a CPU (its time from
-//! hand-over to done, less the CPU it used), the responses of the next
-//! [`KEEP_UP`] are applied on the xDS thread itself, at its nice 10. A
+//! cannot leave it without `CAP_SYS_NICE` (or an `RLIMIT_NICE` that allows
+//! the nice value it had). So each response handed over is timed: one the
+//! thread has not begun within [`STARVED`] is taken back and applied on
+//! the xDS thread, and when one waited that long for a CPU (begun late, or
+//! its time from hand-over to done less the CPU it used), the responses
+//! of the next [`KEEP_UP`] are applied on the xDS thread itself, at its
+//! nice 10: the stream never waits on a starved thread for long. A
 //! response of [`MIN_RESOURCES`] or more (a first push, a reconnect's) is
 //! always applied there: it would wait longest, and it converts ahead on a
 //! helper at the xDS thread's priority. If the thread cannot start, or
 //! ends, everything is applied on the xDS thread.
 
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::ahead::MIN_RESOURCES;
@@ -29,8 +32,11 @@ use super::ahead::MIN_RESOURCES;
 /// busy: the yielding thread would fall behind.
 pub const STARVED: Duration = Duration::from_millis(10);
 /// After a starved response, responses are applied on the xDS thread for
-/// this long.
+/// this long; twice as long each time the first one handed over after it
+/// starves again, up to [`KEEP_UP_MOST`] (a node whose CPUs stay busy
+/// meets a starved update ever more rarely).
 pub const KEEP_UP: Duration = Duration::from_secs(10);
+pub const KEEP_UP_MOST: Duration = Duration::from_secs(640);
 
 type Job = Box<dyn FnOnce() + Send>;
 
@@ -39,6 +45,10 @@ pub struct Applier {
     jobs: Option<mpsc::Sender<Job>>,
     /// Until then, everything is applied on the caller's thread.
     here_until: Option<Instant>,
+    /// A job not begun within this is taken back ([`STARVED`]).
+    starved: Duration,
+    /// The next window on the xDS thread, if one starves.
+    keep_up: Duration,
 }
 
 /// The applying thread ended while it held a response (it panicked).
@@ -61,6 +71,8 @@ impl Applier {
             Ok(_) => Applier {
                 jobs: Some(tx),
                 here_until: None,
+                starved: STARVED,
+                keep_up: KEEP_UP,
             },
             Err(e) => {
                 tracing::warn!(error = %e, "no thread to apply xDS updates on; applying them on the xDS thread");
@@ -74,6 +86,8 @@ impl Applier {
         Applier {
             jobs: None,
             here_until: None,
+            starved: STARVED,
+            keep_up: KEEP_UP,
         }
     }
 
@@ -87,42 +101,69 @@ impl Applier {
 
     /// Notes that a response handed over at `now` waited `waited` for a CPU.
     fn waited(&mut self, waited: Duration, now: Instant) {
-        if waited >= STARVED {
-            if self.here_until.is_none_or(|until| now >= until) {
-                tracing::info!(
-                    waited_ms = waited.as_millis() as u64,
-                    "an xDS update waited for a busy CPU; applying updates at the xDS thread's priority for {} s",
-                    KEEP_UP.as_secs()
-                );
-            }
-            self.here_until = Some(now + KEEP_UP);
+        if waited < self.starved {
+            // It kept up: a window after the next starved one is the first.
+            self.here_until = None;
+            self.keep_up = KEEP_UP;
+            return;
         }
+        if self.here_until.is_some_and(|until| now < until) {
+            return; // applied here already
+        }
+        tracing::info!(
+            waited_ms = waited.as_millis() as u64,
+            "an xDS update waited for a busy CPU; applying updates at the xDS thread's priority for {} s",
+            self.keep_up.as_secs()
+        );
+        self.here_until = Some(now + self.keep_up);
+        self.keep_up = (self.keep_up * 2).min(KEEP_UP_MOST);
     }
 
     /// `apply` (of a response of `resources` resources), on the yielding
     /// thread or here; its result.
-    pub async fn apply<T: Send + 'static>(
+    pub async fn apply<T: Send + 'static, F: FnOnce() -> T + Send + 'static>(
         &mut self,
         resources: usize,
-        apply: impl FnOnce() -> T + Send + 'static,
+        apply: F,
     ) -> Result<T, Lost> {
         let handed = Instant::now();
         if !self.hands_over(resources, handed) {
             return Ok(apply());
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let job: Job = Box::new(move || {
-            let cpu = thread_cpu();
-            let out = apply();
-            let used = thread_cpu().saturating_sub(cpu);
-            let _ = tx.send((out, handed.elapsed().saturating_sub(used)));
-        });
+        // The job is taken from here by whichever thread runs it: the
+        // yielding one, or this one if that has not begun it in time.
+        let slot = Arc::new(Mutex::new(Some(apply)));
+        let (tx, mut rx) = tokio::sync::oneshot::channel();
+        let job: Job = {
+            let slot = slot.clone();
+            Box::new(move || {
+                let Some(apply) = take(&slot) else {
+                    return; // taken back
+                };
+                let cpu = thread_cpu();
+                let out = apply();
+                let used = thread_cpu().saturating_sub(cpu);
+                let _ = tx.send((out, handed.elapsed().saturating_sub(used)));
+            })
+        };
         if let Some(Err(mpsc::SendError(job))) = self.jobs.as_ref().map(|jobs| jobs.send(job)) {
             // The thread is gone: from now on, here.
             self.jobs = None;
             job();
         }
-        match rx.await {
+        let done = match tokio::time::timeout(self.starved, &mut rx).await {
+            Ok(done) => done,
+            Err(_) => match take(&slot) {
+                // Not begun: the thread is starved of CPU. Here, now.
+                Some(apply) => {
+                    self.waited(self.starved, Instant::now());
+                    return Ok(apply());
+                }
+                // Begun: it ends soon.
+                None => rx.await,
+            },
+        };
+        match done {
             Ok((out, waited)) => {
                 self.waited(waited, Instant::now());
                 Ok(out)
@@ -133,6 +174,11 @@ impl Applier {
             }
         }
     }
+}
+
+/// The job in `slot`, if no thread has taken it.
+fn take<F>(slot: &Mutex<Option<F>>) -> Option<F> {
+    slot.lock().unwrap_or_else(|e| e.into_inner()).take()
 }
 
 /// Puts the calling thread at `SCHED_IDLE`; a failure leaves it as it was.
@@ -173,9 +219,18 @@ mod tests {
         (policy, std::thread::current().id())
     }
 
+    /// An applier that waits for its thread however busy the machine
+    /// (the tests beside this one keep the CPUs busy).
+    fn patient() -> Applier {
+        Applier {
+            starved: Duration::from_secs(60),
+            ..Applier::start()
+        }
+    }
+
     #[tokio::test(flavor = "current_thread")]
     async fn a_small_response_is_applied_at_sched_idle_and_a_large_one_here() {
-        let mut applier = Applier::start();
+        let mut applier = patient();
         let here = std::thread::current().id();
         let (policy, on) = applier.apply(1, where_run).await.unwrap();
         assert_eq!(policy, libc::SCHED_IDLE);
@@ -183,29 +238,49 @@ mod tests {
         let (_, on) = applier.apply(MIN_RESOURCES, where_run).await.unwrap();
         assert_eq!(on, here, "a first push's size is applied on the xDS thread");
         // In order, each with its own result.
-        for i in 0..100u32 {
+        for i in 0..20u32 {
             assert_eq!(applier.apply(1, move || i * 2).await.unwrap(), i * 2);
         }
     }
 
     #[tokio::test(flavor = "current_thread")]
-    async fn a_response_that_waited_for_a_busy_cpu_sends_the_next_ones_to_the_xds_thread() {
-        let mut applier = Applier::start();
+    async fn an_update_that_waited_behind_a_busy_thread_sends_the_next_to_the_xds_thread() {
+        let mut applier = patient();
         let here = std::thread::current().id();
         // The yielding thread and a busy thread at the usual priority on
         // one CPU: the busy one takes nearly all of it.
         let cpu = a_cpu_to_run_on();
-        applier.apply(1, move || pin_to(cpu)).await.unwrap();
-        let busy = Arc::new(AtomicBool::new(true));
+        let pinned = applier
+            .apply(1, move || {
+                pin_to(cpu);
+                std::thread::current().id()
+            })
+            .await
+            .unwrap();
+        assert_ne!(pinned, here);
+        applier.starved = STARVED;
+        let (busy, spinning) = (
+            Arc::new(AtomicBool::new(true)),
+            Arc::new(AtomicBool::new(false)),
+        );
         let spinner = {
-            let busy = busy.clone();
+            let (busy, spinning) = (busy.clone(), spinning.clone());
             std::thread::spawn(move || {
                 pin_to(cpu);
+                // SAFETY: no arguments; reads the calling thread's CPU.
+                while unsafe { libc::sched_getcpu() } != cpu as libc::c_int {
+                    std::thread::yield_now();
+                }
+                spinning.store(true, Ordering::SeqCst);
                 while busy.load(Ordering::Relaxed) {
                     std::hint::spin_loop();
                 }
             })
         };
+        while !spinning.load(Ordering::SeqCst) {
+            tokio::task::yield_now().await;
+        }
+        let t = Instant::now();
         let (_, on) = applier
             .apply(1, || {
                 let t = thread_cpu();
@@ -214,32 +289,71 @@ mod tests {
             })
             .await
             .unwrap();
-        assert_ne!(on, here);
+        let took = t.elapsed();
         busy.store(false, Ordering::Relaxed);
         spinner.join().unwrap();
-        // The update waited: the next are applied here, for a while.
+        let _ = on; // begun there (then starved), or taken back
+        assert!(took < Duration::from_secs(5), "the update took {took:?}");
+        // The next are applied here too, for a while.
         let (_, on) = applier.apply(1, where_run).await.unwrap();
         assert_eq!(on, here, "after a starved update, the xDS thread applies");
         assert!(!applier.hands_over(1, Instant::now()));
         assert!(applier.hands_over(1, Instant::now() + KEEP_UP));
     }
 
-    #[tokio::test(flavor = "current_thread")]
-    async fn updates_that_never_waited_stay_on_the_yielding_thread() {
+    #[test]
+    fn each_window_after_a_starved_update_is_twice_the_last_until_one_keeps_up() {
         let mut applier = Applier::here();
-        assert_eq!(applier.apply(1, || 7).await.unwrap(), 7);
-        let now = Instant::now();
         applier.jobs = Some(mpsc::channel().0);
+        let mut now = Instant::now();
         applier.waited(STARVED - Duration::from_micros(1), now);
+        assert!(applier.hands_over(1, now), "it kept up");
+        // Starved: 10 s on the xDS thread; starved again right after: 20 s...
+        for window in [10, 20, 40, 80, 160, 320, 640, 640] {
+            applier.waited(STARVED, now);
+            let window = Duration::from_secs(window);
+            assert!(!applier.hands_over(1, now + window - Duration::from_millis(1)));
+            assert!(applier.hands_over(1, now + window));
+            now += window;
+        }
+        // ...until one handed over keeps up: the next window is 10 s again.
+        applier.waited(Duration::ZERO, now);
         assert!(applier.hands_over(1, now));
         applier.waited(STARVED, now);
-        assert!(!applier.hands_over(1, now + KEEP_UP - Duration::from_millis(1)));
         assert!(applier.hands_over(1, now + KEEP_UP));
+        // A large response is never handed over.
+        assert!(!applier.hands_over(MIN_RESOURCES, now + KEEP_UP));
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_update_the_yielding_thread_has_not_begun_in_time_is_applied_here() {
+        let mut applier = Applier::start();
+        let here = std::thread::current().id();
+        // The thread is held by a job of its own (as a thread the CPUs
+        // never get to would be).
+        let (release, held) = mpsc::channel::<()>();
+        let blocker: Job = Box::new(move || {
+            let _ = held.recv();
+        });
+        applier.jobs.as_ref().unwrap().send(blocker).unwrap();
+        let t = Instant::now();
+        let (_, on) = applier.apply(1, where_run).await.unwrap();
+        assert_eq!(
+            on, here,
+            "an update waited on a thread that could not run it"
+        );
+        assert!(t.elapsed() >= STARVED);
+        // The next ones too, for a while; then the thread again.
+        assert_eq!(applier.apply(1, where_run).await.unwrap().1, here);
+        release.send(()).unwrap();
+        applier.here_until = None;
+        applier.starved = Duration::from_secs(60);
+        assert_ne!(applier.apply(1, where_run).await.unwrap().1, here);
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn a_thread_that_ended_leaves_the_updates_to_the_xds_thread() {
-        let mut applier = Applier::start();
+        let mut applier = patient();
         let lost = applier
             .apply(1, || -> u32 { panic!("a bug in applying") })
             .await;

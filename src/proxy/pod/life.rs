@@ -35,6 +35,11 @@ impl Drain {
     ///
     /// [`Gate`]: super::gate::Gate
     pub async fn run<F: std::future::Future<Output = ()> + Unpin>(&self, mut fut: F) {
+        // Drained already (a connection denied as it was tracked): `fut`
+        // is never polled, so not a byte of it moves.
+        if self.0.has_changed().unwrap_or(true) {
+            return;
+        }
         // Outside the task's budget: out of it, tokio's watch answers
         // `Pending` without registering the waker (and wakes the task
         // instead), and the version check below would then never poll it
@@ -193,6 +198,28 @@ mod tests {
             .is_pending());
         drop(trigger);
         assert!(run.as_mut().poll(&mut Context::from_waker(&w1)).is_ready());
+    }
+
+    /// A run whose drain fired before it began (a connection denied as it
+    /// was tracked) never polls what it runs.
+    #[test]
+    fn a_run_drained_before_it_begins_never_polls_its_future() {
+        use std::future::Future;
+        use std::task::{Context, Waker};
+        let (trigger, drain) = Drain::new();
+        trigger.fire();
+        let mut polled = false;
+        let fut = std::future::poll_fn(|_| {
+            polled = true;
+            std::task::Poll::<()>::Pending
+        });
+        let mut run = Box::pin(drain.run(Box::pin(fut)));
+        assert!(run
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()))
+            .is_ready());
+        drop(run);
+        assert!(!polled, "a drained run moved its connection's bytes");
     }
 
     /// A run first polled when its task's budget is spent (a stream taken
