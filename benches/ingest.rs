@@ -31,7 +31,7 @@
 //! Last, the data path while the mesh changes (`ingest/churn.rs`): the
 //! latency of connections through two real proxies holding 100,000
 //! workloads, idle and while one-workload updates arrive at 100/s, with
-//! its own summary line: `ingest: latency workloads=N updates_per_s=..
+//! its own summary line: `ingest: latency workloads=N updates_per_s=.. open=..
 //! idle_p50_us=.. idle_p99_us=.. churn_p50_us=.. churn_p99_us=..
 //! p99_ratio=..`. It runs the `ambit` binary in lab netns (as root).
 //!
@@ -41,7 +41,8 @@
 //! `AMBIT_INGEST_PUSH_ONLY` (set) stops after the first size's full push,
 //! for a profile of the push alone. `AMBIT_INGEST_LATENCY` the workloads
 //! the proxies hold in the latency part (100000; 0 skips it),
-//! `AMBIT_INGEST_RATE` its updates a second (100), `AMBIT_INGEST_PROXY`
+//! `AMBIT_INGEST_RATE` its updates a second (100), `AMBIT_INGEST_OPEN`
+//! connections held open through it (0), `AMBIT_INGEST_PROXY`
 //! the workloads pushed into a real proxy (1000000; 0 skips it),
 //! `AMBIT_INGEST_BINARY` another `ambit` to run as the proxies instead;
 //! `AMBIT_INGEST_ONLY=latency` or `=proxy` runs only that part.
@@ -532,6 +533,7 @@ fn main() {
     let at = env("AMBIT_INGEST_LATENCY", 100_000);
     if at > 0 && (only.is_empty() || only == "latency") {
         let rate = env("AMBIT_INGEST_RATE", 100).clamp(1, 10_000) as u32;
-        churn::latency_under_updates(at, rate, 2_000, 5);
+        let open = env("AMBIT_INGEST_OPEN", 0);
+        churn::latency_under_updates(at, rate, open, 2_000, 5);
     }
 }

@@ -10,6 +10,11 @@
 //! (captured, carried over HBONE), send a byte, read it back, close; the
 //! time is from `connect` to the echo. Idle and churn phases alternate, the
 //! same number of connections each.
+//!
+//! With `open` > 0, that many more connections from the client to another
+//! port of the server pod are opened through the proxies first and held,
+//! idle, through both phases: open inbound connections the server's proxy
+//! re-checks at every change of the mesh, as a node's would be.
 
 use std::net::{Ipv4Addr, SocketAddr, TcpListener as StdListener, TcpStream};
 use std::path::PathBuf;
@@ -32,6 +37,8 @@ use super::{percentile, resource, response, workload, ADDRESS, AUTHORIZATION};
 const TD: &str = "cluster.local";
 const XDS_PORT: u16 = 15010;
 const ECHO_PORT: u16 = 8080;
+/// Where the connections held open go.
+const HELD_PORT: u16 = 8081;
 
 /// The bench's istiod: the full push on each stream, then the updates.
 #[derive(Clone)]
@@ -198,13 +205,66 @@ fn address_messages(pod: &LabPod) -> u64 {
         .unwrap_or(0)
 }
 
+/// `n` connections from `client` to `server`'s [`HELD_PORT`] through the
+/// proxies, both ends held (nothing sent): returned once the server's
+/// application has accepted every one (the server's proxy tracks each).
+fn hold_open(client: &LabPod, server: &LabPod, n: usize) -> Vec<TcpStream> {
+    let listener = server
+        .ns
+        .run(|| StdListener::bind((Ipv4Addr::UNSPECIFIED, HELD_PORT)))
+        .expect("the server pod's netns")
+        .expect("the held connections' port");
+    // Accepted as they come (the listen queue holds 128).
+    let accepting = std::thread::spawn(move || {
+        listener.set_nonblocking(true).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut accepted = Vec::with_capacity(n);
+        while accepted.len() < n {
+            match listener.accept() {
+                Ok((s, _)) => accepted.push(s),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "{} of {n} held connections reached the server in 120 s",
+                        accepted.len()
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => panic!("accepting a held connection: {e}"),
+            }
+        }
+        accepted
+    });
+    let dst = SocketAddr::new(server.ip.into(), HELD_PORT);
+    let mut held = client
+        .ns
+        .run(move || {
+            (0..n)
+                .map(|_| {
+                    TcpStream::connect_timeout(&dst, Duration::from_secs(5))
+                        .expect("connect a connection to hold")
+                })
+                .collect::<Vec<_>>()
+        })
+        .expect("the client pod's netns");
+    held.extend(accepting.join().expect("the held connections' acceptor"));
+    held
+}
+
 fn us(d: Duration) -> f64 {
     d.as_secs_f64() * 1e6
 }
 
 /// The churn bench at `workloads` workloads, `rate` updates a second,
-/// `per_phase` connections in each of `rounds` idle and churn phases.
-pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, rounds: usize) {
+/// `open` connections held open, `per_phase` connections in each of
+/// `rounds` idle and churn phases.
+pub fn latency_under_updates(
+    workloads: usize,
+    rate: u32,
+    open: usize,
+    per_phase: usize,
+    rounds: usize,
+) {
     let services = (workloads / 10).max(1);
     println!(
         "\n== connection latency through two proxies holding {workloads} workloads, \
@@ -273,6 +333,14 @@ pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, roun
         })
     };
 
+    let t = Instant::now();
+    let _held = hold_open(&client, &server, open);
+    if open > 0 {
+        println!(
+            "{open} connections held open through the proxies (in {:.1} s)",
+            t.elapsed().as_secs_f64()
+        );
+    }
     let dst = SocketAddr::new(server.ip.into(), ECHO_PORT);
     // Warm up: certificates, the pooled HBONE connection.
     connections(&client, dst, 200);
@@ -334,7 +402,7 @@ pub fn latency_under_updates(workloads: usize, rate: u32, per_phase: usize, roun
         got.1
     );
     println!(
-        "ingest: latency workloads={workloads} updates_per_s={:.0} idle_p50_us={:.0} \
+        "ingest: latency workloads={workloads} updates_per_s={:.0} open={open} idle_p50_us={:.0} \
          idle_p99_us={:.0} churn_p50_us={:.0} churn_p99_us={:.0} p99_ratio={:.2}",
         sent as f64 / churn_time.as_secs_f64(),
         us(i50),
