@@ -220,15 +220,6 @@ fn shrink_when_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
 /// Below this many entries a table is never shrunk.
 const SPARSE_FLOOR: usize = 64;
 
-/// Whether both are the same value, or both none.
-fn same<T>(a: Option<&Arc<T>>, b: Option<&Arc<T>>) -> bool {
-    match (a, b) {
-        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-        (None, None) => true,
-        _ => false,
-    }
-}
-
 impl Tracker {
     pub fn new(state: StateHandle) -> Arc<Self> {
         Arc::new(Tracker {
@@ -302,7 +293,11 @@ impl Tracker {
         let mut done = Rechecked::default();
         open.pods.retain(|ByAddress(destination), pod| {
             let workload = destination.workload(state);
-            if !all && pod.seen.is_some() && same(workload, pod.seen.as_ref()) {
+            let unchanged = pod
+                .seen
+                .as_ref()
+                .is_some_and(|seen| workload.is_some_and(|w| Arc::ptr_eq(w, seen)));
+            if !all && unchanged {
                 return true;
             }
             pod.seen = workload.cloned();
@@ -370,6 +365,10 @@ mod tests {
 
     fn to_web(service_account: &str) -> Authorized {
         to(&web(service_account), 0)
+    }
+
+    fn did(checked: usize, closed: usize) -> Rechecked {
+        Rechecked { checked, closed }
     }
 
     fn revoked(t: &Tracked) -> bool {
@@ -446,14 +445,7 @@ mod tests {
         let dest = web("web-sa");
         let held: Vec<Tracked> = (0..100).map(|_| tracker.track(to(&dest, 0))).collect();
         let first = tracker.recheck(&st);
-        assert_eq!(
-            first,
-            Rechecked {
-                checked: 100,
-                closed: 0
-            },
-            "first seen: checked"
-        );
+        assert_eq!(first, did(100, 0), "first seen: checked");
         assert_eq!(tracker.recheck(&st), Rechecked::default());
 
         // Other pods' workloads change: web's connections are left.
@@ -471,13 +463,7 @@ mod tests {
         let deny = state(&format!("workloads: []\n{DENY_ALL}"));
         let policy = deny.policies().next().unwrap().as_ref().clone();
         st.put_policy("deny-all", "1", policy);
-        assert_eq!(
-            tracker.recheck(&st),
-            Rechecked {
-                checked: 100,
-                closed: 100
-            }
-        );
+        assert_eq!(tracker.recheck(&st), did(100, 100));
         assert!(held.iter().all(revoked));
     }
 
@@ -494,24 +480,12 @@ mod tests {
             }),
             0,
         ));
-        assert_eq!(
-            tracker.recheck(&st),
-            Rechecked {
-                checked: 2,
-                closed: 0
-            }
-        );
+        assert_eq!(tracker.recheck(&st), did(2, 0));
         // web's workload moves to another service account: no longer the
         // pod's. Only web's connection is checked.
         let moved = workload(&WEB.replace("web-sa", "other-sa"));
         st.put_address("workloads[0] (shop/web)", "2", moved);
-        assert_eq!(
-            tracker.recheck(&st),
-            Rechecked {
-                checked: 1,
-                closed: 1
-            }
-        );
+        assert_eq!(tracker.recheck(&st), did(1, 1));
         assert!(revoked(&kept));
         assert!(!revoked(&other));
     }

@@ -70,9 +70,7 @@ impl Applier {
         match started {
             Ok(_) => Applier {
                 jobs: Some(tx),
-                here_until: None,
-                starved: STARVED,
-                keep_up: KEEP_UP,
+                ..Applier::here()
             },
             Err(e) => {
                 tracing::warn!(error = %e, "no thread to apply xDS updates on; applying them on the xDS thread");
@@ -337,7 +335,10 @@ mod tests {
         });
         applier.jobs.as_ref().unwrap().send(blocker).unwrap();
         let t = Instant::now();
-        let (_, on) = applier.apply(1, where_run).await.unwrap();
+        let (_, on) = tokio::time::timeout(Duration::from_secs(5), applier.apply(1, where_run))
+            .await
+            .expect("an update left waiting on a thread that could not begin it")
+            .unwrap();
         assert_eq!(
             on, here,
             "an update waited on a thread that could not run it"

@@ -96,11 +96,7 @@ impl<K, V> CowMap<K, V> {
     /// (a change copies the root): equal contents, found without reading
     /// them. Two maps built apart are not the same, whatever they hold.
     pub fn same(&self, other: &Self) -> bool {
-        match (&self.root, &other.root) {
-            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-            (None, None) => true,
-            _ => false,
-        }
+        self.root.as_ref().map(Arc::as_ptr) == other.root.as_ref().map(Arc::as_ptr)
     }
 
     pub fn iter(&self) -> Iter<'_, K, V> {
