@@ -144,6 +144,64 @@ fn recheck(c: &mut Criterion) {
             assert_eq!((done.checked, done.closed), (100_000, 0));
         })
     });
+
+    // What a connection opened meanwhile pays: policy changes re-checked
+    // back to back on another thread, one connection tracked and untracked
+    // at a time here. Its wait for the tracker's lock is the figure; the
+    // worst ones are printed after criterion's mean.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let rechecking = std::thread::spawn({
+        let (tracker, stop, mut st) = (tracker.clone(), stop.clone(), st.clone());
+        move || {
+            let mut flip = false;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                flip = !flip;
+                st.put_policy("extra", "v", if flip { p.clone() } else { q.clone() });
+                tracker.recheck(&st);
+            }
+        }
+    });
+    let destination = Arc::new(Destination {
+        namespace: "ns0".into(),
+        name: "pod0".into(),
+        service_account: "sa0".into(),
+    });
+    let mut waits = Vec::new();
+    c.bench_function(
+        "track and untrack a connection while policy changes re-check 100k",
+        |bench| {
+            bench.iter_custom(|iters| {
+                let mut total = std::time::Duration::ZERO;
+                for _ in 0..iters {
+                    let auth = Authorized {
+                        destination: destination.clone(),
+                        peer: Some(Identity::new("cluster.local", "front", "ui0")),
+                        src_ip: std::net::IpAddr::from([10, 4, 0, 1]),
+                        target: std::net::SocketAddr::from(([10, 1, 0, 0], 8080)),
+                        since: tracker.rechecks(),
+                    };
+                    let began = std::time::Instant::now();
+                    drop(tracker.track(auth));
+                    let took = began.elapsed();
+                    waits.push(took);
+                    total += took;
+                }
+                total
+            })
+        },
+    );
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    rechecking.join().unwrap();
+    waits.sort();
+    let at = |q: f64| waits[((waits.len() - 1) as f64 * q) as usize];
+    println!(
+        "track and untrack during re-checks: {} samples, p50 {:?}, p99 {:?}, p99.9 {:?}, max {:?}",
+        waits.len(),
+        at(0.5),
+        at(0.99),
+        at(0.999),
+        at(1.0)
+    );
 }
 
 criterion_group!(benches, bench, recheck);
