@@ -193,6 +193,15 @@ impl std::hash::Hash for ByAddress {
     }
 }
 
+/// Forgets what a re-check noted as checked if it ends part way (a panic).
+struct Unfinished<'t>(&'t Tracker);
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        self.0.lock().policies = None;
+    }
+}
+
 /// The id of a connection denied as it was tracked (ids count up from 0).
 const NEVER_TRACKED: u64 = u64::MAX;
 
@@ -302,52 +311,72 @@ impl Tracker {
         }
     }
 
-    /// Re-checks the tracked connections against `state` (those of a pod
-    /// whose workload and policies are as the last re-check found them
-    /// are left), [`CHUNK`] at a time under the lock. `state` is one the
-    /// handle has held (so no newer than any it gives after this begins).
+    /// Re-checks the tracked connections against the handle's state,
+    /// loaded as the re-check begins: a connection tracked before then was
+    /// decided against a state no newer.
+    pub fn recheck_current(&self) -> Rechecked {
+        self.recheck_from(|| self.state.load())
+    }
+
+    /// Re-checks the tracked connections against `state` (tests and
+    /// benches; the proxy re-checks the current state).
     pub fn recheck(&self, state: &State) -> Rechecked {
+        self.recheck_from(|| state)
+    }
+
+    /// Re-checks the tracked connections against the state `load` gives,
+    /// called as the re-check begins, under the lock (those of a pod whose
+    /// workload and policies are as the last re-check found them are
+    /// left), [`CHUNK`] at a time under the lock.
+    fn recheck_from<S: std::ops::Deref<Target = State>>(
+        &self,
+        load: impl FnOnce() -> S,
+    ) -> Rechecked {
         let _one = self.rechecking.lock();
+        // Begun under the lock: the state, what it must check, and the
+        // count moved on (a connection decided before this point and
+        // tracked after it is checked as it is tracked).
+        let mut open = self.lock();
+        let state = load();
         let policies = state.policy_view();
-        // Begun under the lock: what it must check, and the count moved on
-        // (a connection decided before this point and tracked after it is
-        // checked as it is tracked).
-        let (todo, tracked_before) = {
-            let mut open = self.lock();
-            let all = open.policies.as_ref() != Some(&policies);
-            let todo: Vec<(ByAddress, Option<Arc<Workload>>)> = open
-                .pods
-                .iter_mut()
-                .filter_map(|(key, pod)| {
-                    let workload = key.0.workload(state);
-                    let unchanged = pod
-                        .seen
-                        .as_ref()
-                        .is_some_and(|seen| workload.is_some_and(|w| Arc::ptr_eq(w, seen)));
-                    if !all && unchanged {
-                        return None;
-                    }
-                    pod.seen = workload.cloned();
-                    Some((key.clone(), workload.cloned()))
-                })
-                .collect();
-            open.policies = Some(policies);
-            self.rechecks.fetch_add(1, Ordering::Release);
-            (todo, open.next)
-        };
+        let all = open.policies.as_ref() != Some(&policies);
+        let todo: Vec<(ByAddress, Option<Arc<Workload>>)> = open
+            .pods
+            .iter_mut()
+            .filter_map(|(key, pod)| {
+                let workload = key.0.workload(&state);
+                let unchanged = pod
+                    .seen
+                    .as_ref()
+                    .is_some_and(|seen| workload.is_some_and(|w| Arc::ptr_eq(w, seen)));
+                if !all && unchanged {
+                    return None;
+                }
+                pod.seen = workload.cloned();
+                Some((key.clone(), workload.cloned()))
+            })
+            .collect();
+        open.policies = Some(policies);
+        self.rechecks.fetch_add(1, Ordering::Release);
+        let tracked_before = open.next;
+        drop(open);
+        // What is noted above claims the checks below: a re-check that
+        // does not finish them leaves the next one to check everything.
+        let unfinished = Unfinished(self);
         let mut done = Rechecked::default();
         for (key, workload) in &todo {
             let mut from = 0;
             while let Some(next) = self.recheck_chunk(
                 key,
                 from..tracked_before,
-                state,
+                &state,
                 workload.as_ref(),
                 &mut done,
             ) {
                 from = next;
             }
         }
+        std::mem::forget(unfinished);
         shrink_when_sparse(&mut self.lock().pods);
         done
     }
@@ -386,9 +415,9 @@ impl Tracker {
         if pod.conns.is_empty() {
             open.pods.remove(key);
         }
-        // Handed to a connection waiting to be tracked or untracked, if
-        // one is: released plainly, this thread would take it back for
-        // its next chunk before the waiter woke.
+        // Handed to a thread parked waiting for it (a connection being
+        // tracked or untracked), if one is: released plainly, this thread
+        // would take it back for its next chunk before the waiter woke.
         MutexGuard::unlock_fair(open);
         next
     }
@@ -402,8 +431,7 @@ impl Tracker {
                 let tracker = tracker.clone();
                 // Off the data path's workers: a policy change checks
                 // every connection.
-                let rechecked =
-                    tokio::task::spawn_blocking(move || tracker.recheck(&tracker.state.load()));
+                let rechecked = tokio::task::spawn_blocking(move || tracker.recheck_current());
                 match rechecked.await {
                     Ok(_) => {}
                     Err(e) if e.is_cancelled() => return, // the runtime ends
@@ -638,27 +666,28 @@ mod tests {
         let handle = StateHandle::new(state(WEB));
         let tracker = Tracker::new(handle.clone());
         let dest = web("web-sa");
-        const HELD: usize = 20_000;
+        const HELD: usize = 40_000;
         let held: Vec<Tracked> = (0..HELD).map(|_| tracker.track(to(&dest, 0))).collect();
         // A policy change that denies them all, re-checked on a thread
-        // (hundreds of milliseconds: every connection reads 200 policies).
-        let denying = Arc::new(none_allowed(200));
+        // (about a second here: every connection reads 200 policies).
+        handle.store(none_allowed(200));
         let allowing = state(WEB);
         let begun = tracker.rechecks();
         let pass = std::thread::spawn({
-            let (tracker, denying) = (tracker.clone(), denying.clone());
-            move || tracker.recheck(&denying)
+            let tracker = tracker.clone();
+            move || tracker.recheck_current()
         });
         while tracker.rechecks() == begun {
             std::thread::yield_now();
         }
         // Meanwhile the state allows again, and a connection decided
-        // against it is tracked: at once, not after the re-check, and the
-        // re-check (of an older state) leaves it.
+        // against it is tracked: while the re-check runs, not after it,
+        // and the re-check (of an older state) leaves it.
         handle.store(allowing);
         let late = tracker.track(to(&dest, tracker.rechecks()));
+        let closed = held.iter().filter(|t| revoked(t)).count();
         assert!(
-            !pass.is_finished(),
+            closed < HELD,
             "tracking a connection waited for the whole re-check"
         );
         assert_eq!(pass.join().unwrap(), did(HELD, HELD));
@@ -667,5 +696,32 @@ mod tests {
             !revoked(&late),
             "a connection tracked after the re-check began was checked against its older state"
         );
+    }
+
+    #[test]
+    fn a_recheck_that_ends_part_way_leaves_the_next_to_check_everything() {
+        let tracker = Tracker::new(StateHandle::new(state(WEB)));
+        let held = tracker.track(to_web("web-sa"));
+        // The re-check of a denying state panics as it closes the
+        // connection (its log line's writer panics)...
+        struct Panics;
+        impl std::io::Write for Panics {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                panic!("a log writer that panics")
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let denying = state(&format!("{WEB}{DENY_ALL}"));
+        let logs = tracing_subscriber::fmt().with_writer(|| Panics).finish();
+        let ended = tracing::subscriber::with_default(logs, || {
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tracker.recheck(&denying)))
+        });
+        assert!(ended.is_err());
+        assert!(!revoked(&held));
+        // ...and the next, of the same state, checks it and closes it.
+        assert_eq!(tracker.recheck(&denying), did(1, 1));
+        assert!(revoked(&held));
     }
 }
