@@ -42,5 +42,5 @@ pub use topology::{
 };
 pub use traffic::{
     close_first_echo, connect_from, echo_roundtrip, http_get, http_get_in, http_request_in, iperf3,
-    short_connection, short_connections, EchoServer, Ends, Iperf, ShortRun,
+    short_connection, short_connections, BusyLoops, EchoServer, Ends, Iperf, ShortRun,
 };
