@@ -42,7 +42,9 @@
 //! for a profile of the push alone. `AMBIT_INGEST_LATENCY` the workloads
 //! the proxies hold in the latency part (100000; 0 skips it),
 //! `AMBIT_INGEST_RATE` its updates a second (100), `AMBIT_INGEST_OPEN`
-//! connections held open through it (0), `AMBIT_INGEST_PROXY`
+//! connections held open through it (0), `AMBIT_INGEST_LOAD` busy loops
+//! at nice 19 through its phases (0: a node whose CPUs are otherwise
+//! idle), `AMBIT_INGEST_PROXY`
 //! the workloads pushed into a real proxy (1000000; 0 skips it),
 //! `AMBIT_INGEST_BINARY` another `ambit` to run as the proxies instead;
 //! `AMBIT_INGEST_ONLY=latency` or `=proxy` runs only that part.
@@ -534,6 +536,7 @@ fn main() {
     if at > 0 && (only.is_empty() || only == "latency") {
         let rate = env("AMBIT_INGEST_RATE", 100).clamp(1, 10_000) as u32;
         let open = env("AMBIT_INGEST_OPEN", 0);
-        churn::latency_under_updates(at, rate, open, 2_000, 5);
+        let load = env("AMBIT_INGEST_LOAD", 0);
+        churn::latency_under_updates(at, rate, open, load, 2_000, 5);
     }
 }

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ambit::lab::{http_get, write_ca, EchoServer, Lab, LabPod, ProxySpec};
+use ambit::lab::{http_get, write_ca, BusyLoops, EchoServer, Lab, LabPod, ProxySpec};
 use ambit::proto::discovery::aggregated_discovery_service_server::{
     AggregatedDiscoveryService, AggregatedDiscoveryServiceServer,
 };
@@ -259,12 +259,14 @@ fn us(d: Duration) -> f64 {
 }
 
 /// The churn bench at `workloads` workloads, `rate` updates a second,
-/// `open` connections held open, `per_phase` connections in each of
-/// `rounds` idle and churn phases.
+/// `open` connections held open, `load` busy loops at nice 19 through
+/// both phases, `per_phase` connections in each of `rounds` idle and
+/// churn phases.
 pub fn latency_under_updates(
     workloads: usize,
     rate: u32,
     open: usize,
+    load: usize,
     per_phase: usize,
     rounds: usize,
 ) {
@@ -347,6 +349,10 @@ pub fn latency_under_updates(
     let dst = SocketAddr::new(server.ip.into(), ECHO_PORT);
     // Warm up: certificates, the pooled HBONE connection.
     connections(&client, dst, 200);
+    if load > 0 {
+        println!("background load: {load} busy loop(s) at nice 19 through both phases");
+    }
+    let busy = BusyLoops::start(load);
     let (mut idle, mut churn) = (Vec::new(), Vec::new());
     let before = (address_messages(&client), address_messages(&server));
     let mut churn_time = Duration::ZERO;
@@ -366,6 +372,7 @@ pub fn latency_under_updates(
         churn_time += t.elapsed();
         churning.store(false, Ordering::Relaxed);
     }
+    drop(busy);
     stop.store(true, Ordering::Relaxed);
     updater.join().unwrap();
     let sent = sent.load(Ordering::Relaxed);
@@ -404,8 +411,22 @@ pub fn latency_under_updates(
         got.0,
         got.1
     );
+    // How often each proxy found its yielding thread starved and applied
+    // updates at the xDS thread's priority instead (src/xds/yielding.rs).
+    let starved = |pod: &LabPod| {
+        std::fs::read_to_string(lab.log_path(&format!("proxy-{}", pod.name)))
+            .unwrap_or_default()
+            .matches("waited for a busy CPU")
+            .count()
+    };
     println!(
-        "ingest: latency workloads={workloads} updates_per_s={:.0} open={open} idle_p50_us={:.0} \
+        "updates that waited for a busy CPU (each sends the next ones to the xDS thread for a while): \
+         client's proxy {}, server's {}",
+        starved(&client),
+        starved(&server)
+    );
+    println!(
+        "ingest: latency workloads={workloads} updates_per_s={:.0} open={open} load={load} idle_p50_us={:.0} \
          idle_p99_us={:.0} churn_p50_us={:.0} churn_p99_us={:.0} p99_ratio={:.2}",
         sent as f64 / churn_time.as_secs_f64(),
         us(i50),
