@@ -13,14 +13,17 @@
 //! - one workload changed: p50 and p99 of the time to apply it and have
 //!   the new state;
 //! - a burst of 1,000 such updates, one response each, back to back
-//!   (skipped, with an estimate, when it would take over two minutes).
+//!   (skipped, with an estimate, when it would take over two minutes);
+//! - a reconnect: the same full push again, onto the state held (a
+//!   control plane that restarts sends everything again): its time and
+//!   the heap it takes over the state and the push.
 //!
 //! Then, at the first size of at least 100,000 (or the largest), the heap
 //! per workload, per service and per policy, each pushed alone.
 //!
 //! Each size ends with one summary line, for comparing runs:
 //! `ingest: workloads=N services=S full_ms=.. peak_rss_mb=.. heap_mb=..
-//! update_p50_us=.. update_p99_us=.. burst1000_ms=..`
+//! update_p50_us=.. update_p99_us=.. burst1000_ms=.. reconnect_ms=..`
 //!
 //! Then the full push into a real proxy (`ingest/proxy.rs`): the `ambit`
 //! binary in a lab pod takes N workloads (1,000,000) from this bench's xDS
@@ -441,14 +444,33 @@ fn size(workloads: usize, updates: usize) {
         );
         format!("{:.0}", took.as_secs_f64() * 1e3)
     };
+
+    // A reconnect: the control plane sends the whole push again, onto
+    // what is held (the same resources, unchanged).
+    let (addresses, authorizations) = full_push(workloads, services, policies);
+    let heap_before = live();
+    PEAK.store(heap_before, Ordering::Relaxed);
+    let t = Instant::now();
+    apply(&mut held, authorizations);
+    let (next, rejected) = held.answer(addresses);
+    let reconnect = t.elapsed();
+    assert!(rejected.is_empty(), "rejected: {rejected:?}");
+    drop(state.replace(next));
+    println!(
+        "reconnect (the full push again, onto the state held): {:.0} ms; heap at its peak {:.1} MB \
+         over the state and the push",
+        reconnect.as_secs_f64() * 1e3,
+        mb(PEAK.load(Ordering::Relaxed).saturating_sub(heap_before))
+    );
     drop(state);
     println!(
         "ingest: workloads={workloads} services={services} full_ms={:.0} peak_rss_mb={peak_rss:.0} \
-         heap_mb={:.0} update_p50_us={:.0} update_p99_us={:.0} burst1000_ms={burst}",
+         heap_mb={:.0} update_p50_us={:.0} update_p99_us={:.0} burst1000_ms={burst} reconnect_ms={:.0}",
         full.as_secs_f64() * 1e3,
         mb(heap),
         p50.as_secs_f64() * 1e6,
         p99.as_secs_f64() * 1e6,
+        reconnect.as_secs_f64() * 1e3,
     );
 }
 
