@@ -20,9 +20,10 @@
 //! re-check is checked when it is tracked.
 //!
 //! A policy change checks every connection: 0.4 µs each, 40 ms for
-//! 100,000. It runs off the data path's workers (on the runtime's blocking
-//! pool), and takes the lock that tracking and untracking take for at most
-//! [`CHUNK`] connections at a time, so a connection opened or closed
+//! 100,000. With more than [`INLINE_MAX`] connections tracked it runs off
+//! the data path's workers (on the runtime's blocking pool), and it takes
+//! the lock that tracking and untracking take for at most [`CHUNK`]
+//! connections at a time, so a connection opened or closed
 //! meanwhile waits for a chunk, not for the whole re-check. A re-check
 //! checks only the connections tracked before it began: those tracked
 //! since were decided, or checked as they were tracked, against a state
@@ -246,6 +247,10 @@ const SPARSE_FLOOR: usize = 64;
 /// 50 µs of a policy check's work.
 const CHUNK: usize = 128;
 
+/// Up to this many connections tracked, a re-check runs where the state
+/// change was seen (at most about 1 ms, for a policy change).
+const INLINE_MAX: usize = 2_000;
+
 impl Tracker {
     pub fn new(state: StateHandle) -> Arc<Self> {
         Arc::new(Tracker {
@@ -333,6 +338,11 @@ impl Tracker {
         load: impl FnOnce() -> S,
     ) -> Rechecked {
         let _one = self.rechecking.lock();
+        // What is noted below claims the checks after it: a re-check that
+        // does not finish them (a panic) leaves the next to check
+        // everything. Made before the lock is taken, so it is dropped
+        // after the lock is let go.
+        let unfinished = Unfinished(self);
         // Begun under the lock: the state, what it must check, and the
         // count moved on (a connection decided before this point and
         // tracked after it is checked as it is tracked).
@@ -360,9 +370,6 @@ impl Tracker {
         self.rechecks.fetch_add(1, Ordering::Release);
         let tracked_before = open.next;
         drop(open);
-        // What is noted above claims the checks below: a re-check that
-        // does not finish them leaves the next one to check everything.
-        let unfinished = Unfinished(self);
         let mut done = Rechecked::default();
         for (key, workload) in &todo {
             let mut from = 0;
@@ -422,15 +429,32 @@ impl Tracker {
         next
     }
 
-    /// Re-checks on every state change, for the life of the runtime.
+    /// Connections tracked, all pods together (an upper bound on what a
+    /// re-check checks).
+    fn tracked_count(&self) -> usize {
+        self.lock().pods.values().map(|pod| pod.conns.len()).sum()
+    }
+
+    /// Re-checks on every state change, for the life of the runtime. With
+    /// at most [`INLINE_MAX`] connections tracked the re-check runs in
+    /// place (a millisecond at most); with more it goes to the runtime's
+    /// blocking pool, off the data path's workers (a policy change checks
+    /// every connection: 50 ms at 100,000). Not a thread of its own: that
+    /// costs every proxy ~0.25 MB (its stack and allocator arena) for
+    /// what most nodes never need, and not the blocking pool every time:
+    /// a pool thread ends after 10 s idle and the next takes another
+    /// allocator arena, which a mesh whose pods come and go then keeps
+    /// (tests/churn.rs).
     pub fn spawn_watcher(self: &Arc<Self>) {
         let tracker = self.clone();
         let mut changes = self.state.subscribe();
         tokio::spawn(async move {
             while changes.changed().await.is_ok() {
+                if tracker.tracked_count() <= INLINE_MAX {
+                    tracker.recheck_current();
+                    continue;
+                }
                 let tracker = tracker.clone();
-                // Off the data path's workers: a policy change checks
-                // every connection.
                 let rechecked = tokio::task::spawn_blocking(move || tracker.recheck_current());
                 match rechecked.await {
                     Ok(_) => {}
