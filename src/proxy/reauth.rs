@@ -451,7 +451,15 @@ impl Tracker {
         tokio::spawn(async move {
             while changes.changed().await.is_ok() {
                 if tracker.tracked_count() <= INLINE_MAX {
-                    tracker.recheck_current();
+                    // A panic ends this re-check, not the watcher (as the
+                    // blocking pool's path below): the re-check's guard
+                    // leaves the next to check everything.
+                    let rechecked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        tracker.recheck_current()
+                    }));
+                    if rechecked.is_err() {
+                        tracing::error!("re-checking open connections failed: a panic");
+                    }
                     continue;
                 }
                 let tracker = tracker.clone();
@@ -720,6 +728,56 @@ mod tests {
             !revoked(&late),
             "a connection tracked after the re-check began was checked against its older state"
         );
+    }
+
+    #[test]
+    fn the_watcher_outlives_a_recheck_that_panics() {
+        let handle = StateHandle::new(state(WEB));
+        let tracker = Tracker::new(handle.clone());
+        let held = tracker.track(to_web("web-sa"));
+        // The first closing log line panics (its writer), later ones not.
+        struct PanicsOnce(Arc<std::sync::atomic::AtomicBool>);
+        impl std::io::Write for PanicsOnce {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                if !self.0.swap(true, Ordering::Relaxed) {
+                    panic!("a log writer that panics");
+                }
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let panicked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = panicked.clone();
+        let logs = tracing_subscriber::fmt()
+            .with_writer(move || PanicsOnce(writer.clone()))
+            .finish();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        tracing::subscriber::with_default(logs, || {
+            runtime.block_on(async {
+                tracker.spawn_watcher();
+                tokio::task::yield_now().await;
+                let denying = format!("{WEB}{DENY_ALL}");
+                handle.store(state(&denying));
+                while !panicked.load(Ordering::Relaxed) {
+                    tokio::task::yield_now().await;
+                }
+                // The next change is re-checked, and closes it.
+                handle.store(state(&denying));
+                let closed = tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    held.revoked.signalled(),
+                );
+                assert!(
+                    closed.await.is_ok(),
+                    "a re-check that panicked ended the re-checks"
+                );
+            })
+        });
     }
 
     #[test]
